@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Forward attention benchmark on the GPU, from the built cubins, against cuDNN.
+
+Run on an sm_90 GPU:  python benchmarks/bench_fwd.py --out results/
+Writes fwd.json (every figure) and fwd.png (TFLOP/s against seqlen per head dim) and prints
+a table. Peers timed in the same process: torch SDPA's cuDNN backend on the same inputs,
+and a bf16 8192^3 matmul (the practical ceiling of the tensor cores).
+
+Method: bf16 unless --dtype says otherwise; layout (batch, seqlen, heads, head_dim);
+batch*seqlen = 16384 tokens and heads*head_dim = 2048, seqlen_q = seqlen_k, random normal
+inputs. Time = median of CUDA-event timings (triton.testing.do_bench, warmup 25 ms,
+rep 100 ms, return_mode="median"). FLOPs = 4*B*H*S*S*D, halved when causal (the
+convention of the baselines in ../shared/baselines/).
+"""
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from fa4_aot.torch import flash_attn_fwd
+
+# FA4 upstream's forward TFLOP/s on this H200 (../shared/baselines/h200-2026-11-30.md).
+FA4_UPSTREAM_FWD = {
+    (64, 1024, False): 399, (64, 1024, True): 264, (64, 4096, False): 497, (64, 4096, True): 424,
+    (64, 16384, False): 542, (64, 16384, True): 512, (128, 1024, False): 546, (128, 1024, True): 408,
+    (128, 4096, False): 644, (128, 4096, True): 545, (128, 16384, False): 681, (128, 16384, True): 624,
+    (256, 1024, False): 608, (256, 1024, True): 452, (256, 4096, False): 690, (256, 4096, True): 591,
+    (256, 16384, False): 722, (256, 16384, True): 687,
+}
+
+
+def flops(b, h, s, d, causal):
+    f = 4 * b * h * s * s * d
+    return f / 2 if causal else f
+
+
+def bench(fn, warmup=25, rep=100):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def matmul_tflops():
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = bench(lambda: a @ b)
+    return 2 * 8192**3 / ms / 1e9
+
+
+def run_case(d, s, causal, dtype):
+    b, h = 16384 // s, 2048 // d
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(3))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s, device="cuda", dtype=torch.float32)
+    ours = bench(lambda: flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse))
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
+    f = flops(b, h, s, d, causal)
+    return {"head_dim": d, "seqlen": s, "causal": causal, "dtype": str(dtype).split(".")[-1],
+            "batch": b, "heads": h, "ms": ours, "cudnn_ms": cudnn,
+            "tflops": f / ours / 1e9, "cudnn_tflops": f / cudnn / 1e9}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("bench-results"))
+    p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 192, 256])
+    p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    args = p.parse_args()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    args.out.mkdir(parents=True, exist_ok=True)
+    mm = matmul_tflops()
+    rows = []
+    for d in args.head_dims:
+        for s in args.seqlens:
+            for causal in (False, True):
+                r = run_case(d, s, causal, dtype)
+                r["vs_cudnn"] = r["tflops"] / r["cudnn_tflops"]
+                base = FA4_UPSTREAM_FWD.get((d, s, causal)) if args.dtype == "bf16" else None
+                r["fa4_upstream_tflops"] = base
+                r["vs_fa4_upstream"] = r["tflops"] / base if base else None
+                r["vs_matmul"] = r["tflops"] / mm
+                rows.append(r)
+    result = {"matmul_tflops": mm, "device": torch.cuda.get_device_name(), "rows": rows,
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+    (args.out / f"fwd-{args.dtype}.json").write_text(json.dumps(result, indent=1))
+    print(f"bf16 8192^3 matmul: {mm:.0f} TFLOP/s on {result['device']}")
+    print("| head_dim | seqlen | causal | fa4_aot | cuDNN | /cuDNN | FA4 upstream | /FA4 | /matmul |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        base = f"{r['fa4_upstream_tflops']}" if r["fa4_upstream_tflops"] else "-"
+        vs = f"{r['vs_fa4_upstream']:.2f}" if r["vs_fa4_upstream"] else "-"
+        print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
+              f"{r['cudnn_tflops']:.0f} | {r['vs_cudnn']:.2f} | {base} | {vs} | {r['vs_matmul']:.2f} |")
+    plot(rows, args.out / f"fwd-{args.dtype}.png", mm)
+
+
+def plot(rows, path, mm):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["head_dim"] for r in rows})
+    fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 3.6), sharey=True, squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        for causal, style in ((False, "-"), (True, "--")):
+            sel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
+            xs = [r["seqlen"] for r in sel]
+            tag = "causal" if causal else "full"
+            ax.plot(xs, [r["tflops"] for r in sel], "o" + style, color="C0", label=f"fa4_aot {tag}")
+            ax.plot(xs, [r["cudnn_tflops"] for r in sel], "s" + style, color="C1", label=f"cuDNN {tag}")
+            base = [(r["seqlen"], r["fa4_upstream_tflops"]) for r in sel if r["fa4_upstream_tflops"]]
+            if base:
+                ax.plot(*zip(*base), "^" + style, color="C2", label=f"FA4 upstream {tag}")
+        ax.axhline(mm, color="gray", lw=0.8, label="bf16 matmul")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"head_dim {d}")
+        ax.set_xlabel("seqlen")
+    axes[0][0].set_ylabel("TFLOP/s")
+    axes[0][-1].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+#!/usr/bin/env python3
+"""Compile the variant matrix to cubins and write manifest.json. Needs no GPU.
+
+    python build_kernels.py                     # every variant of fa4_aot.variants.MATRIX
+    python build_kernels.py --only 'fwd.*.d128*' --jobs 2
+    python build_kernels.py --out /tmp/kernels  # elsewhere (tests); default: the package
+
+A variant is recompiled only when its build key changed: the kernel sources, the
+toolchain, or the variant itself. The manifest lists exactly the variants of this build;
+cubins of other variants in the output folder are removed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import datetime
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from importlib.metadata import version
+from pathlib import Path
+
+import click
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from fa4_aot import manifest as mf  # noqa: E402
+from fa4_aot.variants import ARCHS, AXES, MATRIX, NOT_BUILT_REASONS, Variant, select  # noqa: E402
+
+PACKAGE = ROOT / "fa4_aot"
+SOURCES = sorted((PACKAGE / "src").glob("*.py")) + [PACKAGE / "abi.py", PACKAGE / "variants.py"]
+# The DSL's cu13 libraries carry ptxas 13.x; cubins from it load on CUDA 13.0 drivers
+# (seen on 580.159.04) and are not promised to load on older ones.
+DRIVER_FLOOR = {"cuda_version": 13000, "driver": "580", "why": "cubins from ptxas 13.x (cu13 DSL libraries)"}
+
+
+def build_key(variant: Variant) -> str:
+    h = hashlib.sha256()
+    for path in SOURCES:
+        h.update(path.read_bytes())
+    h.update(version("nvidia-cutlass-dsl").encode())
+    h.update(json.dumps(variant.to_dict(), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+def _compile_one(variant: Variant) -> tuple[Variant, dict, float]:
+    os.environ.setdefault("CUTE_DSL_ARCH", variant.gpu_arch)
+    from fa4_aot.src.compile import compile_variant
+
+    start = time.perf_counter()
+    result = compile_variant(variant)
+    return variant, result, time.perf_counter() - start
+
+
+def _row(variant: Variant, result: dict, key: str, cubin_dir: Path) -> dict:
+    cubin = result.pop("cubin")
+    result.pop("ptx")
+    path = cubin_dir / variant.cubin_file
+    path.write_bytes(cubin)
+    return {
+        "name": variant.name,
+        "variant": variant.to_dict(),
+        "file": f"cubins/{variant.cubin_file}",
+        "sha256": hashlib.sha256(cubin).hexdigest(),
+        "size": len(cubin),
+        "arch": variant.gpu_arch,
+        "compute_capability": list(variant.compute_capability),
+        "build_key": key,
+        **result,
+    }
+
+
+@click.command()
+@click.option("--only", multiple=True, help="Glob over variant names; repeatable.")
+@click.option("--arch", "archs", multiple=True, type=click.Choice(ARCHS), help="Architectures; repeatable.")
+@click.option("--jobs", "-j", default=os.cpu_count() or 1, show_default=True, help="Parallel compiles.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Output folder (cubins/ and manifest.json). Default: the fa4_aot package.")
+@click.option("--force", is_flag=True, help="Recompile even when the build key is unchanged.")
+def main(only, archs, jobs, out, force):
+    """Build cubins for the selected variants and write their manifest."""
+    out = out or PACKAGE
+    cubin_dir = out / "cubins"
+    cubin_dir.mkdir(parents=True, exist_ok=True)
+    (ROOT / "build" / "ptx").mkdir(parents=True, exist_ok=True)
+    wanted = select(tuple(only), tuple(archs))
+    for arch in archs:
+        if arch not in AXES["arch"]["built"]:
+            click.echo(f"note: nothing is built for {arch}: {NOT_BUILT_REASONS['arch=' + arch]}")
+    if not wanted:
+        raise click.UsageError("no variant matches; see `fa4-aot list --all`")
+
+    previous, old_toolchain = {}, None
+    if (out / "manifest.json").exists():
+        try:
+            old = json.loads((out / "manifest.json").read_text())
+            previous = {r["name"]: r for r in old["kernels"]}
+            old_toolchain = old["toolchain"]
+        except (ValueError, KeyError):
+            previous = {}
+    rows, todo = {}, []
+    for v in wanted:
+        key = build_key(v)
+        old = previous.get(v.name)
+        path = cubin_dir / v.cubin_file
+        if (not force and old and old.get("build_key") == key and path.exists()
+                and hashlib.sha256(path.read_bytes()).hexdigest() == old["sha256"]):
+            rows[v.name] = old
+        else:
+            todo.append((v, key))
+
+    start = time.perf_counter()
+    toolchain = None
+    if todo:
+        with futures.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool, click.progressbar(
+            length=len(todo), label=f"compiling {len(todo)} of {len(wanted)} variants",
+            file=sys.stderr,
+        ) as bar:
+            keys = dict((v.name, k) for v, k in todo)
+            for variant, result, seconds in pool.map(_compile_one, [v for v, _ in todo]):
+                (ROOT / "build" / "ptx" / f"{variant.name}.ptx").write_text(result["ptx"])
+                toolchain = toolchain or _toolchain(result["ptx"])
+                rows[variant.name] = _row(variant, result, keys[variant.name], cubin_dir)
+                bar.update(1)
+    keep = {v.cubin_file for v in wanted}
+    for stale in cubin_dir.glob("*.cubin"):
+        if stale.name not in keep:
+            stale.unlink()
+
+    manifest = {
+        "schema": mf.SCHEMA,
+        "package_version": version_of_package(),
+        "toolchain": toolchain or old_toolchain,
+        "driver_floor": DRIVER_FLOOR,
+        "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "axes": {k: {"declared": list(s["declared"]), "built": list(s["built"])} for k, s in AXES.items()},
+        "not_built": NOT_BUILT_REASONS,
+        "kernels": [rows[v.name] for v in wanted],
+    }
+    text = json.dumps(manifest, indent=1) + "\n"
+    (out / "manifest.json").write_text(text)
+    if out == PACKAGE:
+        (ROOT / "manifest.json").write_text(text)
+    total = sum(r["size"] for r in manifest["kernels"])
+    click.echo(
+        f"{len(wanted)} variants ({len(todo)} compiled, {len(wanted) - len(todo)} unchanged), "
+        f"{total / 1e6:.2f} MB of cubins, {time.perf_counter() - start:.1f} s -> {out / 'manifest.json'}"
+    )
+
+
+def _toolchain(ptx: str) -> dict:
+    from fa4_aot.src.compile import ptxas_release
+
+    libs = "cu13" if _has("nvidia-cutlass-dsl-libs-cu13") else "cu12"
+    return {
+        "dsl": f"nvidia-cutlass-dsl {version('nvidia-cutlass-dsl')}",
+        "dsl_libs": libs,
+        "ptxas": ptxas_release(ptx),
+        "python": sys.version.split()[0],
+    }
+
+
+def _has(dist: str) -> bool:
+    try:
+        version(dist)
+        return True
+    except Exception:
+        return False
+
+
+def version_of_package() -> str:
+    from fa4_aot import __version__
+
+    return __version__
+
+
+if __name__ == "__main__":
+    main()

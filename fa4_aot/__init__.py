@@ -1,0 +1,18 @@
+"""fa4_aot: FlashAttention kernels compiled ahead of time, launched with cuda-python alone.
+
+    import fa4_aot
+    fa4_aot.forward(q, k, v, out, lse, causal=True, stream=stream_handle)
+
+Importing fa4_aot imports neither torch nor the CuTe DSL; the torch adapter lives in
+``fa4_aot.torch`` and imports torch itself.
+"""
+
+__version__ = "0.1.0"
+
+from .api import default_library, forward  # noqa: E402
+from .arrays import DeviceArray  # noqa: E402
+from .errors import *  # noqa: E402,F401,F403
+from .loader import KernelLibrary  # noqa: E402
+from .variants import MATRIX, Variant  # noqa: E402
+
+__all__ = ["forward", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

@@ -1,0 +1,102 @@
+"""Kernel parameter plans: what each byte of a kernel's parameter buffer means.
+
+The CuTe DSL flattens a kernel's Python arguments into PTX ``.param`` entries: a TMA copy
+atom becomes its 128-byte CUtensorMap (64-byte aligned), a TMA coordinate tensor becomes
+its dynamic int32 modes, a pointer becomes a u64, a Float32 an f32. The plan below is
+written by hand from the kernel's argument list; ``check_against_ptx`` compares it with the
+PTX the DSL emitted, so a change in the DSL's flattening fails the build, not a user's run.
+
+A plan is a list of slots; each slot is a dict that goes verbatim into the manifest:
+  {"name", "kind", "offset", "size", "align", ...kind-specific fields}
+kinds:
+  tensormap  {"tensor": "q"}             CUtensorMap encoded at launch from tensormaps[tensor]
+  i32        {"fields": ["seqlen_q", ...]} consecutive int32 run-time sizes
+  ptr        {"tensor": "lse"}           a device address
+  f32        {"value": "scale_log2"}     a float32 run-time scalar
+"""
+
+from __future__ import annotations
+
+import re
+
+SLOT_SIZES = {"tensormap": (128, 64), "ptr": (8, 8), "f32": (4, 4)}
+
+
+def _slot(name: str, kind: str, **fields) -> dict:
+    if kind == "i32":
+        size, align = 4 * len(fields["fields"]), 4
+    else:
+        size, align = SLOT_SIZES[kind]
+    return {"name": name, "kind": kind, "size": size, "align": align, **fields}
+
+
+def fwd_plan() -> list[dict]:
+    """Slots of FlashFwdSm90.kernel, in argument order."""
+    q_sizes = ["seqlen_q", "heads_q", "batch"]
+    kv_sizes = ["seqlen_k", "heads_kv", "batch"]
+    slots = []
+    for tensor, sizes in (("q", q_sizes), ("k", kv_sizes), ("v", kv_sizes), ("o", q_sizes)):
+        slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
+        slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
+    slots.append(_slot("lse", "ptr", tensor="lse"))
+    slots.append(_slot("scale_log2", "f32", value="scale_log2"))
+    return with_offsets(slots)
+
+
+def with_offsets(slots: list[dict]) -> list[dict]:
+    """Lay slots out back to back, each at its alignment, as PTX parameters are."""
+    offset = 0
+    out = []
+    for s in slots:
+        offset = -(-offset // s["align"]) * s["align"]
+        out.append({**s, "offset": offset})
+        offset += s["size"]
+    return out
+
+
+def buffer_size(slots: list[dict]) -> int:
+    end = max(s["offset"] + s["size"] for s in slots)
+    align = max(s["align"] for s in slots)
+    return -(-end // align) * align
+
+
+_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)
+_PARAM_ARRAY = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.b8\s+\S+?\[(\d+)\]")
+_PARAM_SCALAR = re.compile(r"\.param\s+\.([a-z]+)(\d+)\b")
+_PARAM_PTR_ALIGN = re.compile(r"\.ptr.*?\.align\s+(\d+)")
+
+
+def ptx_entries(ptx: str) -> dict[str, list[tuple[int, int]]]:
+    """{kernel symbol: [(size, alignment) per .param]} from PTX text."""
+    entries = {}
+    for name, body in _ENTRY.findall(ptx):
+        params = []
+        for decl in body.split(","):
+            decl = decl.strip()
+            if not decl:
+                continue
+            m = _PARAM_ARRAY.search(decl)
+            if m:
+                params.append((int(m.group(2)), int(m.group(1) or 1)))
+                continue
+            m = _PARAM_SCALAR.search(decl)
+            if not m:
+                raise ValueError(f"unrecognised PTX parameter: {decl!r}")
+            size = int(m.group(2)) // 8
+            params.append((size, size))
+        entries[name] = params
+    return entries
+
+
+def check_against_ptx(slots: list[dict], ptx: str, symbol: str) -> None:
+    """Raise ValueError unless the plan's (size, alignment) sequence is the PTX's."""
+    entries = ptx_entries(ptx)
+    if symbol not in entries:
+        raise ValueError(f"kernel {symbol} not in the PTX (has {sorted(entries)})")
+    got = entries[symbol]
+    want = [(s["size"], s["align"]) for s in slots]
+    if got != want:
+        raise ValueError(
+            f"parameter plan {want} does not match the PTX of {symbol}: {got}. The DSL's "
+            "argument flattening changed; update fa4_aot/abi.py for this kernel."
+        )

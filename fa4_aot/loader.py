@@ -1,0 +1,202 @@
+"""Load cubins with cuda-python and launch them from raw device pointers.
+
+``KernelLibrary`` owns one manifest and, per CUDA context, the modules loaded from it.
+Loading is lazy (first launch of a variant in a context) or explicit (``preload``). On
+load it checks, before anything runs: the driver is new enough, the device's compute
+capability is the cubin's, the cubin's sha256 is the manifest's, and the driver's own view
+of the kernel's parameters (cuFuncGetParamInfo) is the manifest's plan.
+
+The launch path allocates no device memory and never synchronizes: it encodes the TMA
+descriptors on the host, packs the parameter buffer, and calls cuLaunchKernelEx on the
+caller's stream, so it can be captured into a CUDA graph once ``preload`` has run.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import abi, tma
+from .driver import call, compute_capability, cu, device_name, init
+from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
+from .manifest import PACKAGE_DIR, Manifest
+
+
+class _Context:
+    """Make ``device``'s context current for a block: the caller's if it is on that
+    device, else the device's primary context (the one frameworks use)."""
+
+    _primary: dict[int, object] = {}
+    _lock = threading.Lock()
+
+    def __init__(self, device: int):
+        self.device = device
+        self.pushed = False
+
+    def __enter__(self):
+        current = call(cu.cuCtxGetCurrent)
+        if int(current) != 0 and call(cu.cuCtxGetDevice) == self.device:
+            self.handle = current
+            return self
+        with self._lock:
+            ctx = self._primary.get(self.device)
+            if ctx is None:
+                ctx = call(cu.cuDevicePrimaryCtxRetain, self.device)
+                self._primary[self.device] = ctx
+        call(cu.cuCtxPushCurrent, ctx)
+        self.handle, self.pushed = ctx, True
+        return self
+
+    def __exit__(self, *exc):
+        if self.pushed:
+            call(cu.cuCtxPopCurrent)
+
+
+class KernelLibrary:
+    """The kernels of one manifest folder (default: the cubins shipped in the package)."""
+
+    def __init__(self, folder: Path | str = PACKAGE_DIR):
+        self.folder = Path(folder)
+        self._manifest = None
+        self._functions: dict[tuple[int, str], object] = {}
+        self._checked_devices: set[int] = set()
+        self._lock = threading.RLock()
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            with self._lock:
+                if self._manifest is None:
+                    self._manifest = Manifest(self.folder)
+        return self._manifest
+
+    # ------------------------------------------------------------------ loading
+    def check_device(self, device: int, row: dict) -> None:
+        """Driver floor and architecture; raises before any module is loaded."""
+        version = init()
+        floor = self.manifest.driver_floor
+        if version < floor:
+            raise DriverTooOldError(
+                f"the CUDA driver supports CUDA {version // 1000}.{version % 1000 // 10}; these "
+                f"cubins need {floor // 1000}.{floor % 1000 // 10} or newer "
+                f"({self.manifest.data['driver_floor'].get('why', '')}). Update the NVIDIA driver "
+                f"(to {self.manifest.data['driver_floor'].get('driver', 'a newer one')} or later)."
+            )
+        cc = compute_capability(device)
+        if list(cc) != list(row["compute_capability"]):
+            raise ArchitectureError(
+                f"{row['name']} is built for {row['arch']} (compute capability "
+                f"{row['compute_capability'][0]}.{row['compute_capability'][1]}), but device "
+                f"{device} ({device_name(device)}) is {cc[0]}.{cc[1]}. Use a GPU of that "
+                "architecture, or a wheel built for yours."
+            )
+
+    def function(self, row: dict, device: int):
+        """The CUfunction of ``row`` in the current context (which must be on ``device``)."""
+        ctx = int(call(cu.cuCtxGetCurrent))
+        key = (ctx, row["name"])
+        fn = self._functions.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._functions.get(key)
+            if fn is None:
+                self.check_device(device, row)
+                fn = self._load(row)
+                self._functions[key] = fn
+        return fn
+
+    def _load(self, row: dict):
+        image = self.manifest.cubin(row)
+        module = call(cu.cuModuleLoadData, image)
+        fn = call(cu.cuModuleGetFunction, module, row["symbol"].encode())
+        attr = cu.CUfunction_attribute
+        call(cu.cuFuncSetAttribute, fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+             row["smem_bytes"])
+        self._check_params(fn, row)
+        return fn
+
+    def _check_params(self, fn, row: dict) -> None:
+        got = []
+        for i in range(len(row["params"]) + 1):
+            try:
+                offset, size = call(cu.cuFuncGetParamInfo, fn, i)
+            except CudaError:
+                break
+            got.append((int(offset), int(size)))
+        if not got:
+            return  # this driver cannot report parameters
+        base = got[0][0]
+        got = [(o - base, s) for o, s in got]
+        want = [(p["offset"], p["size"]) for p in row["params"]]
+        if got != want:
+            raise AbiMismatchError(
+                f"{row['name']}: the driver reports parameters {got}, the manifest plans {want}. "
+                "The cubin and manifest.json are from different builds: rebuild or reinstall."
+            )
+
+    def preload(self, names=None, device: int = 0) -> None:
+        """Load the named variants (all by default) on ``device`` now, e.g. before graph capture."""
+        rows = [self.manifest.rows[n] for n in (names or self.manifest.rows)]
+        with _Context(device):
+            for row in rows:
+                self.function(row, device)
+
+    # ------------------------------------------------------------------ launching
+    def launch(self, row: dict, device: int, stream: int, sizes: dict, tensors: dict, scalars: dict):
+        """Launch ``row`` with run-time ``sizes`` (seqlen_q, ...), ``tensors`` by name
+        ({"ptr", "shape", "strides", "itemsize"}) and float ``scalars``."""
+        with _Context(device):
+            fn = self.function(row, device)
+            buffer, pointers = pack_params(row, sizes, tensors, scalars)
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(row, sizes)
+            config.blockDimX, config.blockDimY, config.blockDimZ = row["block"]
+            config.sharedMemBytes = row["smem_bytes"]
+            config.hStream = cu.CUstream(stream)
+            if row["cluster"] != [1, 1, 1]:
+                attr = cu.CUlaunchAttribute()
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = row["cluster"]
+                config.attrs = [attr]
+                config.numAttrs = 1
+            # `buffer` stays referenced until the call returns; the driver copies it.
+            call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
+
+
+def grid_of(row: dict, sizes: dict) -> tuple[int, int, int]:
+    out = []
+    for op, *args in row["grid"]:
+        if op == "ceil_div":
+            out.append(-(-sizes[args[0]] // args[1]))
+        elif op == "size":
+            out.append(sizes[args[0]])
+        else:
+            raise AbiMismatchError(f"{row['name']}: unknown grid rule {op}")
+    return tuple(out)
+
+
+def pack_params(row: dict, sizes: dict, tensors: dict, scalars: dict):
+    """The parameter buffer and the array of per-slot pointers cuLaunchKernelEx takes."""
+    slots = row["params"]
+    buffer = np.zeros(abi.buffer_size(slots), dtype=np.uint8)
+    for slot in slots:
+        at = slot["offset"]
+        kind = slot["kind"]
+        if kind == "tensormap":
+            t = tensors[slot["tensor"]]
+            data = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"], t["itemsize"])
+            buffer[at:at + 128] = np.frombuffer(data, dtype=np.uint8)
+        elif kind == "i32":
+            buffer[at:at + slot["size"]].view(np.int32)[:] = [sizes[f] for f in slot["fields"]]
+        elif kind == "ptr":
+            buffer[at:at + 8].view(np.uint64)[0] = tensors[slot["tensor"]]["ptr"]
+        elif kind == "f32":
+            buffer[at:at + 4].view(np.float32)[0] = scalars[slot["value"]]
+        else:
+            raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
+    base = buffer.ctypes.data
+    pointers = np.array([base + s["offset"] for s in slots], dtype=np.uint64)
+    return buffer, pointers

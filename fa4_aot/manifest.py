@@ -1,0 +1,99 @@
+"""manifest.json: the launch contract of every built cubin, read and checked.
+
+The manifest is written by build_kernels.py; see its rows for the fields. This module only
+reads: it checks the schema once at load, finds a row for a variant, and hands out cubin
+bytes after verifying their sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from pathlib import Path
+
+from .errors import ChecksumError, ManifestError, UnsupportedVariantError
+from .variants import NOT_BUILT_REASONS, Variant
+
+SCHEMA = 1
+ROW_FIELDS = (
+    "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "symbol",
+    "block", "cluster", "grid", "smem_bytes", "params", "tensormaps",
+)
+TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+class Manifest:
+    """The manifest.json in ``folder`` and the cubins under ``folder/cubins``."""
+
+    def __init__(self, folder: Path | str = PACKAGE_DIR):
+        self.folder = Path(folder)
+        path = self.folder / "manifest.json"
+        if not path.exists():
+            raise ManifestError(
+                f"{path} does not exist: no kernels are built. Run `python build_kernels.py` "
+                "in the source tree, or install a wheel that ships cubins."
+            )
+        try:
+            self.data = json.loads(path.read_text())
+        except ValueError as e:
+            raise ManifestError(f"{path} is not valid JSON ({e}); rebuild or reinstall") from e
+        self._validate(path)
+        self.rows = {row["name"]: row for row in self.data["kernels"]}
+
+    def _validate(self, path: Path) -> None:
+        missing = [k for k in TOP_FIELDS if k not in self.data]
+        if missing:
+            raise ManifestError(f"{path} lacks {missing}; rebuild with build_kernels.py")
+        if self.data["schema"] != SCHEMA:
+            raise ManifestError(
+                f"{path} has schema {self.data['schema']}, this fa4_aot reads {SCHEMA}; "
+                "rebuild the kernels with this version"
+            )
+        for row in self.data["kernels"]:
+            lacking = [k for k in ROW_FIELDS if k not in row]
+            if lacking:
+                raise ManifestError(f"{path}: row {row.get('name')} lacks {lacking}")
+
+    @property
+    def driver_floor(self) -> int:
+        return int(self.data["driver_floor"]["cuda_version"])
+
+    @cached_property
+    def variants(self) -> list[Variant]:
+        return [Variant.from_dict(r["variant"]) for r in self.data["kernels"]]
+
+    def row(self, variant: Variant) -> dict:
+        row = self.rows.get(variant.name)
+        if row is None:
+            raise UnsupportedVariantError(self._not_built_message(variant))
+        return row
+
+    def _not_built_message(self, v: Variant) -> str:
+        reasons = [why for key, why in NOT_BUILT_REASONS.items() if _matches(v, key)]
+        same_kind = [x for x in self.variants if x.kind == v.kind and x.arch == v.arch] or self.variants
+        same_kind.sort(key=lambda x: (x.dtype != v.dtype, abs(x.head_dim - v.head_dim), x.causal != v.causal))
+        nearest = ", ".join(x.name for x in same_kind[:4]) or "none"
+        why = f" ({'; '.join(reasons)})" if reasons else ""
+        return f"{v.name} is not built{why}. Nearest built variants: {nearest}."
+
+    def cubin(self, row: dict) -> bytes:
+        path = self.folder / row["file"]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ManifestError(f"cannot read {path} ({e}); rebuild or reinstall") from e
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != row["sha256"] or len(data) != row["size"]:
+            raise ChecksumError(
+                f"{path} has sha256 {digest} ({len(data)} bytes); the manifest says "
+                f"{row['sha256']} ({row['size']} bytes). The file is corrupt or was replaced: "
+                "reinstall fa4_aot or rebuild with build_kernels.py."
+            )
+        return data
+
+
+def _matches(v: Variant, key: str) -> bool:
+    axis, value = key.split("=")
+    return str(getattr(v, axis)) == value

@@ -1,0 +1,144 @@
+"""Compile one variant with the CuTe DSL into a cubin and its launch contract.
+
+Build-time only (imported by build_kernels.py): needs nvidia-cutlass-dsl, never a GPU.
+Every dynamic size is a ``cute.sym_int`` and every tensor a fake one, so the cubin serves
+any shape the contract admits; nothing is read from the build machine's hardware.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
+
+from .. import abi
+from ..cubin_info import kernel_info
+from ..variants import Variant
+from .fwd_sm90 import FlashFwdSm90
+
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
+SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
+# The (s, d, h, b) order the kernels give their TMA coordinate tensors, by axis letter of
+# the user-facing (b, s, h, d) layout.
+COORD_AXES = ("s", "d", "h", "b")
+_GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
+
+
+def _fake_bshd(dtype, head_dim: int):
+    """(b, s, h, d) with any 16-byte-aligned strides and a contiguous last dim."""
+    dims = [cute.sym_int() for _ in range(3)]
+    strides = [cute.sym_int64(divisibility=8) for _ in range(3)]
+    return make_fake_tensor(
+        dtype, (*dims, head_dim), stride=(*strides, 1), assumed_align=16
+    )
+
+
+def tensormap_recipe(tensor: str, atom_type: str, swizzle: str, dtype_name: str) -> dict:
+    """How to encode this atom's CUtensorMap with cuTensorMapEncodeTiled at run time."""
+    m = _GBASIS.search(atom_type)
+    if not m:
+        raise RuntimeError(f"cannot read the TMA basis of {tensor}: {atom_type}")
+    box = [int(x) for x in m.group(1).split(",")]
+    axes = []
+    for basis in m.group(2).split(","):
+        scale, mode = basis.split("@")
+        if scale != "1":
+            raise RuntimeError(f"TMA basis {m.group(0)} of {tensor} splits a mode")
+        axes.append(COORD_AXES[int(mode)])
+    if axes != ["d", "s", "h", "b"]:
+        raise RuntimeError(f"TMA dims of {tensor} are {axes}, expected d, s, h, b")
+    bits = re.fullmatch(r"S<(\d),(\d),(\d)>", swizzle)
+    return {
+        "tensor": tensor,
+        "dtype": dtype_name,
+        "dims": axes,  # innermost first; sizes and strides come from the tensor
+        "box": box,
+        "element_strides": [1] * len(box),
+        "interleave": "NONE",
+        "swizzle": SWIZZLE_BYTES[int(bits.group(1))],
+        "l2_promotion": "128B",
+        "oob_fill": "NONE",
+    }
+
+
+def check_against_cubin(params: list[dict], info) -> None:
+    """The cubin's own parameter table (KPARAM_INFO) must agree with the plan."""
+    base = info.params[0][1] if info.params else 0
+    got = [(off - base, size) for _, off, size in info.params]
+    want = [(p["offset"], p["size"]) for p in params]
+    if got != want:
+        raise RuntimeError(f"cubin parameters {got} differ from the plan {want}")
+
+
+def compile_fwd(variant: Variant) -> dict:
+    """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
+    dtype = DTYPES[variant.dtype]
+    t = variant.tiling
+    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages)
+    q, k, v, o = (_fake_bshd(dtype, variant.head_dim) for _ in range(4))
+    lse = make_fake_compact_tensor(
+        Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()), stride_order=(2, 1, 0),
+        assumed_align=4,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        # The DSL names dumps after the argument types, which several variants share.
+        compiled = cute.compile(
+            kernel, q, k, v, o, lse, Float32(1.0),
+            options=f"--gpu-arch {variant.gpu_arch} --keep-cubin --keep-ptx --dump-dir {tmp}",
+        )
+        cubin = Path(compiled.artifacts.CUBIN).read_bytes() if isinstance(
+            compiled.artifacts.CUBIN, str) else compiled.artifacts.CUBIN
+        ptx = compiled.artifacts.PTX
+        if os.path.exists(ptx):
+            ptx = Path(ptx).read_text()
+    symbols = list(compiled.kernel_info)
+    if len(symbols) != 1:
+        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
+    symbol = symbols[0]
+    params = abi.fwd_plan()
+    abi.check_against_ptx(params, ptx, symbol)
+    info = kernel_info(cubin, symbol)
+    check_against_cubin(params, info)
+    tensormaps = {
+        name: tensormap_recipe(name, atom_type, swizzle, variant.dtype)
+        for name, (atom_type, swizzle) in kernel.tma_boxes.items()
+    }
+    return {
+        "cubin": cubin,
+        "ptx": ptx,
+        "symbol": symbol,
+        "block": [kernel.threads, 1, 1],
+        "cluster": [1, 1, 1],
+        "grid": [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]],
+        "smem_bytes": int(kernel.smem_bytes),
+        "tiling": {"tile_m": t.tile_m, "tile_n": t.tile_n, "stages": t.stages},
+        "static_smem_bytes": info.static_smem_bytes,
+        "registers": info.registers,  # at entry; setmaxnreg moves them between roles
+        "local_bytes": info.frame_bytes,  # stack frame: spills and local arrays
+        "params": params,
+        "tensormaps": tensormaps,
+    }
+
+
+def compile_variant(variant: Variant) -> dict:
+    if variant.kind == "fwd" and variant.arch == "sm90a":
+        return compile_fwd(variant)
+    raise NotImplementedError(f"no kernel source for {variant.name}")
+
+
+def toolchain() -> dict:
+    """DSL version and the ptxas release that built the cubins (read from a PTX header)."""
+    from importlib.metadata import version
+
+    return {"dsl": "nvidia-cutlass-dsl " + version("nvidia-cutlass-dsl")}
+
+
+def ptxas_release(ptx: str) -> str:
+    m = re.search(r"Cuda compilation tools, release ([\d.]+), (V[\d.]+)", ptx)
+    return f"{m.group(1)} ({m.group(2)})" if m else "unknown"

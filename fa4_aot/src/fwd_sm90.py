@@ -1,0 +1,337 @@
+"""FlashAttention forward for Hopper (sm_90a), warp-specialized, TMA + wgmma.
+
+One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgroups:
+- warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into a
+  `stages`-deep mbarrier pipeline, walking key tiles from the last (the one that may need
+  masking) to the first.
+- warpgroups 1 and 2: consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
+  online softmax in the exp2 domain, P converted in registers and fed to O += P V as the
+  A operand of an RS-wgmma. The epilogue normalizes O, stages it in shared memory over the
+  spent Q buffer and writes it with one TMA store; LSE is written by the owning threads.
+Registers are moved from the producer to the consumers with setmaxnreg.
+
+Causal masking is bottom-right aligned; fully masked key tiles are never loaded, and
+query tiles are issued in reverse order so the longest (last) ones start first.
+
+Constraints: head_dim in {64, 96, 128, 192, 256}; bf16 or fp16; seqlen_q, seqlen_k >= 1;
+heads_q a multiple of heads_kv. Build with ``build_kernels.py``; the kernel reads no
+environment and queries no device.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from .mask import TileMask
+from .softmax import OnlineSoftmax, scale_rows
+
+WARPGROUP = 128
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+EPILOGUE_BARRIER = 1
+
+
+class FlashFwdSm90:
+    """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int):
+        assert tile_m == 2 * 64, "two consumer warpgroups of 64 rows"
+        assert head_dim % 32 == 0 and tile_n % 16 == 0
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.stages = stages
+        self.num_consumers = 2
+        self.threads = WARPGROUP * (1 + self.num_consumers)
+        self.tma_boxes = {}
+        self.smem_bytes = None
+
+    def _smem_layout(self, rows: int, stages):
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
+            self.dtype,
+        )
+        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
+        order = (0, 1) if stages is None else (0, 1, 2)
+        return cute.tile_to_shape(atom, shape, order=order)
+
+    def _storage(self, sq, sk, sv):
+        def buf(layout):
+            return cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024
+            ]
+
+        stages = self.stages
+
+        @cute.struct
+        class Storage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: buf(sq)  # also the O staging buffer
+            sK: buf(sk)
+            sV: buf(sv)
+
+        return Storage
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d)
+        mV: cute.Tensor,  # (b, s_k, h_kv, d)
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
+        scale_log2: Float32,  # softmax_scale * log2(e)
+    ):
+        # TMA and MMA work on (s, d, h, b): rows, then the contiguous head dim.
+        q, k, v, o = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mO)
+        ]
+        sq = self._smem_layout(self.tile_m, None)
+        skv = self._smem_layout(self.tile_n, self.stages)
+        skv_one = cute.select(skv, mode=[0, 1])
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq, (self.tile_m, self.head_dim))
+        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.tile_n, self.head_dim))
+        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.tile_n, self.head_dim))
+        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq, (self.tile_m, self.head_dim))
+        self.tma_boxes = {  # name -> (atom type, smem swizzle), read by the build for the manifest
+            name: (str(atom.type), str(layout.inner))
+            for name, atom, layout in (("q", tma_q, sq), ("k", tma_k, skv_one), ("v", tma_v, skv_one), ("o", tma_o, sq))
+        }
+        self.q_bytes = cute.size_in_bytes(self.dtype, sq)
+        self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
+        self.storage = self._storage(sq, skv, skv)
+        self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
+        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
+        self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
+            grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        gQ: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
+        tma_k: cute.CopyAtom,
+        gK: cute.Tensor,  # TMA coordinates (s_k, d, h_kv, b)
+        tma_v: cute.CopyAtom,
+        gV: cute.Tensor,  # TMA coordinates (s_k, d, h_kv, b)
+        tma_o: cute.CopyAtom,
+        gO: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
+        lse_ptr: cute.Pointer,  # float32 LSE, contiguous (b, h_q, s_q)
+        scale_log2: Float32,
+        sq_layout: cute.ComposedLayout,
+        skv_layout: cute.ComposedLayout,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_o):
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(
+            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
+        )
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True,
+        )
+        pipe_k, pipe_v = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bar.data_ptr(), num_stages=self.stages, producer_group=one_thread,
+                consumer_group=consumer_warps, tx_count=self.kv_bytes, defer_sync=True,
+            )
+            for bar in (storage.mbar_k, storage.mbar_v)
+        ]
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest causal tiles first
+        seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
+        heads_q, batches = gQ.shape[2], gQ.shape[3]
+        head_kv = head // (heads_q // gK.shape[2])
+        mLSE = cute.make_tensor(
+            lse_ptr, cute.make_layout((seqlen_q, heads_q, batches), stride=(1, seqlen_q, seqlen_q * heads_q))
+        )
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(self.causal):
+            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp < 4:
+            # ---------------- producer warpgroup: TMA loads ----------------
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
+                    tma_v, gV[None, None, head_kv, batch], sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                )
+        else:
+            # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.attend(
+                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
+                mLSE[None, head, batch],
+            )
+
+    @cute.jit
+    def load(
+        self, tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
+        m_block: Int32, n_blocks: Int32,
+    ):
+        """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch)."""
+        whole = cute.make_layout(1)
+        tile_q = cute.local_tile(gQ, (self.tile_m, self.head_dim), (m_block, 0))
+        tQs, tQg = cpasync.tma_partition(
+            tma_q, 0, whole, cute.group_modes(sQ, 0, 2), cute.group_modes(tile_q, 0, 2)
+        )
+        tiles_k = cute.local_tile(gK, (self.tile_n, self.head_dim), (None, 0))
+        tiles_v = cute.local_tile(gV, (self.tile_n, self.head_dim), (None, 0))
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, whole, cute.group_modes(sK, 0, 2), cute.group_modes(tiles_k, 0, 2)
+        )
+        tVs, tVg = cpasync.tma_partition(
+            tma_v, 0, whole, cute.group_modes(sV, 0, 2), cute.group_modes(tiles_v, 0, 2)
+        )
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQg, tQs[None, 0] if const_expr(cute.rank(tQs) > 1) else tQs,
+                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range(n_blocks, unroll=1):
+            n_block = n_blocks - 1 - i
+            pipe_k.producer_acquire(kv_state)
+            cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
+                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+            pipe_v.producer_acquire(kv_state)
+            cute.copy(tma_v, tVg[None, n_block], tVs[None, kv_state.index],
+                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+            kv_state.advance()
+
+    def _tiled_mmas(self):
+        qk = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
+            Float32, atom_layout_mnk=(self.num_consumers, 1, 1), tiler_mn=(64, self.tile_n),
+        )
+        pv = sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
+            Float32, atom_layout_mnk=(self.num_consumers, 1, 1), tiler_mn=(64, self.head_dim),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        return qk, pv
+
+    @cute.jit
+    def attend(
+        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block: Int32, n_blocks: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
+    ):
+        """tidx: 0..255 over the consumer warpgroups; gO: (s_q, d); mLSE: (s_q,)."""
+        mma_qk, mma_pv = self._tiled_mmas()
+        wg_first_thread = (tidx // WARPGROUP) * WARPGROUP
+        wg_qk = mma_qk.get_slice(wg_first_thread)
+        wg_pv = mma_pv.get_slice(wg_first_thread)
+        thr_qk = mma_qk.get_slice(tidx)
+        thr_pv = mma_pv.get_slice(tidx)
+        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
+        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
+        tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_o.fill(0.0)
+        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+
+        rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
+        softmax = OnlineSoftmax(scale_log2, rows)
+        softmax.reset()
+        row_scale = cute.make_rmem_tensor((rows,), Float32)
+        mask = TileMask(self.tile_m, self.tile_n, self.causal)
+        # Key tiles at or past this index need a mask (padding or the causal diagonal).
+        first_masked = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
+            first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
+
+        # Bound methods: the DSL would treat a method call on a local object inside a
+        # run-time loop as a write of that object and try to carry it through the loop.
+        apply_mask, softmax_step = mask.apply, softmax.step
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for i in cutlass.range(n_blocks, unroll=1):
+            n_block = n_blocks - 1 - i
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(kv_state)
+            self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], accumulate=False)
+            pipe_k.consumer_release(kv_state)
+            apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, n_block >= first_masked)
+            softmax_step(acc_s, row_scale)
+            scale_rows(acc_o, row_scale)
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            pipe_v.consumer_wait(kv_state)
+            self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], accumulate=True)
+            pipe_v.consumer_release(kv_state)
+            kv_state.advance()
+
+        inv_sum = cute.make_rmem_tensor((rows,), Float32)
+        lse = cute.make_rmem_tensor((rows,), Float32)
+        softmax.finalize(inv_sum, lse)
+        scale_rows(acc_o, inv_sum)
+        self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
+
+    @cute.jit
+    def _wgmma(self, tiled_mma, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool]):
+        warpgroup.fence()
+        atom = cute.make_mma_atom(tiled_mma.op)
+        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+        for kb in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+            cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
+            atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):
+        """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows."""
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
+        tiled_store = cute.make_tiled_copy_C(store_atom, mma_pv)
+        thr_store = tiled_store.get_slice(tidx)
+        cute.copy(tiled_store, thr_store.retile(r_o), thr_store.partition_D(sO))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
+        if tidx == 0:
+            tile_o = cute.local_tile(gO, (self.tile_m, self.head_dim), (m_block, 0))
+            tOs, tOg = cpasync.tma_partition(
+                tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(tile_o, 0, 2)
+            )
+            cute.copy(tma_o, tOs, tOg)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(cute.size(lse)):
+                row = m_block * self.tile_m + coords[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row] = lse[r]

@@ -1,0 +1,93 @@
+"""Online softmax over wgmma accumulator rows, in the exp2 domain.
+
+Scores arrive unscaled; ``scale_log2 = softmax_scale * log2(e)`` is folded into the single
+FMA that feeds exp2, so each score costs one FMA and one MUFU.EX2. Row statistics live in
+registers: each row of a 64-row warpgroup tile is spread over the four threads of a quad,
+so the row max is reduced with two butterfly shuffles per tile, while the row sum stays
+thread-local until ``finalize``.
+
+Rows whose every score so far is masked keep ``row_max = -inf``; the exponent offset then
+uses 0 so that exp2(-inf - offset) is 0 rather than NaN. A row that ends with no unmasked
+score gives O = 0 and LSE = -inf.
+"""
+
+import math
+import operator
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+from .layout import acc_as_rows_cols
+
+LN2 = math.log(2.0)
+
+
+def _quad_reduce(x: Float32, op) -> Float32:
+    for offset in (1, 2):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+    return x
+
+
+class OnlineSoftmax:
+    """Running max and sum for the rows this thread holds of one accumulator tile."""
+
+    def __init__(self, scale_log2: Float32, num_rows: int):
+        self.scale_log2 = scale_log2
+        self.num_rows = num_rows
+        self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+
+    @cute.jit
+    def reset(self):
+        self.row_max.fill(-Float32.inf)
+        self.row_sum.fill(0.0)
+
+    @cute.jit
+    def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
+        """Exponentiate one score tile in place; write each row's O correction factor."""
+        s = acc_as_rows_cols(acc_s)
+        ncols = cute.size(s, mode=[1])
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_prev = self.row_max[r]
+            m_cur = m_prev
+            for c in cutlass.range_constexpr(ncols):
+                m_cur = cute.arch.fmax(m_cur, s[r, c])
+            m_cur = _quad_reduce(m_cur, cute.arch.fmax)
+            offset = m_cur * self.scale_log2
+            if m_cur == -Float32.inf:
+                offset = Float32(0.0)
+            prev_offset = m_prev * self.scale_log2
+            if m_prev == -Float32.inf:
+                prev_offset = offset
+            correction = cute.arch.exp2(prev_offset - offset)
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(ncols):
+                p = cute.arch.exp2(s[r, c] * self.scale_log2 - offset)
+                s[r, c] = p
+                total += p
+            self.row_sum[r] = self.row_sum[r] * correction + total
+            self.row_max[r] = m_cur
+            row_scale[r] = correction
+
+    @cute.jit
+    def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor):
+        """1/rowsum (0 for an empty row) and the natural-log LSE (-inf for an empty row)."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = _quad_reduce(self.row_sum[r], operator.add)
+            m = self.row_max[r]
+            if total == 0.0 or total != total:
+                inv_sum[r] = Float32(0.0)
+                lse[r] = -Float32.inf
+            else:
+                inv_sum[r] = cute.arch.rcp_approx(total)
+                lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+
+
+@cute.jit
+def scale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """Multiply each accumulator row this thread holds by its factor."""
+    o = acc_as_rows_cols(acc_o)
+    for r in cutlass.range_constexpr(cute.size(o, mode=[0])):
+        for c in cutlass.range_constexpr(cute.size(o, mode=[1])):
+            o[r, c] = o[r, c] * row_scale[r]

@@ -1,0 +1,54 @@
+"""CUtensorMap descriptors from a manifest recipe and a tensor, via cuTensorMapEncodeTiled.
+
+A recipe (see build_kernels.py) names the tensor's axes innermost first by the letters of
+its (b, s, h, d) layout, and the box, swizzle and promotion the kernel was compiled for.
+The descriptor holds the base address, so it is encoded per call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from .driver import call, cu
+
+DATA_TYPES = {
+    "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    "fp16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+}
+SWIZZLE = {
+    "NONE": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
+    "32B": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
+    "64B": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
+    "128B": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+}
+L2_PROMOTION = {
+    "NONE": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_NONE,
+    "64B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_64B,
+    "128B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+    "256B": cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+}
+INTERLEAVE = {"NONE": cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE}
+OOB_FILL = {"NONE": cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE}
+AXIS = {"b": 0, "s": 1, "h": 2, "d": 3}
+
+
+def encode(recipe: dict, ptr: int, shape: tuple, strides: tuple, itemsize: int) -> bytes:
+    """128 descriptor bytes for a (b, s, h, d) tensor with element ``strides``."""
+    axes = [AXIS[a] for a in recipe["dims"]]
+    dims = [shape[a] for a in axes]
+    byte_strides = [strides[a] * itemsize for a in axes[1:]]
+    tmap = call(
+        cu.cuTensorMapEncodeTiled,
+        DATA_TYPES[recipe["dtype"]],
+        len(dims),
+        ptr,
+        dims,
+        byte_strides,
+        recipe["box"],
+        recipe["element_strides"],
+        INTERLEAVE[recipe["interleave"]],
+        SWIZZLE[recipe["swizzle"]],
+        L2_PROMOTION[recipe["l2_promotion"]],
+        OOB_FILL[recipe["oob_fill"]],
+    )
+    return ctypes.string_at(tmap.getPtr(), 128)

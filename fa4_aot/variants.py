@@ -1,0 +1,160 @@
+"""The variant matrix: the one place that says which kernels exist.
+
+A ``Variant`` is at once the compile key, the manifest row's key, the cubin's file name,
+the test id and the run-time selection key; its ``name`` reads like
+``fwd.sm90a.bf16.d128.causal``. ``MATRIX`` is every variant this release builds, and
+``AXES`` says, per axis, which values are built and which are not yet: the CLI and the
+manifest print it so nobody has to guess.
+
+Imports nothing beyond the standard library: the runtime uses it to select kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ARCHS = ("sm90a", "sm100a")
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (64, 96, 128, 192, 256)
+
+# What each axis can take, and what this release builds of it. Kept in sync with MATRIX by
+# a CPU test.
+AXES = {
+    "kind": {"declared": ("fwd", "bwd"), "built": ("fwd",)},
+    "arch": {"declared": ARCHS, "built": ("sm90a",)},
+    "dtype": {"declared": DTYPES, "built": DTYPES},
+    "head_dim": {"declared": HEAD_DIMS, "built": HEAD_DIMS},
+    "causal": {"declared": (False, True), "built": (False, True)},
+    "varlen": {"declared": (False, True), "built": (False,)},
+    "cta_mode": {"declared": (1, 2), "built": (1,)},
+    "deterministic": {"declared": (False, True), "built": (False,)},
+}
+
+NOT_BUILT_REASONS = {
+    "kind=bwd": "the backward kernels are not written yet (issue 4)",
+    "arch=sm100a": "no Blackwell kernel is written yet; the sm90a kernels use wgmma, "
+    "which sm_100a does not have",
+    "varlen=True": "variable-length (cu_seqlens) kernels are not written yet",
+    "cta_mode=2": "2-CTA mode is a backward feature; no backward yet",
+    "deterministic=True": "a backward feature; no backward yet",
+}
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Per-variant tile shape: query rows per CTA, key rows per step, K/V buffers."""
+
+    tile_m: int
+    tile_n: int
+    stages: int
+
+
+# Two consumer warpgroups of 64 rows each; key tiles sized so that S (64 x tile_n) and O
+# (64 x head_dim) fp32 fragments fit in 240 registers, and K/V stages in 227 KB of smem.
+FWD_SM90_TILING = {
+    64: Tiling(128, 128, 2),
+    96: Tiling(128, 128, 2),
+    128: Tiling(128, 128, 2),
+    192: Tiling(128, 64, 2),
+    256: Tiling(128, 64, 2),
+}
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    kind: str
+    arch: str
+    dtype: str
+    head_dim: int
+    causal: bool
+    varlen: bool = False
+    cta_mode: int = 1
+    deterministic: bool = False
+
+    def __post_init__(self):
+        for axis, spec in AXES.items():
+            value = getattr(self, axis)
+            if value not in spec["declared"]:
+                raise ValueError(f"{axis}={value!r} is not one of {spec['declared']}")
+
+    @property
+    def name(self) -> str:
+        parts = [self.kind, self.arch, self.dtype, f"d{self.head_dim}"]
+        if self.causal:
+            parts.append("causal")
+        if self.varlen:
+            parts.append("varlen")
+        if self.cta_mode != 1:
+            parts.append(f"cta{self.cta_mode}")
+        if self.deterministic:
+            parts.append("det")
+        return ".".join(parts)
+
+    @property
+    def cubin_file(self) -> str:
+        return f"{self.name}.cubin"
+
+    @property
+    def tiling(self) -> Tiling:
+        if self.kind == "fwd" and self.arch == "sm90a":
+            return FWD_SM90_TILING[self.head_dim]
+        raise NotImplementedError(f"no kernel for {self.name}")
+
+    @property
+    def gpu_arch(self) -> str:
+        """The DSL's and ptxas' spelling: sm_90a."""
+        return self.arch[:-1].replace("sm", "sm_") + "a"
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        digits = self.arch[2:-1]
+        return int(digits[:-1]), int(digits[-1])
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Variant":
+        return cls(**d)
+
+    @classmethod
+    def from_name(cls, name: str) -> "Variant":
+        for v in MATRIX:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+
+def _build_matrix() -> tuple[Variant, ...]:
+    out = []
+    for arch in AXES["arch"]["built"]:
+        for dtype in AXES["dtype"]["built"]:
+            for head_dim in AXES["head_dim"]["built"]:
+                for causal in AXES["causal"]["built"]:
+                    out.append(Variant("fwd", arch, dtype, head_dim, causal))
+    return tuple(sorted(out))
+
+
+MATRIX: tuple[Variant, ...] = _build_matrix()
+
+
+def select(only: tuple[str, ...] = (), archs: tuple[str, ...] = ()) -> list[Variant]:
+    """Variants whose name matches any glob in ``only`` (all when empty), in ``archs``."""
+    import fnmatch
+
+    chosen = []
+    for v in MATRIX:
+        if archs and v.arch not in archs:
+            continue
+        if only and not any(fnmatch.fnmatchcase(v.name, pat) for pat in only):
+            continue
+        chosen.append(v)
+    return chosen
+
+
+def nearest(kind: str, dtype: str, head_dim: int, causal: bool, arch: str | None = None) -> list[str]:
+    """Names of built variants closest to a request, for error messages."""
+    pool = [v for v in MATRIX if v.kind == kind and (arch is None or v.arch == arch)]
+    pool.sort(key=lambda v: (v.dtype != dtype, abs(v.head_dim - head_dim), v.causal != causal))
+    return [v.name for v in pool[:4]]

@@ -1,0 +1,133 @@
+"""Forward kernels against a float32 reference, on an sm_90 GPU.
+
+Variant axes (one cubin each) are parametrized apart from run-time shapes, so every
+built cubin meets every boundary shape. Outputs are NaN-poisoned before each launch and
+inputs are fresh random draws for every check. The tolerance is twice the error that the
+same math in the inputs' precision (by PyTorch) makes against the same reference.
+"""
+
+import sys
+
+import pytest
+import torch
+
+import fa4_aot
+from fa4_aot.torch import flash_attn_fwd
+from fa4_aot.variants import MATRIX
+
+from ..reference import attention_ref
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+FWD = [v for v in MATRIX if v.kind == "fwd" and v.arch == "sm90a"]
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    (1, 1, 1, 2, 2),  # one token: a single, mostly padded tile
+    (7, 17, 17, 2, 1),  # batch 7, MQA, a partial tile
+    (2, 1000, 1000, 4, 2),  # GQA, ragged last q and k tiles
+    (1, 3000, 3000, 2, 2),  # many k tiles, ragged
+    (2, 128, 1000, 2, 2),  # seqlen_q < seqlen_k: causal diagonal far right
+    (2, 1000, 128, 2, 2),  # seqlen_q > seqlen_k: causal rows that see no key
+    (1, 17, 3000, 3, 1),  # short q over a long k, MQA with 3 heads
+    (3, 257, 513, 4, 4),  # one past the tile in q and k
+]
+
+
+def _check(out, lse, q, k, v, causal, scale=None):
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
+    low, lse_low = attention_ref(q, k, v, causal, scale, upcast=False)
+    assert not out.isnan().any(), "unwritten or NaN output elements"
+    assert not lse.isnan().any(), "unwritten or NaN LSE elements"
+    err = (out.float() - ref.float()).abs().max().item()
+    tol = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
+    assert err <= tol, f"out max error {err:.3e} > {tol:.3e}"
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), finite), "LSE is -inf exactly where a row sees no key"
+    lse_err = (lse - lse_ref)[finite].abs().max().item() if finite.any() else 0.0
+    lse_tol = 2 * (lse_low - lse_ref)[finite].abs().max().item() + 1e-4 if finite.any() else 0.0
+    assert lse_err <= lse_tol, f"lse max error {lse_err:.3e} > {lse_tol:.3e}"
+
+
+def _inputs(shape, head_dim, dtype, gen):
+    b, sq, sk, hq, hkv = shape
+    make = lambda s, h: torch.randn(b, s, h, head_dim, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    return make(sq, hq), make(sk, hkv), make(sk, hkv)
+
+
+def _poisoned(q):
+    b, sq, hq, _ = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, sq), float("nan"), device=q.device, dtype=torch.float32)
+    return out, lse
+
+
+@pytest.mark.parametrize("variant", FWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_forward_matches_reference(variant, shape):
+    gen = torch.Generator(device="cuda").manual_seed(hash((variant.name, shape)) % 2**31)
+    q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, variant.causal)
+
+
+@pytest.mark.parametrize("variant", [v for v in FWD if v.dtype == "bf16"], ids=lambda v: v.name)
+def test_forward_strided_packed_qkv(variant):
+    """q, k, v sliced out of one packed (b, s, 3, h, d) tensor: non-contiguous strides."""
+    b, s, h, d = 2, 515, 3, variant.head_dim
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, variant.causal)
+
+
+def test_forward_custom_scale_and_strided_output():
+    q, k, v = _inputs((2, 300, 400, 4, 2), 128, torch.bfloat16, None)
+    big = torch.full((2, 300, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[:, :, 2:6]  # heads strided inside a larger buffer
+    lse = torch.full((2, 4, 300), float("nan"), device="cuda")
+    flash_attn_fwd(q, k, v, causal=True, softmax_scale=0.3, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, True, scale=0.3)
+    assert big[:, :, :2].isnan().all() and big[:, :, 6:].isnan().all(), "wrote outside out"
+
+
+def test_forward_on_side_stream_and_graph_capture():
+    q, k, v = _inputs((2, 700, 700, 4, 4), 64, torch.bfloat16, None)
+    out, lse = _poisoned(q)
+    fa4_aot.default_library().preload(["fwd.sm90a.bf16.d64.causal"], device=q.device.index)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flash_attn_fwd(q, k, v, causal=True, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, True)
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    out.fill_(float("nan"))
+    with torch.cuda.graph(graph):
+        flash_attn_fwd(q, k, v, causal=True, out=out, lse=lse)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), "graph replay differs from the eager launch"
+
+
+def test_bad_inputs_raise_typed_errors_before_launch():
+    q, k, v = _inputs((1, 64, 64, 2, 2), 128, torch.bfloat16, None)
+    out, lse = _poisoned(q)
+    with pytest.raises(fa4_aot.DTypeError):
+        flash_attn_fwd(q, k.half(), v, out=out, lse=lse)
+    with pytest.raises(fa4_aot.DeviceError):
+        flash_attn_fwd(q.cpu(), k, v, out=out, lse=lse)
+    with pytest.raises(fa4_aot.UnsupportedVariantError, match="d96"):
+        flash_attn_fwd(q[..., :80], k[..., :80], v[..., :80])
+    with pytest.raises(fa4_aot.LayoutError):
+        flash_attn_fwd(q.transpose(1, 3).contiguous().transpose(1, 3), k, v)
+    assert out.isnan().all(), "nothing may be written when the input is refused"
+
+
+def test_runtime_never_imported_the_dsl():
+    assert "cutlass" not in sys.modules

@@ -1,0 +1,33 @@
+"""The attention reference the tests compare against (torch; float32 or low precision)."""
+
+import math
+
+import torch
+
+
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d).
+
+    upcast=True: float32 math, the reference. upcast=False: the same math in the inputs'
+    precision, as a framework would do it; its error sets the tolerance.
+    Causal is bottom-right aligned; rows that see no key give out 0 and lse -inf.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    s_q, s_k, h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    k = k.repeat_interleave(h_q // h_kv, dim=2)
+    v = v.repeat_interleave(h_q // h_kv, dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q * scale if not upcast else q, k)
+    if upcast:
+        scores = scores * scale
+    scores = scores.float()
+    if causal:
+        row = torch.arange(s_q, device=q.device)[:, None]
+        col = torch.arange(s_k, device=q.device)[None, :]
+        scores = scores.masked_fill(col > row + s_k - s_q, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.einsum("bhst,bthd->bshd", p.to(v.dtype), v)
+    return out.to(dtype), lse
