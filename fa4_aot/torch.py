@@ -32,7 +32,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if lse is None:
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     stream = torch.cuda.current_stream(q.device).cuda_stream
-    forward(*(as_device_array(t) for t in (q, k, v, out, lse)), causal=causal,
-            softmax_scale=softmax_scale, stream=stream)
+    forward(*arrays, causal=causal, softmax_scale=softmax_scale, stream=stream)
     return out, lse
