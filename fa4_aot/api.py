@@ -8,7 +8,6 @@ import threading
 from .arrays import DeviceArray, as_device_array
 from .checks import check_forward, default_scale, device_of
 from .loader import KernelLibrary
-from .variants import Variant
 
 _default_library = None
 _library_lock = threading.Lock()
@@ -53,10 +52,9 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
               (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))}
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     library = library or default_library()
-    arch = "sm90a"
-    variant = Variant("fwd", arch, problem.dtype, problem.head_dim, bool(causal))
-    row = library.manifest.row(variant)
     device = device_of(arrays)
+    row = library.manifest.find(kind="fwd", arch=library.arch(device), dtype=problem.dtype,
+                                head_dim=problem.head_dim, causal=bool(causal))
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")

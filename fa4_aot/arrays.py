@@ -90,6 +90,13 @@ _DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16"}  # (code, bits):
 
 
 def _from_dlpack(obj) -> DeviceArray:
+    if hasattr(obj, "__dlpack_device__"):
+        device_type, _ = obj.__dlpack_device__()
+        if int(device_type) not in (_DL_CUDA, _DL_CUDA_MANAGED):
+            raise DeviceError(
+                f"array is on DLPack device type {int(device_type)}, not a CUDA device: "
+                "move it to the GPU first"
+            )
     try:
         capsule = obj.__dlpack__(stream=-1)  # -1: the caller orders streams itself
     except TypeError:

@@ -22,6 +22,7 @@ from . import abi, tma
 from .driver import call, compute_capability, cu, device_name, init
 from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
+from .variants import arch_for_capability
 
 
 class _Context:
@@ -61,7 +62,7 @@ class KernelLibrary:
         self.folder = Path(folder)
         self._manifest = None
         self._functions: dict[tuple[int, str], object] = {}
-        self._checked_devices: set[int] = set()
+        self._archs: dict[int, str] = {}
         self._lock = threading.RLock()
 
     @property
@@ -73,6 +74,22 @@ class KernelLibrary:
         return self._manifest
 
     # ------------------------------------------------------------------ loading
+    def arch(self, device: int) -> str:
+        """The matrix architecture for ``device``; ArchitectureError if nothing here runs on it."""
+        arch = self._archs.get(device)
+        if arch is None:
+            init()
+            cc = compute_capability(device)
+            arch = arch_for_capability(cc)
+            built = sorted({r["arch"] for r in self.manifest.data["kernels"]})
+            if arch is None or arch not in {v.arch for v in self.manifest.variants}:
+                raise ArchitectureError(
+                    f"device {device} ({device_name(device)}) is sm_{cc[0]}{cc[1]}; the kernels here "
+                    f"are built for {', '.join(built) or 'nothing'}. Use a GPU of that architecture."
+                )
+            self._archs[device] = arch
+        return arch
+
     def check_device(self, device: int, row: dict) -> None:
         """Driver floor and architecture; raises before any module is loaded."""
         version = init()

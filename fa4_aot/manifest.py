@@ -70,6 +70,20 @@ class Manifest:
             raise UnsupportedVariantError(self._not_built_message(variant))
         return row
 
+    def find(self, **axes) -> dict:
+        """The row for a variant given by its axes; a typed error names the nearest built ones."""
+        try:
+            variant = Variant(**axes)
+        except ValueError as e:
+            nearest = sorted(
+                self.variants,
+                key=lambda x: (x.dtype != axes.get("dtype"), abs(x.head_dim - axes.get("head_dim", 0)),
+                               x.causal != axes.get("causal")),
+            )
+            names = ", ".join(x.name for x in nearest[:4]) or "none"
+            raise UnsupportedVariantError(f"no kernel for {axes}: {e}. Nearest built variants: {names}.") from None
+        return self.row(variant)
+
     def _not_built_message(self, v: Variant) -> str:
         reasons = [why for key, why in NOT_BUILT_REASONS.items() if _matches(v, key)]
         same_kind = [x for x in self.variants if x.kind == v.kind and x.arch == v.arch] or self.variants

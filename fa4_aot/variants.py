@@ -126,6 +126,14 @@ class Variant:
         raise KeyError(name)
 
 
+ARCH_OF_CAPABILITY = {(9, 0): "sm90a", (10, 0): "sm100a"}
+
+
+def arch_for_capability(cc: tuple[int, int]) -> str | None:
+    """The matrix's architecture whose cubins run on a device of compute capability ``cc``."""
+    return ARCH_OF_CAPABILITY.get(tuple(cc))
+
+
 def _build_matrix() -> tuple[Variant, ...]:
     out = []
     for arch in AXES["arch"]["built"]:

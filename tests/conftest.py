@@ -1,0 +1,23 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small subset of the matrix, built once per session into a temporary folder: one
+# variant per dtype, the smallest and largest head dims, causal and not.
+SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d256.causal", "fwd.sm90a.fp16.d96.causal")
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory):
+    """(folder, completed process) of build_kernels.py over SUBSET."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to build kernels")
+    out = tmp_path_factory.mktemp("kernels")
+    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(out), "--jobs", "2"]
+    for name in SUBSET:
+        args += ["--only", name]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, proc

@@ -1,0 +1,100 @@
+"""Building a subset of the matrix on a machine with no GPU, and what the manifest says."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+
+from fa4_aot import abi
+from fa4_aot.cubin_info import kernel_info
+from fa4_aot.manifest import Manifest
+from fa4_aot.variants import Variant
+
+from ..conftest import ROOT, SUBSET
+
+H100_SMEM_LIMIT = 227 * 1024
+
+
+def rows(folder):
+    return json.loads((folder / "manifest.json").read_text())["kernels"]
+
+
+def test_build_writes_one_row_per_requested_variant(built):
+    folder, proc = built
+    assert [r["name"] for r in rows(folder)] == sorted(SUBSET, key=Variant.from_name)
+    assert "3 variants (3 compiled" in proc.stdout
+
+
+def test_checksums_and_sizes_match_the_files(built):
+    folder, _ = built
+    for r in rows(folder):
+        data = (folder / r["file"]).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == r["sha256"]
+        assert len(data) == r["size"]
+        assert data[:4] == b"\x7fELF"
+
+
+def test_manifest_records_toolchain_and_driver_floor(built):
+    m = json.loads((built[0] / "manifest.json").read_text())
+    assert m["toolchain"]["dsl"].startswith("nvidia-cutlass-dsl 4.8.1")
+    assert m["toolchain"]["ptxas"].startswith("13.")
+    assert m["driver_floor"]["cuda_version"] >= 13000
+    assert set(m["axes"]) == {"kind", "arch", "dtype", "head_dim", "causal", "varlen", "cta_mode", "deterministic"}
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_parameter_plan_matches_ptx_and_cubin(built, name):
+    folder, _ = built
+    row = next(r for r in rows(folder) if r["name"] == name)
+    ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
+    abi.check_against_ptx(row["params"], ptx, row["symbol"])
+    info = kernel_info((folder / row["file"]).read_bytes(), row["symbol"])
+    base = info.params[0][1]
+    assert [(o - base, s) for _, o, s in info.params] == [(p["offset"], p["size"]) for p in row["params"]]
+    assert info.registers == row["registers"] and row["local_bytes"] == 0, "no spills"
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_launch_contract_is_complete(built, name):
+    folder, _ = built
+    row = next(r for r in rows(folder) if r["name"] == name)
+    v = Variant.from_dict(row["variant"])
+    assert v.name == name and row["arch"] == "sm_90a" and row["compute_capability"] == [9, 0]
+    assert row["block"] == [384, 1, 1] and row["cluster"] == [1, 1, 1]
+    assert row["smem_bytes"] + row["static_smem_bytes"] <= H100_SMEM_LIMIT
+    tensors = {p["tensor"] for p in row["params"] if p["kind"] == "tensormap"}
+    assert tensors == set(row["tensormaps"]) == {"q", "k", "v", "o"}
+    for recipe in row["tensormaps"].values():
+        assert recipe["dims"] == ["d", "s", "h", "b"]
+        assert recipe["box"][0] * 2 <= 128 and recipe["box"][2:] == [1, 1]
+        assert recipe["swizzle"] in ("64B", "128B")
+    assert row["tensormaps"]["q"]["box"][1] == row["tiling"]["tile_m"]
+    assert row["tensormaps"]["k"]["box"][1] == row["tiling"]["tile_n"]
+
+
+def test_rebuild_is_incremental(built):
+    folder, _ = built
+    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(folder)]
+    for name in SUBSET:
+        args += ["--only", name]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "(0 compiled, 3 unchanged)" in proc.stdout
+
+
+def test_sm100a_is_declared_but_says_plainly_that_nothing_is_built(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(tmp_path), "--arch", "sm100a"],
+        capture_output=True, text=True, cwd=ROOT,
+    )
+    assert proc.returncode != 0
+    assert "nothing is built for sm100a" in proc.stdout
+    assert "wgmma" in proc.stdout
+
+
+def test_manifest_loads_and_finds_rows(built):
+    m = Manifest(built[0])
+    row = m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=64, causal=False)
+    assert m.cubin(row)[:4] == b"\x7fELF"

@@ -1,0 +1,90 @@
+"""Every bad input is refused with a typed error before anything touches a GPU."""
+
+import pytest
+
+from fa4_aot.arrays import DeviceArray, as_device_array
+from fa4_aot.checks import check_forward
+from fa4_aot.errors import DeviceError, DTypeError, InputError, LayoutError, ShapeError
+
+BASE = 0x7F0000000000
+
+
+def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=BASE):
+    strides = strides or (s * h * d, h * d, d, 1)
+    return DeviceArray(ptr, (b, s, h, d), strides, dtype)
+
+
+def problem(**over):
+    args = {
+        "q": bshd(2, 100, 8, 128), "k": bshd(2, 300, 2, 128), "v": bshd(2, 300, 2, 128),
+        "out": bshd(2, 100, 8, 128), "lse": DeviceArray(BASE, (2, 8, 100), (800, 100, 1), "fp32"),
+    }
+    args.update(over)
+    return args
+
+
+def test_a_good_problem_passes():
+    p = check_forward(**problem())
+    assert (p.batch, p.seqlen_q, p.seqlen_k, p.heads_q, p.heads_kv, p.head_dim) == (2, 100, 300, 8, 2, 128)
+
+
+@pytest.mark.parametrize("over, error, message", [
+    ({"q": bshd(2, 100, 8, 128, "fp32")}, DTypeError, "bf16 or fp16"),
+    ({"k": bshd(2, 300, 2, 128, "fp16"), "v": bshd(2, 300, 2, 128, "fp16")}, DTypeError, "share one dtype"),
+    ({"lse": DeviceArray(BASE, (2, 8, 100), (800, 100, 1), "bf16")}, DTypeError, "lse must be fp32"),
+    ({"q": DeviceArray(BASE, (2, 100, 1024), (102400, 1024, 1), "bf16")}, ShapeError, "rank 4"),
+    ({"q": bshd(2, 0, 8, 128), "out": bshd(2, 0, 8, 128)}, ShapeError, "zero or negative"),
+    ({"k": bshd(2, -3, 2, 128)}, ShapeError, "zero or negative"),
+    ({"k": bshd(2, 300, 3, 128), "v": bshd(2, 300, 3, 128)}, ShapeError, "multiple of heads_kv"),
+    ({"k": bshd(3, 300, 2, 128), "v": bshd(3, 300, 2, 128)}, ShapeError, "batch=2"),
+    ({"v": bshd(2, 299, 2, 128)}, ShapeError, "v .* must have k's shape"),
+    ({"out": bshd(2, 100, 8, 64)}, ShapeError, "out .* must have q's shape"),
+    ({"lse": DeviceArray(BASE, (2, 100, 8), (800, 8, 1), "fp32")}, ShapeError, "lse"),
+    ({"lse": DeviceArray(BASE, (2, 8, 100), (1600, 200, 1), "fp32")}, LayoutError, "lse must be contiguous"),
+    ({"lse": DeviceArray(BASE + 2, (2, 8, 100), (800, 100, 1), "fp32")}, LayoutError, "4-byte"),
+    ({"q": bshd(2, 100, 8, 128, strides=(102400, 1024, 1, 8))}, LayoutError, "last dimension must be contiguous"),
+    ({"q": bshd(2, 100, 8, 128, strides=(102400, 1028, 129, 1))}, LayoutError, "multiples of 16 bytes"),
+    ({"k": bshd(2, 300, 2, 128, ptr=BASE + 8)}, LayoutError, "16-byte aligned"),
+    ({"q": bshd(2, 100, 8, 128, strides=(-102400, 1024, 128, 1))}, LayoutError, "positive"),
+    ({"q": bshd(1, 2**31, 1, 64), "out": bshd(1, 2**31, 1, 64),
+      "k": bshd(1, 8, 1, 64), "v": bshd(1, 8, 1, 64)}, ShapeError, "2\\*\\*31-1"),
+    ({"q": bshd(70000, 1, 1, 64), "out": bshd(70000, 1, 1, 64), "k": bshd(70000, 8, 1, 64),
+      "v": bshd(70000, 8, 1, 64), "lse": DeviceArray(BASE, (70000, 1, 1), (1, 1, 1), "fp32")}, ShapeError, "grid"),
+])
+def test_bad_inputs(over, error, message):
+    with pytest.raises(error, match=message):
+        check_forward(**problem(**over))
+
+
+def test_lse_index_overflow_is_refused():
+    b, s, h = 64, 2**20, 64
+    over = {"q": bshd(b, s, h, 64), "out": bshd(b, s, h, 64), "k": bshd(b, 8, h, 64), "v": bshd(b, 8, h, 64),
+            "lse": DeviceArray(BASE, (b, h, s), (h * s, s, 1), "fp32")}
+    with pytest.raises(ShapeError, match="int32"):
+        check_forward(**problem(**over))
+
+
+def test_errors_are_value_errors_too():
+    assert issubclass(InputError, ValueError) and issubclass(DTypeError, TypeError)
+
+
+def test_host_arrays_are_refused():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(DeviceError, match="not a CUDA device"):
+        as_device_array(np.zeros((2, 3), dtype=np.float16))
+    with pytest.raises(DeviceError, match="not a device array"):
+        as_device_array([1, 2, 3])
+
+
+def test_cuda_array_interface_is_read_without_the_framework():
+    class Fake:
+        __cuda_array_interface__ = {"data": (BASE, False), "shape": (2, 5, 3, 64), "typestr": "<f2",
+                                    "strides": (5 * 3 * 64 * 2, 3 * 64 * 2, 64 * 2, 2), "version": 3}
+    a = as_device_array(Fake())
+    assert a == DeviceArray(BASE, (2, 5, 3, 64), (960, 192, 64, 1), "fp16")
+
+
+def test_dlpack_of_a_torch_cpu_tensor_is_refused():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(DeviceError):
+        as_device_array(torch.zeros(2, 3, dtype=torch.bfloat16))

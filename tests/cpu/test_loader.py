@@ -1,0 +1,94 @@
+"""The loader's refusals, each a typed error that names the fix; no GPU needed."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from fa4_aot import loader, tma
+from fa4_aot.errors import (ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
+                            UnsupportedVariantError)
+from fa4_aot.loader import KernelLibrary, grid_of, pack_params
+from fa4_aot.manifest import Manifest
+
+
+@pytest.fixture
+def copy(built, tmp_path):
+    folder = tmp_path / "kernels"
+    shutil.copytree(built[0], folder)
+    return folder
+
+
+def test_missing_manifest_says_how_to_build(tmp_path):
+    with pytest.raises(ManifestError, match="build_kernels.py"):
+        Manifest(tmp_path)
+
+
+def test_malformed_and_foreign_schema_manifests_are_refused(copy):
+    path = copy / "manifest.json"
+    data = json.loads(path.read_text())
+    path.write_text("{not json")
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        Manifest(copy)
+    path.write_text(json.dumps({**data, "schema": 99}))
+    with pytest.raises(ManifestError, match="schema 99"):
+        Manifest(copy)
+    del data["kernels"][0]["symbol"]
+    data["schema"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="symbol"):
+        Manifest(copy)
+
+
+def test_corrupt_cubin_fails_its_checksum(copy):
+    m = Manifest(copy)
+    row = next(iter(m.rows.values()))
+    path = copy / row["file"]
+    blob = bytearray(path.read_bytes())
+    blob[100] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(ChecksumError, match="sha256"):
+        m.cubin(row)
+
+
+def test_variant_not_built_lists_the_nearest(built):
+    m = Manifest(built[0])
+    with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d128 is not built.*Nearest built variants: fwd\.sm90a\.bf16\.d64"):
+        m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=False)
+    with pytest.raises(UnsupportedVariantError, match="head_dim=80"):
+        m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=80, causal=False)
+    with pytest.raises(UnsupportedVariantError, match="no Blackwell kernel"):
+        m.find(kind="fwd", arch="sm100a", dtype="bf16", head_dim=64, causal=False)
+
+
+def test_no_gpu_gives_a_clear_error_not_a_crash(built, monkeypatch):
+    def no_driver(*_):
+        raise RuntimeError('"cuda" is an NVIDIA driver library and can only be found via system search')
+
+    monkeypatch.setattr(loader.cu, "cuInit", no_driver, raising=False)
+    loader.init.cache_clear()
+    try:
+        with pytest.raises(NoDeviceError, match="no usable CUDA device"):
+            KernelLibrary(built[0]).arch(0)
+    finally:
+        loader.init.cache_clear()
+    assert issubclass(NoDeviceError, Fa4AotError)
+
+
+def test_parameter_buffer_follows_the_plan(built, monkeypatch):
+    row = next(iter(Manifest(built[0]).rows.values()))
+    monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes([ord(recipe["tensor"])]) * 128)
+    sizes = {"batch": 3, "seqlen_q": 1000, "seqlen_k": 777, "heads_q": 8, "heads_kv": 2, "head_dim": 64}
+    tensors = {n: {"ptr": 0x10000 * (i + 1), "shape": None, "strides": None, "itemsize": 2}
+               for i, n in enumerate(("q", "k", "v", "o", "lse"))}
+    buffer, pointers = pack_params(row, sizes, tensors, {"scale_log2": 0.5})
+    assert list(pointers - pointers[0]) == [p["offset"] for p in row["params"]]
+    by_name = {p["name"]: p for p in row["params"]}
+    at = lambda name: buffer[by_name[name]["offset"]:]  # noqa: E731
+    assert bytes(at("tma_k")[:128]) == b"k" * 128
+    assert list(at("k_coords")[:12].view(np.int32)) == [777, 2, 3]
+    assert list(at("q_coords")[:12].view(np.int32)) == [1000, 8, 3]
+    assert at("lse")[:8].view(np.uint64)[0] == 0x50000
+    assert at("scale_log2")[:4].view(np.float32)[0] == 0.5
+    assert grid_of(row, sizes) == (8, 8, 3)
