@@ -1,13 +1,17 @@
 """FlashAttention forward for Hopper (sm_90a), warp-specialized, TMA + wgmma.
 
 One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgroups:
-- warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into a
-  `stages`-deep mbarrier pipeline, walking key tiles from the last (the one that may need
-  masking) to the first.
+- warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into
+  `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
+  masking) to the first, K one tile ahead of V.
 - warpgroups 1 and 2: consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
   online softmax in the exp2 domain, P converted in registers and fed to O += P V as the
-  A operand of an RS-wgmma. The epilogue normalizes O, stages it in shared memory over the
-  spent Q buffer and writes it with one TMA store; LSE is written by the owning threads.
+  A operand of an RS-wgmma. Within a warpgroup, S(j+1) and P(j) V(j) are in flight
+  together and the softmax of S(j+1) overlaps P(j) V(j); across the two warpgroups, named
+  barriers hand the tensor cores back and forth (ping-pong), so one warpgroup's softmax
+  hides behind the other's GEMMs. The epilogue normalizes O, stages it in shared memory
+  over the spent Q buffer and writes it with one TMA store; LSE is written by the owning
+  threads.
 Registers are moved from the producer to the consumers with setmaxnreg.
 
 Causal masking is bottom-right aligned; fully masked key tiles are never loaded, and
@@ -34,6 +38,7 @@ WARPGROUP = 128
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
+SCHEDULER_BARRIER = 2  # and 3: one per consumer warpgroup
 
 
 class FlashFwdSm90:
@@ -212,21 +217,30 @@ class FlashFwdSm90:
         tVs, tVg = cpasync.tma_partition(
             tma_v, 0, whole, cute.group_modes(sV, 0, 2), cute.group_modes(tiles_v, 0, 2)
         )
+        load_k = lambda n, st: cute.copy(  # noqa: E731
+            tma_k, tKg[None, n], tKs[None, st.index], tma_bar_ptr=pipe_k.producer_get_barrier(st))
+        load_v = lambda n, st: cute.copy(  # noqa: E731
+            tma_v, tVg[None, n], tVs[None, st.index], tma_bar_ptr=pipe_v.producer_get_barrier(st))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        if n_blocks > 0:
+            pipe_k.producer_acquire(kv_state)
+            load_k(n_blocks - 1, kv_state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQg, tQs[None, 0] if const_expr(cute.rank(tQs) > 1) else tQs,
-                  tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for i in cutlass.range(n_blocks, unroll=1):
-            n_block = n_blocks - 1 - i
-            pipe_k.producer_acquire(kv_state)
-            cute.copy(tma_k, tKg[None, n_block], tKs[None, kv_state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
+        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if n_blocks > 0:
+            # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                v_state = kv_state.clone()
+                kv_state.advance()
+                pipe_k.producer_acquire(kv_state)
+                load_k(n_blocks - 2 - i, kv_state)
+                pipe_v.producer_acquire(v_state)
+                load_v(n_blocks - 1 - i, v_state)
             pipe_v.producer_acquire(kv_state)
-            cute.copy(tma_v, tVg[None, n_block], tVs[None, kv_state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
-            kv_state.advance()
+            load_v(0, kv_state)
 
+    @cute.jit
     def _tiled_mmas(self):
         qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
@@ -277,20 +291,46 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for i in cutlass.range(n_blocks, unroll=1):
-            n_block = n_blocks - 1 - i
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        if wg == 0:  # the first consumer issues first
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
+        if n_blocks > 0:
+            # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(kv_state)
-            self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], accumulate=False)
+            self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
             pipe_k.consumer_release(kv_state)
-            apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, n_block >= first_masked)
+            apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k, True)
             softmax_step(acc_s, row_scale)
-            scale_rows(acc_o, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
+                # in flight together; softmax of S(j+1) runs while P(j) V(j) finishes.
+                # Across warpgroups (ping-pong): one issues its GEMMs while the other
+                # does softmax, handing over through the scheduler barriers.
+                n_block = n_blocks - 2 - i
+                v_state = kv_state.clone()
+                kv_state.advance()
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(kv_state)
+                cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+                self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                pipe_v.consumer_wait(v_state)
+                self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
+                cute.arch.barrier_arrive(
+                    barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WARPGROUP
+                )
+                warpgroup.wait_group(1)
+                pipe_k.consumer_release(kv_state)
+                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, n_block >= first_masked)
+                softmax_step(acc_s, row_scale)
+                warpgroup.wait_group(0)
+                pipe_v.consumer_release(v_state)
+                scale_rows(acc_o, row_scale)
+                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             pipe_v.consumer_wait(kv_state)
-            self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], accumulate=True)
+            self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)
-            kv_state.advance()
 
         inv_sum = cute.make_rmem_tensor((rows,), Float32)
         lse = cute.make_rmem_tensor((rows,), Float32)
@@ -299,7 +339,9 @@ class FlashFwdSm90:
         self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
 
     @cute.jit
-    def _wgmma(self, tiled_mma, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool]):
+    def _wgmma(self, tiled_mma, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool],
+               wait: cutlass.Constexpr[bool]):
+        """Issue one warpgroup GEMM as a commit group; wait for it only if ``wait``."""
         warpgroup.fence()
         atom = cute.make_mma_atom(tiled_mma.op)
         atom.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -307,7 +349,8 @@ class FlashFwdSm90:
             cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
             atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        warpgroup.wait_group(0)
+        if const_expr(wait):
+            warpgroup.wait_group(0)
 
     @cute.jit
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):
