@@ -92,3 +92,33 @@ def test_parameter_buffer_follows_the_plan(built, monkeypatch):
     assert at("lse")[:8].view(np.uint64)[0] == 0x50000
     assert at("scale_log2")[:4].view(np.float32)[0] == 0.5
     assert grid_of(row, sizes) == (8, 8, 3)
+
+
+def _fake_device(monkeypatch, version=13000, cc=(9, 0)):
+    monkeypatch.setattr(loader, "init", lambda: version)
+    monkeypatch.setattr(loader, "compute_capability", lambda device: cc)
+    monkeypatch.setattr(loader, "device_name", lambda device: "Fake GPU")
+
+
+def test_old_driver_is_refused_with_the_floor(built, monkeypatch):
+    from fa4_aot.errors import DriverTooOldError
+
+    _fake_device(monkeypatch, version=12080)
+    lib = KernelLibrary(built[0])
+    row = next(iter(lib.manifest.rows.values()))
+    with pytest.raises(DriverTooOldError, match=r"supports CUDA 12\.8; these cubins need 13\.0"):
+        lib.check_device(0, row)
+
+
+def test_wrong_architecture_is_refused_before_loading(built, monkeypatch):
+    from fa4_aot.errors import ArchitectureError
+
+    _fake_device(monkeypatch, cc=(8, 0))
+    lib = KernelLibrary(built[0])
+    row = next(iter(lib.manifest.rows.values()))
+    with pytest.raises(ArchitectureError, match=r"built for sm_90a .*\(Fake GPU\) is 8\.0"):
+        lib.check_device(0, row)
+    with pytest.raises(ArchitectureError, match="sm_80"):
+        lib.arch(0)
+    _fake_device(monkeypatch, cc=(9, 0))
+    assert lib.arch(0) == "sm90a"

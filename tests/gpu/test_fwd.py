@@ -131,3 +131,38 @@ def test_bad_inputs_raise_typed_errors_before_launch():
 
 def test_runtime_never_imported_the_dsl():
     assert "cutlass" not in sys.modules
+
+
+def test_driver_reports_the_manifest_parameter_layout():
+    from cuda.bindings import driver as cu
+
+    lib = fa4_aot.default_library()
+    row = lib.manifest.rows["fwd.sm90a.bf16.d128"]
+    lib.preload([row["name"]], device=torch.cuda.current_device())
+    torch.cuda.init()
+    fn = next(f for (ctx, name), f in lib._functions.items() if name == row["name"])
+    got = [cu.cuFuncGetParamInfo(fn, i)[1:] for i in range(len(row["params"]))]
+    base = got[0][0]
+    assert [(o - base, s) for o, s in got] == [(p["offset"], p["size"]) for p in row["params"]]
+    attrs = cu.CUfunction_attribute
+    assert cu.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1] == 0, "no spills"
+
+
+def test_concurrent_launches_from_threads():
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        q, k, v = _inputs((2, 333, 555, 4, 1), 96, torch.float16, gen)
+        out, lse = _poisoned(q)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            for _ in range(5):
+                flash_attn_fwd(q, k, v, causal=bool(seed % 2), out=out, lse=lse)
+        stream.synchronize()
+        return q, k, v, out, lse, bool(seed % 2)
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, range(8)))
+    for q, k, v, out, lse, causal in results:
+        _check(out, lse, q, k, v, causal)
