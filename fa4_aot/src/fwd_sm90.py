@@ -25,16 +25,14 @@ environment and queries no device.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
-from cutlass.tensor_utils import LayoutEnum
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
+from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgmma
 from .softmax import OnlineSoftmax, scale_rows
 
-WARPGROUP = 128
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
@@ -57,15 +55,6 @@ class FlashFwdSm90:
         self.threads = WARPGROUP * (1 + self.num_consumers)
         self.tma_boxes = {}
         self.smem_bytes = None
-
-    def _smem_layout(self, rows: int, stages):
-        atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, self.head_dim),
-            self.dtype,
-        )
-        shape = (rows, self.head_dim) if stages is None else (rows, self.head_dim, stages)
-        order = (0, 1) if stages is None else (0, 1, 2)
-        return cute.tile_to_shape(atom, shape, order=order)
 
     def _storage(self, sq, sk, sv):
         def buf(layout):
@@ -101,8 +90,8 @@ class FlashFwdSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
             for t in (mQ, mK, mV, mO)
         ]
-        sq = self._smem_layout(self.tile_m, None)
-        skv = self._smem_layout(self.tile_n, self.stages)
+        sq = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        skv = smem_layout(self.dtype, self.tile_n, self.head_dim, self.stages)
         skv_one = cute.select(skv, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq, (self.tile_m, self.head_dim))
@@ -242,15 +231,8 @@ class FlashFwdSm90:
 
     @cute.jit
     def _tiled_mmas(self):
-        qk = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K,
-            Float32, atom_layout_mnk=(self.num_consumers, 1, 1), tiler_mn=(64, self.tile_n),
-        )
-        pv = sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN,
-            Float32, atom_layout_mnk=(self.num_consumers, 1, 1), tiler_mn=(64, self.head_dim),
-            a_source=warpgroup.OperandSource.RMEM,
-        )
+        qk = tiled_mma(self.dtype, "K", "K", (self.num_consumers, 1, 1), self.tile_n)
+        pv = tiled_mma(self.dtype, "K", "MN", (self.num_consumers, 1, 1), self.head_dim, a_in_registers=True)
         return qk, pv
 
     @cute.jit
@@ -298,7 +280,7 @@ class FlashFwdSm90:
             # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(kv_state)
-            self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
+            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
             pipe_k.consumer_release(kv_state)
             apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k, True)
             softmax_step(acc_s, row_scale)
@@ -314,9 +296,9 @@ class FlashFwdSm90:
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 pipe_k.consumer_wait(kv_state)
                 cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-                self._wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
                 pipe_v.consumer_wait(v_state)
-                self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
+                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
                 cute.arch.barrier_arrive(
                     barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WARPGROUP
                 )
@@ -329,7 +311,7 @@ class FlashFwdSm90:
                 scale_rows(acc_o, row_scale)
                 tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             pipe_v.consumer_wait(kv_state)
-            self._wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
+            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)
 
         inv_sum = cute.make_rmem_tensor((rows,), Float32)
@@ -339,39 +321,11 @@ class FlashFwdSm90:
         self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
 
     @cute.jit
-    def _wgmma(self, tiled_mma, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool],
-               wait: cutlass.Constexpr[bool]):
-        """Issue one warpgroup GEMM as a commit group; wait for it only if ``wait``."""
-        warpgroup.fence()
-        atom = cute.make_mma_atom(tiled_mma.op)
-        atom.set(warpgroup.Field.ACCUMULATE, accumulate)
-        for kb in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
-            cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
-            atom.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.commit_group()
-        if const_expr(wait):
-            warpgroup.wait_group(0)
-
-    @cute.jit
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):
         """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows."""
-        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
-        r_o.store(acc_o.load().to(self.dtype))
-        store_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=32)
-        tiled_store = cute.make_tiled_copy_C(store_atom, mma_pv)
-        thr_store = tiled_store.get_slice(tidx)
-        cute.copy(tiled_store, thr_store.retile(r_o), thr_store.partition_D(sO))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
-        if tidx == 0:
-            tile_o = cute.local_tile(gO, (self.tile_m, self.head_dim), (m_block, 0))
-            tOs, tOg = cpasync.tma_partition(
-                tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2), cute.group_modes(tile_o, 0, 2)
-            )
-            cute.copy(tma_o, tOs, tOg)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-
+        tile_o = cute.local_tile(gO, (self.tile_m, self.head_dim), (m_block, 0))
+        stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
+                        self.num_consumers * WARPGROUP)
         coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):

@@ -1,0 +1,68 @@
+"""Pieces the sm90 forward and backward kernels share: shared-memory layouts, warpgroup
+GEMM issue, and staging a register tile through shared memory to a TMA store."""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+WARPGROUP = 128
+
+
+def smem_layout(dtype, rows: int, cols: int, stages=None):
+    """Row-major (rows, cols[, stages]) tile, swizzled for wgmma and TMA (cols contiguous)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+    )
+    if stages is None:
+        return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
+    return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def tiled_mma(dtype, a_major, b_major, atoms_mnk, tile_n: int, a_in_registers: bool = False):
+    mode = {"K": warpgroup.OperandMajorMode.K, "MN": warpgroup.OperandMajorMode.MN}
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, mode[a_major], mode[b_major], cutlass.Float32,
+        atom_layout_mnk=atoms_mnk, tiler_mn=(64, tile_n),
+        a_source=warpgroup.OperandSource.RMEM if a_in_registers else warpgroup.OperandSource.SMEM,
+    )
+
+
+@cute.jit
+def wgmma(tiled, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool], wait: cutlass.Constexpr[bool]):
+    """Issue one warpgroup GEMM over every k-block as a commit group; wait only if ``wait``."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled.op)
+    atom.set(warpgroup.Field.ACCUMULATE, accumulate)
+    for kb in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, kb], frag_b[None, None, kb], acc)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+    warpgroup.commit_group()
+    if const_expr(wait):
+        warpgroup.wait_group(0)
+
+
+@cute.jit
+def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int):
+    """acc (fp32 fragment of ``tiled``) -> dtype in ``smem`` -> one TMA store to ``gmem_tile``.
+
+    Every one of ``threads`` threads calls this; thread 0 issues the store and waits until
+    shared memory has been read, so the buffer may be reused after a later barrier.
+    """
+    staged = cute.make_rmem_tensor_like(acc, dtype)
+    staged.store(acc.load().to(dtype))
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
+    copy = cute.make_tiled_copy_C(atom, tiled)
+    thr = copy.get_slice(tidx)
+    cute.copy(copy, thr.retile(staged), thr.partition_D(smem))
+    cute.arch.fence_proxy("async.shared", space="cta")
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
+    if tidx == 0:
+        s_part, g_part = cpasync.tma_partition(
+            tma_atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem_tile, 0, 2)
+        )
+        cute.copy(tma_atom, s_part, g_part)
+        cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=True)
