@@ -9,10 +9,10 @@ Importing fa4_aot imports neither torch nor the CuTe DSL; the torch adapter live
 
 __version__ = "0.1.0"
 
-from .api import default_library, forward  # noqa: E402
+from .api import backward, backward_workspace_bytes, default_library, forward  # noqa: E402
 from .arrays import DeviceArray  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
 from .variants import MATRIX, Variant  # noqa: E402
 
-__all__ = ["forward", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]
+__all__ = ["forward", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

@@ -11,6 +11,7 @@ A plan is a list of slots; each slot is a dict that goes verbatim into the manif
 kinds:
   tensormap  {"tensor": "q"}             CUtensorMap encoded at launch from tensormaps[tensor]
   i32        {"fields": ["seqlen_q", ...]} consecutive int32 run-time sizes
+  i64        {"fields": ["stride.o.b"]}  an int64 run-time value (element strides)
   ptr        {"tensor": "lse"}           a device address
   f32        {"value": "scale_log2"}     a float32 run-time scalar
 """
@@ -25,6 +26,8 @@ SLOT_SIZES = {"tensormap": (128, 64), "ptr": (8, 8), "f32": (4, 4)}
 def _slot(name: str, kind: str, **fields) -> dict:
     if kind == "i32":
         size, align = 4 * len(fields["fields"]), 4
+    elif kind == "i64":
+        size, align = 8 * len(fields["fields"]), 8
     else:
         size, align = SLOT_SIZES[kind]
     return {"name": name, "kind": kind, "size": size, "align": align, **fields}
@@ -40,6 +43,40 @@ def fwd_plan() -> list[dict]:
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
     slots.append(_slot("lse", "ptr", tensor="lse"))
     slots.append(_slot("scale_log2", "f32", value="scale_log2"))
+    return with_offsets(slots)
+
+
+def _strides(tensor: str) -> list[dict]:
+    return [_slot(f"{tensor}_stride_{a}", "i64", fields=[f"stride.{tensor}.{a}"]) for a in "bsh"]
+
+
+def bwd_preprocess_plan() -> list[dict]:
+    """FlashBwdSm90.preprocess: O and dO rows, LSE in, workspaces out."""
+    slots = [_slot("o", "ptr", tensor="o"), *_strides("o"), _slot("do", "ptr", tensor="do"), *_strides("do")]
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore")]
+    slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("heads_q", "i32", fields=["heads_q"])]
+    return with_offsets(slots)
+
+
+def bwd_main_plan() -> list[dict]:
+    """FlashBwdSm90.kernel: TMA for Q, dO, K, V in and dK, dV out; workspaces; scales."""
+    q_sizes = ["seqlen_q", "heads_q", "batch"]
+    kv_sizes = ["seqlen_k", "heads_kv", "batch"]
+    slots = []
+    for tensor, sizes in (("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes),
+                          ("dk", kv_sizes), ("dv", kv_sizes)):
+        slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
+        slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_accum", "dq_semaphore")]
+    slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
+    return with_offsets(slots)
+
+
+def bwd_postprocess_plan() -> list[dict]:
+    """FlashBwdSm90.postprocess: the fp32 accumulator to dQ."""
+    slots = [_slot("dq_accum", "ptr", tensor="dq_accum"), _slot("dq", "ptr", tensor="dq"), *_strides("dq")]
+    slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("heads_q", "i32", fields=["heads_q"]),
+              _slot("scale", "f32", value="scale")]
     return with_offsets(slots)
 
 

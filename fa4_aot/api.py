@@ -6,9 +6,11 @@ import math
 import threading
 
 from .arrays import DeviceArray, as_device_array
-from .checks import check_forward, default_scale, device_of
+from .checks import check_backward, check_forward, default_scale, device_of
+from .errors import LayoutError, ShapeError
 from .loader import KernelLibrary
 
+LOG2E = math.log2(math.e)
 _default_library = None
 _library_lock = threading.Lock()
 
@@ -60,5 +62,68 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
     tensors = {name: _tma_tensor(arrays[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
     tensors["lse"] = arrays["lse"].as_launch_tensor()
-    library.launch(row, device, int(stream), problem.sizes, tensors,
-                   {"scale_log2": scale * math.log2(math.e)})
+    library.launch(row, device, int(stream), {**problem.sizes, "scale_log2": scale * LOG2E}, tensors)
+
+
+def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int) -> int:
+    """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem."""
+    return sum(size for _, size in _workspace_regions(batch, seqlen_q, heads_q, head_dim))
+
+
+def _workspace_regions(b: int, sq: int, hq: int, d: int, tile_m: int = 64):
+    rows = b * hq * sq * 4
+    return [("lse2", rows), ("dsum", rows), ("dq_accum", b * sq * hq * d * 4),
+            ("dq_semaphore", b * hq * -(-sq // tile_m) * 4)]
+
+
+def _carve(workspace: DeviceArray, problem) -> dict:
+    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim)
+    need = sum(size for _, size in regions)
+    have = math.prod(workspace.shape) * workspace.itemsize
+    if have < need:
+        raise ShapeError(f"workspace has {have} bytes; this problem needs {need} "
+                         "(fa4_aot.backward_workspace_bytes)")
+    if workspace.ptr % 256:
+        raise LayoutError(f"workspace pointer {workspace.ptr:#x} is not 256-byte aligned")
+    out, at = {}, workspace.ptr
+    for name, size in regions:
+        out[name] = {"ptr": at, "shape": None, "strides": None, "itemsize": 4}
+        at += -(-size // 256) * 256
+    return out
+
+
+def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
+             softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
+             library: KernelLibrary | None = None) -> None:
+    """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
+
+    q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
+    dout, dq: shaped like q; dk, dv: shaped like k; same dtype and layout rules as forward.
+    workspace: contiguous device memory of ``backward_workspace_bytes(...)`` bytes, 256-byte
+    aligned; the kernels clear what they use. ``deterministic``: dq is summed in a fixed
+    order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and dv
+    of a shared KV head sum every query head of its group. Asynchronous, allocation-free.
+    """
+    arrays = {name: as_device_array(x) for name, x in (
+        ("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
+        ("dq", dq), ("dk", dk), ("dv", dv), ("workspace", workspace))}
+    problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
+    regions = _carve(arrays["workspace"], problem)
+    library = library or default_library()
+    device = device_of(arrays)
+    row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
+                                head_dim=problem.head_dim, causal=bool(causal),
+                                deterministic=bool(deterministic))
+    scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    tensors = {name: _tma_tensor(arrays[src]) for name, src in (
+        ("q", "q"), ("k", "k"), ("v", "v"), ("do", "dout"), ("dk", "dk"), ("dv", "dv"),
+        ("o", "out"), ("dq", "dq"))}
+    tensors["lse"] = arrays["lse"].as_launch_tensor()
+    tensors.update(regions)
+    values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E}
+    for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
+        for axis, stride in zip("bsh", arrays[src].strides[:3]):
+            values[f"stride.{name}.{axis}"] = stride
+    library.launch(row, device, int(stream), values, tensors)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from .errors import DeviceError, DTypeError, LayoutError
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1}  # u8: workspaces
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class DeviceArray:
     ptr: int  # device address of element [0, 0, ...]
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
-    dtype: str  # "bf16", "fp16" or "fp32"
+    dtype: str  # "bf16", "fp16", "fp32" or "u8"
 
     def __post_init__(self):
         if self.dtype not in ITEMSIZE:
@@ -37,7 +37,7 @@ class DeviceArray:
         return {"ptr": self.ptr, "shape": self.shape, "strides": self.strides, "itemsize": self.itemsize}
 
 
-_CAI_TYPES = {"<f2": "fp16", "<f4": "fp32", "<V2": "bf16"}
+_CAI_TYPES = {"<f2": "fp16", "<f4": "fp32", "<V2": "bf16", "|u1": "u8"}
 
 
 def _from_cai(obj) -> DeviceArray:
@@ -86,7 +86,7 @@ class _DLTensor(ctypes.Structure):
 
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
-_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16"}  # (code, bits): kDLFloat=2, kDLBfloat=4
+_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16", (1, 8): "u8"}  # kDLUInt=1, kDLFloat=2, kDLBfloat=4
 
 
 def _from_dlpack(obj) -> DeviceArray:

@@ -115,3 +115,16 @@ def device_of(arrays: dict[str, DeviceArray]) -> int:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+def check_backward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArray,
+                   dout: DeviceArray, lse: DeviceArray, dq: DeviceArray, dk: DeviceArray,
+                   dv: DeviceArray) -> ForwardProblem:
+    problem = check_forward(q, k, v, out, lse)
+    for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+        if t.dtype != q.dtype:
+            raise DTypeError(f"{name} is {t.dtype}; it must be {q.dtype} like q")
+        _check_bshd(name, t)
+        if t.shape != like.shape:
+            raise ShapeError(f"{name} {t.shape} must have shape {like.shape}")
+    return problem

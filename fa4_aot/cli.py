@@ -39,11 +39,13 @@ def list_(folder, patterns, show_all, as_json):
     m = _manifest(folder)
     rows = [r for r in m.data["kernels"] if not patterns or any(fnmatch.fnmatchcase(r["name"], p) for p in patterns)]
     if as_json:
-        click.echo(json.dumps([{k: r[k] for k in ("name", "sha256", "size", "smem_bytes", "registers")} for r in rows], indent=1))
+        click.echo(json.dumps([{k: r[k] for k in ("name", "sha256", "size", "launches")} for r in rows], indent=1))
         return
     for r in rows:
-        click.echo(f"{r['name']:<36} {r['size'] / 1024:7.1f} KiB  smem {r['smem_bytes'] // 1024:3d} KiB  "
-                   f"regs {r.get('registers', '?')}  local {r.get('local_bytes', '?')} B")
+        main = max(r["launches"], key=lambda launch: launch["smem_bytes"])
+        click.echo(f"{r['name']:<36} {r['size'] / 1024:7.1f} KiB  {len(r['launches'])} kernel(s)  "
+                   f"smem {main['smem_bytes'] // 1024:3d} KiB  regs {main.get('registers', '?')}  "
+                   f"local {max(x.get('local_bytes', 0) for x in r['launches'])} B")
     if show_all:
         built = {r["name"] for r in m.data["kernels"]}
         for v in MATRIX:

@@ -110,34 +110,38 @@ class KernelLibrary:
                 "architecture, or a wheel built for yours."
             )
 
-    def function(self, row: dict, device: int):
-        """The CUfunction of ``row`` in the current context (which must be on ``device``)."""
+    def functions(self, row: dict, device: int) -> list:
+        """The CUfunction of each of ``row``'s launches in the current context (on ``device``)."""
         ctx = int(call(cu.cuCtxGetCurrent))
         key = (ctx, row["name"])
-        fn = self._functions.get(key)
-        if fn is not None:
-            return fn
+        fns = self._functions.get(key)
+        if fns is not None:
+            return fns
         with self._lock:
-            fn = self._functions.get(key)
-            if fn is None:
+            fns = self._functions.get(key)
+            if fns is None:
                 self.check_device(device, row)
-                fn = self._load(row)
-                self._functions[key] = fn
-        return fn
+                fns = self._load(row)
+                self._functions[key] = fns
+        return fns
 
-    def _load(self, row: dict):
+    def _load(self, row: dict) -> list:
         image = self.manifest.cubin(row)
         module = call(cu.cuModuleLoadData, image)
-        fn = call(cu.cuModuleGetFunction, module, row["symbol"].encode())
-        attr = cu.CUfunction_attribute
-        call(cu.cuFuncSetAttribute, fn, attr.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-             row["smem_bytes"])
-        self._check_params(fn, row)
-        return fn
+        fns = []
+        for launch in row["launches"]:
+            fn = call(cu.cuModuleGetFunction, module, launch["symbol"].encode())
+            if launch["smem_bytes"]:
+                call(cu.cuFuncSetAttribute, fn,
+                     cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                     launch["smem_bytes"])
+            self._check_params(fn, row["name"], launch)
+            fns.append(fn)
+        return fns
 
-    def _check_params(self, fn, row: dict) -> None:
+    def _check_params(self, fn, name: str, launch: dict) -> None:
         got = []
-        for i in range(len(row["params"]) + 1):
+        for i in range(len(launch["params"]) + 1):
             try:
                 offset, size = call(cu.cuFuncGetParamInfo, fn, i)
             except CudaError:
@@ -147,11 +151,12 @@ class KernelLibrary:
             return  # this driver cannot report parameters
         base = got[0][0]
         got = [(o - base, s) for o, s in got]
-        want = [(p["offset"], p["size"]) for p in row["params"]]
+        want = [(p["offset"], p["size"]) for p in launch["params"]]
         if got != want:
             raise AbiMismatchError(
-                f"{row['name']}: the driver reports parameters {got}, the manifest plans {want}. "
-                "The cubin and manifest.json are from different builds: rebuild or reinstall."
+                f"{name}: the driver reports parameters {got} for {launch['symbol'][:40]}..., the "
+                f"manifest plans {want}. The cubin and manifest.json are from different builds: "
+                "rebuild or reinstall."
             )
 
     def preload(self, names=None, device: int = 0) -> None:
@@ -159,59 +164,62 @@ class KernelLibrary:
         rows = [self.manifest.rows[n] for n in (names or self.manifest.rows)]
         with _Context(device):
             for row in rows:
-                self.function(row, device)
+                self.functions(row, device)
 
     # ------------------------------------------------------------------ launching
-    def launch(self, row: dict, device: int, stream: int, sizes: dict, tensors: dict, scalars: dict):
-        """Launch ``row`` with run-time ``sizes`` (seqlen_q, ...), ``tensors`` by name
-        ({"ptr", "shape", "strides", "itemsize"}) and float ``scalars``."""
+    def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict):
+        """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
+        and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name."""
         with _Context(device):
-            fn = self.function(row, device)
-            buffer, pointers = pack_params(row, sizes, tensors, scalars)
-            config = cu.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(row, sizes)
-            config.blockDimX, config.blockDimY, config.blockDimZ = row["block"]
-            config.sharedMemBytes = row["smem_bytes"]
-            config.hStream = cu.CUstream(stream)
-            if row["cluster"] != [1, 1, 1]:
-                attr = cu.CUlaunchAttribute()
-                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = row["cluster"]
-                config.attrs = [attr]
-                config.numAttrs = 1
-            # `buffer` stays referenced until the call returns; the driver copies it.
-            call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
+            fns = self.functions(row, device)
+            handle = cu.CUstream(stream)
+            for fn, launch in zip(fns, row["launches"]):
+                buffer, pointers = pack_params(row, launch, values, tensors)
+                config = cu.CUlaunchConfig()
+                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values)
+                config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
+                config.sharedMemBytes = launch["smem_bytes"]
+                config.hStream = handle
+                if launch["cluster"] != [1, 1, 1]:
+                    attr = cu.CUlaunchAttribute()
+                    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch["cluster"]
+                    config.attrs = [attr]
+                    config.numAttrs = 1
+                # `buffer` stays referenced until the call returns; the driver copies it.
+                call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
 
 
-def grid_of(row: dict, sizes: dict) -> tuple[int, int, int]:
+def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:
     out = []
-    for op, *args in row["grid"]:
+    for op, *args in launch["grid"]:
         if op == "ceil_div":
             out.append(-(-sizes[args[0]] // args[1]))
         elif op == "size":
             out.append(sizes[args[0]])
         else:
-            raise AbiMismatchError(f"{row['name']}: unknown grid rule {op}")
+            raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
     return tuple(out)
 
 
-def pack_params(row: dict, sizes: dict, tensors: dict, scalars: dict):
+def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     """The parameter buffer and the array of per-slot pointers cuLaunchKernelEx takes."""
-    slots = row["params"]
+    slots = launch["params"]
     buffer = np.zeros(abi.buffer_size(slots), dtype=np.uint8)
     for slot in slots:
-        at = slot["offset"]
-        kind = slot["kind"]
+        at, kind = slot["offset"], slot["kind"]
         if kind == "tensormap":
             t = tensors[slot["tensor"]]
             data = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"], t["itemsize"])
             buffer[at:at + 128] = np.frombuffer(data, dtype=np.uint8)
         elif kind == "i32":
-            buffer[at:at + slot["size"]].view(np.int32)[:] = [sizes[f] for f in slot["fields"]]
+            buffer[at:at + slot["size"]].view(np.int32)[:] = [values[f] for f in slot["fields"]]
+        elif kind == "i64":
+            buffer[at:at + slot["size"]].view(np.int64)[:] = [values[f] for f in slot["fields"]]
         elif kind == "ptr":
             buffer[at:at + 8].view(np.uint64)[0] = tensors[slot["tensor"]]["ptr"]
         elif kind == "f32":
-            buffer[at:at + 4].view(np.float32)[0] = scalars[slot["value"]]
+            buffer[at:at + 4].view(np.float32)[0] = values[slot["value"]]
         else:
             raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
     base = buffer.ctypes.data

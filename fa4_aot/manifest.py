@@ -15,11 +15,11 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant
 
-SCHEMA = 1
+SCHEMA = 2
 ROW_FIELDS = (
-    "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "symbol",
-    "block", "cluster", "grid", "smem_bytes", "params", "tensormaps",
+    "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
+LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -53,6 +53,8 @@ class Manifest:
             )
         for row in self.data["kernels"]:
             lacking = [k for k in ROW_FIELDS if k not in row]
+            lacking += [f"launches[{i}].{k}" for i, launch in enumerate(row.get("launches", []))
+                        for k in LAUNCH_FIELDS if k not in launch]
             if lacking:
                 raise ManifestError(f"{path}: row {row.get('name')} lacks {lacking}")
 
@@ -109,5 +111,4 @@ class Manifest:
 
 
 def _matches(v: Variant, key: str) -> bool:
-    axis, value = key.split("=")
-    return str(getattr(v, axis)) == value
+    return all(str(getattr(v, axis)) == value for axis, value in (p.split("=") for p in key.split(",")))

@@ -1,16 +1,23 @@
-"""PyTorch adapter: allocate outputs with torch and launch on torch's current stream.
+"""PyTorch adapter: torch ops (traceable by torch.compile) and autograd over the kernels.
 
-This module imports torch; nothing else in fa4_aot does.
+    from fa4_aot.torch import flash_attn_func
+    out = flash_attn_func(q, k, v, causal=True)          # differentiable
+    out, lse = flash_attn_func(q, k, v, return_lse=True)
+
+This module imports torch; nothing else in fa4_aot does. Launches go to torch's current
+stream; outputs and the backward's workspace come from torch's caching allocator.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .api import forward
+from .api import backward, backward_workspace_bytes, forward
 from .arrays import DeviceArray
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
@@ -23,6 +30,10 @@ def as_device_array(t: torch.Tensor) -> DeviceArray:
     return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype])
 
 
+def _stream(t: torch.Tensor) -> int:
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    softmax_scale: float | None = None, out: torch.Tensor | None = None,
                    lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,6 +44,75 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    forward(*arrays, causal=causal, softmax_scale=softmax_scale, stream=stream)
+    forward(*arrays, causal=causal, softmax_scale=softmax_scale, stream=_stream(q))
     return out, lse
+
+
+def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
+                   deterministic: bool = False, dq=None, dk=None, dv=None):
+    """(dq, dk, dv); see fa4_aot.backward. The workspace comes from torch's allocator."""
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    b, s_q, h_q, d = q.shape
+    workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d), dtype=torch.uint8, device=q.device)
+    arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
+    backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+             stream=_stream(q))
+    return dq, dk, dv
+
+
+@torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_fwd(q, k, v, causal, softmax_scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, causal, softmax_scale, deterministic):
+    b, s_q, h_q, _ = q.shape
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
+def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+            lse: torch.Tensor, causal: bool, softmax_scale: float,
+            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
+        dout = dout.contiguous()
+    return flash_attn_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+
+
+@_bwd_op.register_fake
+def _(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            torch.empty_like(k, memory_format=torch.contiguous_format),
+            torch.empty_like(v, memory_format=torch.contiguous_format))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    softmax_scale: float | None = None, deterministic: bool = False,
+                    return_lse: bool = False):
+    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q.
+
+    The gradient flows to q, k and v through the backward kernels (not through lse).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _fwd_op(q, k, v, bool(causal), scale, bool(deterministic))
+    return (out, lse) if return_lse else out

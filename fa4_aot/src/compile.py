@@ -20,6 +20,8 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
+from . import bwd_sm90
+from .bwd_sm90 import FlashBwdSm90
 from .fwd_sm90 import FlashFwdSm90
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -76,67 +78,100 @@ def check_against_cubin(params: list[dict], info) -> None:
         raise RuntimeError(f"cubin parameters {got} differ from the plan {want}")
 
 
+def _compile(kernel, args, variant: Variant):
+    """cute.compile with fake arguments; returns (cubin bytes, PTX text, kernel symbols in launch order)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        # The DSL names dumps after the argument types, which several variants share.
+        compiled = cute.compile(
+            kernel, *args,
+            options=f"--gpu-arch {variant.gpu_arch} --keep-cubin --keep-ptx --dump-dir {tmp}",
+        )
+        art = compiled.artifacts
+        cubin = Path(art.CUBIN).read_bytes() if isinstance(art.CUBIN, str) else art.CUBIN
+        ptx = Path(art.PTX).read_text() if os.path.exists(art.PTX) else art.PTX
+    return cubin, ptx, list(compiled.kernel_info)
+
+
+def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid, smem_bytes: int) -> dict:
+    """One kernel's launch contract, its parameter plan checked against PTX and cubin."""
+    abi.check_against_ptx(params, ptx, symbol)
+    info = kernel_info(cubin, symbol)
+    check_against_cubin(params, info)
+    return {
+        "symbol": symbol,
+        "block": list(block),
+        "cluster": [1, 1, 1],
+        "grid": grid,
+        "smem_bytes": int(smem_bytes),
+        "static_smem_bytes": info.static_smem_bytes,
+        "registers": info.registers,  # at entry; setmaxnreg moves them between roles
+        "local_bytes": info.frame_bytes,  # stack frame: spills and local arrays
+        "params": params,
+    }
+
+
+def _recipes(kernel, variant: Variant) -> dict:
+    return {
+        name: tensormap_recipe(name, atom_type, swizzle, variant.dtype)
+        for name, (atom_type, swizzle) in kernel.tma_boxes.items()
+    }
+
+
+def _fake_rows(dtype, rank: int):
+    """A contiguous tensor of ``rank`` dynamic sizes (workspaces, LSE)."""
+    return make_fake_compact_tensor(
+        dtype, tuple(cute.sym_int() for _ in range(rank)), stride_order=tuple(reversed(range(rank))),
+        assumed_align=4,
+    )
+
+
 def compile_fwd(variant: Variant) -> dict:
     """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
     dtype = DTYPES[variant.dtype]
     t = variant.tiling
     kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages)
-    q, k, v, o = (_fake_bshd(dtype, variant.head_dim) for _ in range(4))
-    lse = make_fake_compact_tensor(
-        Float32, (cute.sym_int(), cute.sym_int(), cute.sym_int()), stride_order=(2, 1, 0),
-        assumed_align=4,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        # The DSL names dumps after the argument types, which several variants share.
-        compiled = cute.compile(
-            kernel, q, k, v, o, lse, Float32(1.0),
-            options=f"--gpu-arch {variant.gpu_arch} --keep-cubin --keep-ptx --dump-dir {tmp}",
-        )
-        cubin = Path(compiled.artifacts.CUBIN).read_bytes() if isinstance(
-            compiled.artifacts.CUBIN, str) else compiled.artifacts.CUBIN
-        ptx = compiled.artifacts.PTX
-        if os.path.exists(ptx):
-            ptx = Path(ptx).read_text()
-    symbols = list(compiled.kernel_info)
+    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
+    cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:
         raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
-    symbol = symbols[0]
-    params = abi.fwd_plan()
-    abi.check_against_ptx(params, ptx, symbol)
-    info = kernel_info(cubin, symbol)
-    check_against_cubin(params, info)
-    tensormaps = {
-        name: tensormap_recipe(name, atom_type, swizzle, variant.dtype)
-        for name, (atom_type, swizzle) in kernel.tma_boxes.items()
+    grid = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
+    launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [kernel.threads, 1, 1], grid, kernel.smem_bytes)
+    return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": [launch],
+            "tensormaps": _recipes(kernel, variant)}
+
+
+def compile_bwd(variant: Variant) -> dict:
+    """Build one backward variant: preprocess, main kernel and postprocess in one cubin."""
+    dtype = DTYPES[variant.dtype]
+    t = variant.tiling
+    kernel = FlashBwdSm90(dtype, variant.head_dim, variant.causal, variant.deterministic,
+                          t.tile_m, t.tile_n, t.stages)
+    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
+            _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
+            _fake_rows(Float32, 4), _fake_rows(cutlass.Int32, 3), Float32(1.0), Float32(1.0)]
+    cubin, ptx, symbols = _compile(kernel, args, variant)
+    rows = [["ceil_div", "seqlen_q", bwd_sm90.ROWS_PER_THREAD_BLOCK], ["size", "heads_q"], ["size", "batch"]]
+    plans = {
+        "preprocess": (abi.bwd_preprocess_plan(), [bwd_sm90.ROWS_PER_THREAD_BLOCK, 1, 1], rows, 0),
+        "kernel": (abi.bwd_main_plan(), [kernel.threads, 1, 1],
+                   [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
+                   kernel.smem_bytes),
+        "postprocess": (abi.bwd_postprocess_plan(), [bwd_sm90.ROWS_PER_THREAD_BLOCK, 1, 1], rows, 0),
     }
-    return {
-        "cubin": cubin,
-        "ptx": ptx,
-        "symbol": symbol,
-        "block": [kernel.threads, 1, 1],
-        "cluster": [1, 1, 1],
-        "grid": [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]],
-        "smem_bytes": int(kernel.smem_bytes),
-        "tiling": {"tile_m": t.tile_m, "tile_n": t.tile_n, "stages": t.stages},
-        "static_smem_bytes": info.static_smem_bytes,
-        "registers": info.registers,  # at entry; setmaxnreg moves them between roles
-        "local_bytes": info.frame_bytes,  # stack frame: spills and local arrays
-        "params": params,
-        "tensormaps": tensormaps,
-    }
+    order = ["preprocess", "kernel", "postprocess"]
+    if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
+        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
+    launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
+    return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
+            "tensormaps": _recipes(kernel, variant)}
 
 
 def compile_variant(variant: Variant) -> dict:
     if variant.kind == "fwd" and variant.arch == "sm90a":
         return compile_fwd(variant)
+    if variant.kind == "bwd" and variant.arch == "sm90a":
+        return compile_bwd(variant)
     raise NotImplementedError(f"no kernel source for {variant.name}")
-
-
-def toolchain() -> dict:
-    """DSL version and the ptxas release that built the cubins (read from a PTX header)."""
-    from importlib.metadata import version
-
-    return {"dsl": "nvidia-cutlass-dsl " + version("nvidia-cutlass-dsl")}
 
 
 def ptxas_release(ptx: str) -> str:

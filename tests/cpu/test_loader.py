@@ -77,21 +77,37 @@ def test_no_gpu_gives_a_clear_error_not_a_crash(built, monkeypatch):
 
 
 def test_parameter_buffer_follows_the_plan(built, monkeypatch):
-    row = next(iter(Manifest(built[0]).rows.values()))
+    row = Manifest(built[0]).rows["fwd.sm90a.bf16.d64"]
+    (launch,) = row["launches"]
     monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes([ord(recipe["tensor"])]) * 128)
     sizes = {"batch": 3, "seqlen_q": 1000, "seqlen_k": 777, "heads_q": 8, "heads_kv": 2, "head_dim": 64}
     tensors = {n: {"ptr": 0x10000 * (i + 1), "shape": None, "strides": None, "itemsize": 2}
                for i, n in enumerate(("q", "k", "v", "o", "lse"))}
-    buffer, pointers = pack_params(row, sizes, tensors, {"scale_log2": 0.5})
-    assert list(pointers - pointers[0]) == [p["offset"] for p in row["params"]]
-    by_name = {p["name"]: p for p in row["params"]}
+    buffer, pointers = pack_params(row, launch, {**sizes, "scale_log2": 0.5}, tensors)
+    assert list(pointers - pointers[0]) == [p["offset"] for p in launch["params"]]
+    by_name = {p["name"]: p for p in launch["params"]}
     at = lambda name: buffer[by_name[name]["offset"]:]  # noqa: E731
     assert bytes(at("tma_k")[:128]) == b"k" * 128
     assert list(at("k_coords")[:12].view(np.int32)) == [777, 2, 3]
     assert list(at("q_coords")[:12].view(np.int32)) == [1000, 8, 3]
     assert at("lse")[:8].view(np.uint64)[0] == 0x50000
     assert at("scale_log2")[:4].view(np.float32)[0] == 0.5
-    assert grid_of(row, sizes) == (8, 8, 3)
+    assert grid_of(launch, sizes) == (8, 8, 3)
+
+
+def test_backward_packs_strides_and_workspaces(built, monkeypatch):
+    row = Manifest(built[0]).rows["bwd.sm90a.bf16.d128.causal.det"]
+    pre, main, post = row["launches"]
+    values = {"seqlen_q": 100, "heads_q": 4, "stride.o.b": 1 << 33, "stride.o.s": 512, "stride.o.h": 128,
+              "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9}
+    tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
+        ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore"))}
+    buffer, _ = pack_params(row, pre, values, tensors)
+    by_name = {p["name"]: p for p in pre["params"]}
+    assert buffer[by_name["o_stride_b"]["offset"]:][:8].view(np.int64)[0] == 1 << 33
+    assert buffer[by_name["heads_q"]["offset"]:][:4].view(np.int32)[0] == 4
+    assert grid_of(main, {"seqlen_k": 300, "heads_kv": 2, "batch": 5}) == (3, 2, 5)
+    assert grid_of(post, {"seqlen_q": 300, "heads_q": 4, "batch": 5}) == (3, 4, 5)
 
 
 def _fake_device(monkeypatch, version=13000, cc=(9, 0)):
@@ -115,7 +131,7 @@ def test_wrong_architecture_is_refused_before_loading(built, monkeypatch):
 
     _fake_device(monkeypatch, cc=(8, 0))
     lib = KernelLibrary(built[0])
-    row = next(iter(lib.manifest.rows.values()))
+    row = lib.manifest.rows["fwd.sm90a.bf16.d64"]
     with pytest.raises(ArchitectureError, match=r"built for sm_90a .*\(Fake GPU\) is 8\.0"):
         lib.check_device(0, row)
     with pytest.raises(ArchitectureError, match="sm_80"):

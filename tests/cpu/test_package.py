@@ -8,7 +8,7 @@ from click.testing import CliRunner
 
 from fa4_aot import abi
 from fa4_aot.cli import main
-from fa4_aot.variants import AXES, MATRIX, Variant, select
+from fa4_aot.variants import AXES, MATRIX, Variant, built_values, select
 
 
 def test_import_pulls_in_neither_torch_nor_the_dsl():
@@ -22,7 +22,14 @@ def test_matrix_is_the_product_of_the_built_axes():
     assert len(MATRIX) == len(set(MATRIX)) == len({v.name for v in MATRIX})
     for axis, spec in AXES.items():
         assert {getattr(v, axis) for v in MATRIX} == set(spec["built"]), axis
-    assert len(MATRIX) == len(AXES["dtype"]["built"]) * len(AXES["head_dim"]["built"]) * 2
+    for kind in AXES["kind"]["built"]:
+        mine = [v for v in MATRIX if v.kind == kind]
+        expected = 1
+        for axis in ("arch", "dtype", "head_dim", "causal", "deterministic"):
+            values = built_values(kind, axis)
+            assert {getattr(v, axis) for v in mine} == set(values), (kind, axis)
+            expected *= len(values)
+        assert len(mine) == expected
 
 
 def test_names_round_trip_and_read_well():
@@ -67,11 +74,11 @@ def test_cli_list_info_verify(built):
     out = runner.invoke(main, ["--kernels", folder, "list", "--all"])
     assert out.exit_code == 0, out.output
     assert "fwd.sm90a.bf16.d64 " in out.output and "not in this build" in out.output
-    assert "3 of 3 built variants" in out.output and "not built: arch=sm100a" in out.output
+    assert "4 of 4 built variants" in out.output and "not built: arch=sm100a" in out.output
     out = runner.invoke(main, ["--kernels", folder, "info"])
     assert out.exit_code == 0 and "driver floor: CUDA 13.0" in out.output
     out = runner.invoke(main, ["--kernels", folder, "verify"])
-    assert "checksums: 3 ok, 0 bad" in out.output
+    assert "checksums: 4 ok, 0 bad" in out.output
 
 
 def test_cli_without_kernels_explains(tmp_path):

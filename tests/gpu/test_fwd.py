@@ -140,10 +140,11 @@ def test_driver_reports_the_manifest_parameter_layout():
     row = lib.manifest.rows["fwd.sm90a.bf16.d128"]
     lib.preload([row["name"]], device=torch.cuda.current_device())
     torch.cuda.init()
-    fn = next(f for (ctx, name), f in lib._functions.items() if name == row["name"])
-    got = [cu.cuFuncGetParamInfo(fn, i)[1:] for i in range(len(row["params"]))]
+    (fn,) = next(f for (ctx, name), f in lib._functions.items() if name == row["name"])
+    params = row["launches"][0]["params"]
+    got = [cu.cuFuncGetParamInfo(fn, i)[1:] for i in range(len(params))]
     base = got[0][0]
-    assert [(o - base, s) for o, s in got] == [(p["offset"], p["size"]) for p in row["params"]]
+    assert [(o - base, s) for o, s in got] == [(p["offset"], p["size"]) for p in params]
     attrs = cu.CUfunction_attribute
     assert cu.cuFuncGetAttribute(attrs.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn)[1] == 0, "no spills"
 

@@ -1,0 +1,444 @@
+"""FlashAttention backward for Hopper (sm_90a): three kernels launched in order.
+
+1. ``preprocess`` (one thread per query row): D = rowsum(dO * O) in fp32, LSE moved to the
+   exp2 domain (+inf for a row that saw no key, so its P is 0), the fp32 dQ accumulator
+   and the dQ semaphores cleared.
+2. ``kernel`` (one CTA per key tile of 128 rows, KV head and batch): K and V stay in shared
+   memory; the producer warp streams (Q, dO) tiles of 64 query rows for every query head of
+   the KV head's group, and the two consumer warpgroups (64 keys each) compute
+       S^T = K Q^T, dP^T = V dO^T          (SS-wgmma, keys x queries)
+       P^T = exp2(S^T * scale*log2(e) - LSE2),  dS^T = P^T (dP^T - D)
+       dV += P^T dO, dK += dS^T Q          (RS-wgmma: P^T, dS^T stay in registers)
+       dQ_partial = dS K                   (dS through shared memory; SS-wgmma)
+   and add dQ_partial into the fp32 accumulator with atomics: in any order by default, or,
+   when deterministic, in ascending key-tile order, serialized by a per-(query tile, head)
+   semaphore. dK (times scale) and dV are written once, by TMA, after the last query tile.
+3. ``postprocess`` (one thread per query row): dQ = accumulator * scale, in the input dtype.
+
+GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
+every query head's contribution in registers, in a fixed order.
+Constraints: head_dim in {64, 96, 128}; see fwd_sm90 for the rest.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgmma
+
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+EPILOGUE_BARRIER = 1
+DS_BARRIER = 2  # and 3: one per consumer warpgroup
+DQ_BARRIER = 4  # and 5
+ROWS_PER_THREAD_BLOCK = 128  # pre/postprocess: one thread per query row
+LOG2E = 1.4426950408889634
+
+
+class FlashBwdSm90:
+    """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
+
+    def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
+                 tile_m: int, tile_n: int, stages: int):
+        assert tile_n == 2 * 64 and head_dim in (64, 96, 128)
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.causal = causal
+        self.deterministic = deterministic
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.stages = stages
+        self.num_consumers = 2
+        self.threads = WARPGROUP * (1 + self.num_consumers)
+        self.tma_boxes = {}
+        self.smem_bytes = None
+
+    def _storage(self, s_q, s_kv, s_ds):
+        def buf(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+
+        stages = self.stages
+
+        @cute.struct
+        class Storage:
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sK: buf(s_kv)
+            sV: buf(s_kv)
+            sQ: buf(s_q)  # also dK's staging tile
+            sdO: buf(s_q)  # also dV's staging tile
+            sdS: buf(s_ds)
+
+        return Storage
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # (b, s_k, h_kv, d)
+        mV: cute.Tensor,  # (b, s_k, h_kv, d)
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mdO: cute.Tensor,  # (b, s_q, h_q, d)
+        mdQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mdK: cute.Tensor,  # (b, s_k, h_kv, d)
+        mdV: cute.Tensor,  # (b, s_k, h_kv, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous, from the forward
+        mLSE2: cute.Tensor,  # (b, h_q, s_q) float32 workspace: LSE * log2(e)
+        mDsum: cute.Tensor,  # (b, h_q, s_q) float32 workspace: rowsum(dO * O)
+        mdQacc: cute.Tensor,  # (b, s_q, h_q, d) float32 workspace
+        mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m)) int32 workspace
+        scale: Float32,  # softmax_scale
+        scale_log2: Float32,  # softmax_scale * log2(e)
+    ):
+        b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
+        rows_grid = (cute.ceil_div(s_q, ROWS_PER_THREAD_BLOCK), h_q, b)
+        self.preprocess(
+            mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
+            mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q,
+        ).launch(grid=rows_grid, block=[ROWS_PER_THREAD_BLOCK, 1, 1])
+
+        q, k, v, do, dk, dv = [
+            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+            for t in (mQ, mK, mV, mdO, mdK, mdV)
+        ]
+        s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
+        s_q_one = cute.select(s_q_tile, mode=[0, 1])
+        s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
+        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n)
+        load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
+        tma_do, gdo = cpasync.make_tiled_tma_atom(load, do, s_q_one, (self.tile_m, self.head_dim))
+        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, s_kv, (self.tile_n, self.head_dim))
+        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, s_kv, (self.tile_n, self.head_dim))
+        tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.tile_n, self.head_dim))
+        tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
+        self.tma_boxes = {
+            name: (str(atom.type), str(layout.inner))
+            for name, atom, layout in (
+                ("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
+                ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv),
+            )
+        }
+        self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
+        self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
+        self.storage = self._storage(s_q_tile, s_kv, s_ds)
+        self.smem_bytes = self.storage.size_in_bytes() + 1024
+        grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
+        self.kernel(
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv,
+            mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, scale, scale_log2,
+            s_q_tile, s_kv, s_ds,
+        ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+
+        self.postprocess(
+            mdQacc.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
+        ).launch(grid=rows_grid, block=[ROWS_PER_THREAD_BLOCK, 1, 1])
+
+    # ------------------------------------------------------------------ preprocess
+    @cute.kernel
+    def preprocess(
+        self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
+        do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
+        lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        row = bidx * ROWS_PER_THREAD_BLOCK + tidx
+        if row < seqlen_q:
+            d = self.head_dim
+            o_row = cute.make_tensor(
+                o_ptr + (Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh), cute.make_layout(d))
+            do_row = cute.make_tensor(
+                do_ptr + (Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh), cute.make_layout(d))
+            total = Float32(0.0)
+            for i in cutlass.range_constexpr(d):
+                total += Float32(o_row[i]) * Float32(do_row[i])
+            at = (batch * heads_q + head) * seqlen_q + row
+            lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))
+            lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
+            dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
+            dsum[at] = total
+            value = lse[at]
+            lse2[at] = value * LOG2E
+            if value == -Float32.inf:
+                lse2[at] = Float32.inf
+            acc_at = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
+            acc = cute.make_tensor(dqacc_ptr + acc_at, cute.make_layout(d))
+            for i in cutlass.range_constexpr(d):
+                acc[i] = Float32(0.0)
+            if row % self.tile_m == 0:
+                m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+                sem_at = (batch * heads_q + head) * m_blocks + row // self.tile_m
+                sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + 1))
+                sem[sem_at] = Int32(0)
+
+    # ------------------------------------------------------------------ postprocess
+    @cute.kernel
+    def postprocess(
+        self, dqacc_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64, dq_sh: Int64,
+        seqlen_q: Int32, heads_q: Int32, scale: Float32,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, head, batch = cute.arch.block_idx()
+        row = bidx * ROWS_PER_THREAD_BLOCK + tidx
+        if row < seqlen_q:
+            d = self.head_dim
+            acc = cute.make_tensor(
+                dqacc_ptr + ((Int64(batch) * seqlen_q + row) * heads_q + head) * d, cute.make_layout(d))
+            dq = cute.make_tensor(
+                dq_ptr + (Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh), cute.make_layout(d))
+            for i in cutlass.range_constexpr(d):
+                dq[i] = (acc[i] * scale).to(self.dtype)
+
+    # ------------------------------------------------------------------ main kernel
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom, gQ: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
+        tma_do: cute.CopyAtom, gdO: cute.Tensor,  # (s_q, d, h_q, b)
+        tma_k: cute.CopyAtom, gK: cute.Tensor,  # (s_k, d, h_kv, b)
+        tma_v: cute.CopyAtom, gV: cute.Tensor,  # (s_k, d, h_kv, b)
+        tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
+        tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
+        lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
+        dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
+        dqacc_ptr: cute.Pointer,  # float32 (b, s_q, h_q, d)
+        sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
+        scale: Float32,
+        scale_log2: Float32,
+        sq_layout: cute.ComposedLayout,
+        skv_layout: cute.ComposedLayout,
+        sds_layout: cute.ComposedLayout,
+    ):
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp == 0:
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv):
+                cpasync.prefetch_descriptor(atom)
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32)
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=2 * self.kv_bytes, defer_sync=True,
+        )
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.stages, producer_group=one_thread,
+            consumer_group=consumer_warps, tx_count=2 * self.q_bytes, defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sdO = storage.sdO.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
+        staging = smem_layout(self.dtype, self.tile_n, self.head_dim)  # dK, dV over spent Q, dO
+        sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
+        sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
+
+        n_block, head_kv, batch = cute.arch.block_idx()
+        seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
+        heads_q = gQ.shape[2]
+        group = heads_q // gK.shape[2]
+        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        m_first = Int32(0)
+        if const_expr(self.causal):
+            # query q sees key j iff j <= q + seqlen_k - seqlen_q
+            m_first = cutlass.max(n_block * self.tile_n - (seqlen_k - seqlen_q), 0) // self.tile_m
+        span = cutlass.max(m_blocks - m_first, 0)
+        steps = group * span
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp < 4:
+            # ---------------- producer warpgroup: TMA loads ----------------
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.load(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK[None, None, head_kv, batch], sK,
+                          tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_qdo,
+                          n_block, head_kv, batch, group, m_first, span, steps)
+        else:
+            # ---------------- consumer warpgroups ----------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.compute(
+                tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, pipe_kv, pipe_qdo, n_block, head_kv, batch,
+                group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                dqacc_ptr, sem_ptr, scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch],
+                tma_dv, gdV[None, None, head_kv, batch],
+            )
+
+    @cute.jit
+    def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_qdo,
+             n_block, head_kv, batch, group, m_first, span, steps):
+        whole = cute.make_layout(1)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
+            tile = cute.local_tile(g, (self.tile_n, self.head_dim), (n_block, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(s, 0, 2), cute.group_modes(tile, 0, 2))
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            head_q = head_kv * group + step // span
+            m_block = m_first + step % span
+            pipe_qdo.producer_acquire(state)
+            for atom, g_all, s_all in ((tma_q, gQ, sQ), (tma_do, gdO, sdO)):
+                q_tile = cute.local_tile(g_all[None, None, head_q, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                part_s, part_g = cpasync.tma_partition(
+                    atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
+                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe_qdo.producer_get_barrier(state))
+            state.advance()
+
+    @cute.jit
+    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, pipe_kv, pipe_qdo, n_block, head_kv, batch, group,
+                m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr, dqacc_ptr,
+                sem_ptr, scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
+        mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
+        # dQ: each warpgroup multiplies its own 64 keys, dS_w K_w, in head-dim chunks that
+        # keep the fp32 accumulator at 64 x 64 or less per warpgroup.
+        chunk = d if d <= 96 else d // 2
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), chunk)  # (queries, chunk), k = keys
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wg_first = wg * WARPGROUP
+        wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
+        thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
+        wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (tm, 64), (0, wg))))
+        sKt_w = transpose_smem(cute.local_tile(sK, (64, d), (wg, 0)))  # (d, this warpgroup's keys)
+        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt_w, (chunk, 64), (c, 0))))
+                 for c in range(d // chunk)]
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        s_shape = thr_sdp.partition_shape_C((tn, tm))
+        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+        dq_coords = thr_dq.partition_C(cute.make_identity_tensor((tm, chunk)))
+        ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
+        ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
+        thr_ds = ds_copy.get_slice(tidx)
+        tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries)
+        ncols = cute.size(s_coords, mode=[1])
+        nrows = cute.size(s_coords, mode=[0])
+        lse2_col = cute.make_rmem_tensor((ncols,), Float32)
+        dsum_col = cute.make_rmem_tensor((ncols,), Float32)
+        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]  # b * h_q * s_q
+        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(rows_total))
+        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(rows_total))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            head_q = head_kv * group + step // span
+            m_block = m_first + step % span
+            stat_base = (batch * heads_q + head_q) * seqlen_q + m_block * tm
+            for j in cutlass.range_constexpr(ncols):
+                q = m_block * tm + s_coords[0, j][1]
+                lse2_col[j] = Float32.inf
+                dsum_col[j] = Float32(0.0)
+                if q < seqlen_q:
+                    lse2_col[j] = lse2[stat_base + s_coords[0, j][1]]
+                    dsum_col[j] = dsum[stat_base + s_coords[0, j][1]]
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_qdo.consumer_wait(state)
+            wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+            wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+            warpgroup.wait_group(1)
+            s = acc_as_rows_cols(acc_s)
+            for r in cutlass.range_constexpr(nrows):
+                key = n_block * tn + s_coords[r, 0][0]
+                for j in cutlass.range_constexpr(ncols):
+                    p = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
+                    if const_expr(self.causal):
+                        if key > m_block * tm + s_coords[r, j][1] + seqlen_k - seqlen_q:
+                            p = Float32(0.0)
+                    if key >= seqlen_k:
+                        p = Float32(0.0)
+                    s[r, j] = p
+            warpgroup.wait_group(0)
+            dp = acc_as_rows_cols(acc_dp)
+            for r in cutlass.range_constexpr(nrows):
+                for j in cutlass.range_constexpr(ncols):
+                    dp[r, j] = s[r, j] * (dp[r, j] - dsum_col[j])
+            tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            tKrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
+            wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+            wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
+            # dS through shared memory for dQ = dS K. Each warpgroup writes and reads only its
+            # own 64 keys' columns, so a barrier over the warpgroup orders the buffer's reuse.
+            ds_bf16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            ds_bf16.store(acc_dp.load().to(self.dtype))
+            cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
+            cute.copy(ds_copy, thr_ds.retile(ds_bf16), tdS_smem)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+            state.advance()
+            self.begin_dq(tidx, sem_ptr, batch, head_q, m_block, n_block, seqlen_q, heads_q, wg)
+            for c in cutlass.range_constexpr(d // chunk):
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+                wgmma(mma_dq, acc_dq, tQrdS, tQrKt[c], False, wait=True)
+                self.add_dq(acc_dq, dq_coords, c * chunk, dqacc_ptr, batch, head_q, m_block, seqlen_q, heads_q)
+            self.end_dq(tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q)
+
+        # dK, dV: both warpgroups are past their last GEMM before the Q/dO buffers are reused.
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
+        for i in cutlass.range_constexpr(cute.size(acc_dk)):
+            acc_dk[i] = acc_dk[i] * scale
+        stage_and_store(tidx, acc_dk, self.dtype, mma_dkv, sdK, tma_dk,
+                        cute.local_tile(gdK, (tn, d), (n_block, 0)), EPILOGUE_BARRIER, 2 * WARPGROUP)
+        stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv,
+                        cute.local_tile(gdV, (tn, d), (n_block, 0)), EPILOGUE_BARRIER, 2 * WARPGROUP)
+
+    # Deterministic dQ: the key tiles of one (query tile, head) add in ascending order. The
+    # tiles that touch query tile m are n = 0 .. (causal: the last one on its diagonal); tile
+    # n waits until the semaphore reads 2n (two warpgroups add per tile), adds, publishes
+    # its writes and bumps the semaphore once per warpgroup.
+    @cute.jit
+    def begin_dq(self, tidx, sem_ptr, batch, head_q, m_block, n_block, seqlen_q, heads_q, wg):
+        if const_expr(self.deterministic):
+            sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
+            if tidx % WARPGROUP == 0:
+                while cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu") != 2 * n_block + wg:
+                    pass
+            cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
+
+    @cute.jit
+    def end_dq(self, tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q):
+        if const_expr(self.deterministic):
+            cute.arch.fence_acq_rel_gpu()
+            wg = tidx // WARPGROUP
+            cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
+            if tidx % WARPGROUP == 0:
+                sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
+                cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    def _sem_index(self, batch, head_q, m_block, seqlen_q, heads_q):
+        return (batch * heads_q + head_q) * cute.ceil_div(seqlen_q, self.tile_m) + m_block
+
+    @cute.jit
+    def add_dq(self, acc_dq, dq_coords, col0: int, dqacc_ptr, batch, head_q, m_block, seqlen_q, heads_q):
+        """Atomically add a (tile_m, chunk) fp32 fragment at head-dim offset col0."""
+        d, tm = self.head_dim, self.tile_m
+        row_base = (Int64(batch) * seqlen_q + m_block * tm) * heads_q + head_q
+        for i in cutlass.range_constexpr(cute.size(acc_dq)):
+            row, col = dq_coords[i]
+            if m_block * tm + row < seqlen_q:
+                cute.arch.atomic_add(dqacc_ptr + ((row_base + row * heads_q) * d + col0 + col), acc_dq[i])

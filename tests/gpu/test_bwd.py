@@ -1,0 +1,131 @@
+"""Backward kernels against float32 autograd of the reference, on an sm_90 GPU.
+
+Same rules as the forward tests: one parametrization over built cubins, one over boundary
+shapes, NaN-poisoned outputs, fresh random inputs, tolerance twice the error of the same
+math done by PyTorch in the inputs' precision.
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd  # noqa: E402
+from fa4_aot.variants import MATRIX  # noqa: E402
+
+from ..reference import attention_ref  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+BWD = [v for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a"]
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    (1, 1, 1, 2, 2),  # one token
+    (3, 17, 17, 2, 1),  # MQA, one partial tile each way
+    (2, 1000, 1000, 4, 2),  # GQA, ragged tiles, many tiles per CTA
+    (2, 128, 700, 2, 2),  # seqlen_q < seqlen_k
+    (2, 700, 128, 2, 2),  # seqlen_q > seqlen_k: causal rows that see no key
+    (1, 257, 513, 3, 1),  # one past the tile in q and k, MQA with 3 heads
+]
+
+
+def reference_grads(q, k, v, dout, causal, upcast, scale=None):
+    leaves = [x.detach().clone().float() if upcast else x.detach().clone() for x in (q, k, v)]
+    for x in leaves:
+        x.requires_grad_(True)
+    out, _ = attention_ref(*leaves, causal=causal, softmax_scale=scale, upcast=upcast)
+    out.backward(dout.float() if upcast else dout)
+    return [x.grad for x in leaves]
+
+
+def check_grads(got, q, k, v, dout, causal, scale=None):
+    ref = reference_grads(q, k, v, dout, causal, True, scale)
+    low = reference_grads(q, k, v, dout, causal, False, scale)
+    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+        assert not g.isnan().any(), f"{name} has NaN (unwritten) elements"
+        err = (g.float() - r).abs().max().item()
+        tol = 2 * (lo.float() - r).abs().max().item() + 1e-6
+        assert err <= tol, f"{name} max error {err:.3e} > {tol:.3e}"
+
+
+def _case(shape, head_dim, dtype, causal, gen=None):
+    b, sq, sk, hq, hkv = shape
+    mk = lambda s, h: torch.randn(b, s, h, head_dim, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
+    q, k, v, dout = mk(sq, hq), mk(sk, hkv), mk(sk, hkv), mk(sq, hq)
+    out, lse = flash_attn_fwd(q, k, v, causal=causal)
+    return q, k, v, dout, out, lse
+
+
+def _poisoned_grads(q, k, v):
+    return [torch.full_like(x, float("nan")) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("variant", BWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_backward_matches_reference(variant, shape):
+    gen = torch.Generator(device="cuda").manual_seed(hash((variant.name, shape)) % 2**31)
+    q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
+    dq, dk, dv = _poisoned_grads(q, k, v)
+    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   dq=dq, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD if v.deterministic and v.dtype == "bf16"], ids=lambda v: v.name)
+def test_deterministic_backward_is_bitwise_repeatable(variant):
+    q, k, v, dout, out, lse = _case((2, 1500, 1500, 4, 2), variant.head_dim, torch.bfloat16, variant.causal)
+    first = flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True)
+    for _ in range(19):
+        again = flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_strided_inputs_and_gradients():
+    b, s, h, d = 2, 333, 4, 128
+    qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+    q, k, v = qkv.unbind(dim=2)
+    dout = torch.randn(b, s, 2 * h, d, device="cuda", dtype=torch.bfloat16)[:, :, ::2]
+    out, lse = flash_attn_fwd(q, k, v, causal=True)
+    grads = torch.full((b, s, 3, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    dq, dk, dv = grads.unbind(dim=2)
+    flash_attn_bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    check_grads((dq, dk, dv), q, k, v, dout, True)
+
+
+def test_torch_entry_point_gradients_and_compile():
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+    out = flash_attn_func(q, k, v, causal=True)
+    out.backward(dout)
+    check_grads((q.grad, k.grad, v.grad), q, k, v, dout, True)
+    grads = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    compiled = torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True, deterministic=True), fullgraph=True)
+    compiled(q, k, v).backward(dout)
+    for g, x in zip(grads, (q, k, v)):
+        torch.testing.assert_close(x.grad, g, atol=2e-2, rtol=2e-2)
+
+
+def test_forward_and_backward_in_one_cuda_graph():
+    q, k, v, dout, _, _ = _case((2, 500, 600, 4, 2), 96, torch.float16, True)
+    import fa4_aot
+
+    fa4_aot.default_library().preload(["fwd.sm90a.fp16.d96.causal", "bwd.sm90a.fp16.d96.causal.det"],
+                                      device=q.device.index)
+    step = lambda: flash_attn_bwd(dout, q, k, v, *flash_attn_fwd(q, k, v, causal=True),  # noqa: E731
+                                  causal=True, deterministic=True)
+    eager = step()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm the caching allocator off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(eager, captured):
+        assert torch.equal(a, b)
