@@ -42,7 +42,7 @@ def check_grads(got, q, k, v, dout, causal, scale=None):
     for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
         assert not g.isnan().any(), f"{name} has NaN (unwritten) elements"
         err = (g.float() - r).abs().max().item()
-        tol = 2 * (lo.float() - r).abs().max().item() + 1e-6
+        tol = 2 * (lo.float() - r).abs().max().item() + 1e-5  # floor for gradients that are exactly 0
         assert err <= tol, f"{name} max error {err:.3e} > {tol:.3e}"
 
 
