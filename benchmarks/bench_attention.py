@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Forward attention benchmark on the GPU, from the built cubins, against cuDNN.
+"""Attention benchmark on the GPU (forward, and with --bwd the backward), from the built
+cubins, against cuDNN.
 
-Run on an sm_90 GPU:  python benchmarks/bench_fwd.py --out results/
-Writes fwd.json (every figure) and fwd.png (TFLOP/s against seqlen per head dim) and prints
-a table. Peers timed in the same process: torch SDPA's cuDNN backend on the same inputs,
+Run on an sm_90 GPU:  python benchmarks/bench_attention.py --out results/ [--bwd]
+Writes fwd-<dtype>.json (every figure) and fwd-<dtype>.png (TFLOP/s against seqlen per head
+dim), bwd-* likewise, and prints tables. Peers timed in the same process: torch SDPA's cuDNN backend on the same inputs,
 and a bf16 8192^3 matmul (the practical ceiling of the tensor cores).
 
 Method: bf16 unless --dtype says otherwise; layout (batch, seqlen, heads, head_dim);
 batch*seqlen = 16384 tokens and heads*head_dim = 2048, seqlen_q = seqlen_k, random normal
 inputs. Time = median of CUDA-event timings (triton.testing.do_bench, warmup 25 ms,
-rep 100 ms, return_mode="median"). FLOPs = 4*B*H*S*S*D, halved when causal (the
-convention of the baselines in ../shared/baselines/).
+rep 100 ms, return_mode="median"). FLOPs = 4*B*H*S*S*D, halved when causal, and 2.5x
+that for the backward (the convention of the baselines in ../shared/baselines/). The
+backward is timed alone: for ours the three backward kernels with outputs preallocated,
+for cuDNN autograd's backward of its own forward (retain_graph).
 """
 
 import argparse
@@ -30,6 +33,18 @@ FA4_UPSTREAM_FWD = {
     (128, 4096, False): 644, (128, 4096, True): 545, (128, 16384, False): 681, (128, 16384, True): 624,
     (256, 1024, False): 608, (256, 1024, True): 452, (256, 4096, False): 690, (256, 4096, True): 591,
     (256, 16384, False): 722, (256, 16384, True): 687,
+}
+
+
+# FA4 upstream's backward TFLOP/s (same baselines file), and its deterministic backward.
+FA4_UPSTREAM_BWD = {
+    (64, 1024, False): 414, (64, 1024, True): 314, (64, 4096, False): 502, (64, 4096, True): 451,
+    (64, 16384, False): 501, (64, 16384, True): 519, (128, 1024, False): 454, (128, 1024, True): 355,
+    (128, 4096, False): 539, (128, 4096, True): 518, (128, 16384, False): 575, (128, 16384, True): 609,
+}
+FA4_UPSTREAM_BWD_DET = {
+    (64, 4096, False): 495, (64, 4096, True): 449, (64, 16384, False): 531, (64, 16384, True): 511,
+    (128, 4096, False): 544, (128, 4096, True): 481, (128, 16384, False): 593, (128, 16384, True): 545,
 }
 
 
@@ -66,16 +81,68 @@ def run_case(d, s, causal, dtype):
             "tflops": f / ours / 1e9, "cudnn_tflops": f / cudnn / 1e9}
 
 
+def run_bwd_case(d, s, causal, dtype):
+    from fa4_aot.torch import flash_attn_bwd
+
+    b, h = 16384 // s, 2048 // d
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=dtype) for _ in range(4))
+    out, lse = flash_attn_fwd(q, k, v, causal=causal)
+    grads = [torch.empty_like(x) for x in (q, k, v)]
+    timing = {}
+    for det in (False, True):
+        timing[det] = bench(lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+                                                   dq=grads[0], dk=grads[1], dv=grads[2]))
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        g = dout.transpose(1, 2)
+        cudnn = bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True))
+    f = 2.5 * flops(b, h, s, d, causal)
+    return {"head_dim": d, "seqlen": s, "causal": causal, "batch": b, "heads": h,
+            "ms": timing[False], "det_ms": timing[True], "cudnn_ms": cudnn,
+            "tflops": f / timing[False] / 1e9, "det_tflops": f / timing[True] / 1e9,
+            "cudnn_tflops": f / cudnn / 1e9}
+
+
+def bwd_table(args, dtype, mm):
+    rows = []
+    for d in [x for x in args.head_dims if x <= 128]:
+        for s in args.seqlens:
+            for causal in (False, True):
+                r = run_bwd_case(d, s, causal, dtype)
+                r["fa4_upstream_tflops"] = FA4_UPSTREAM_BWD.get((d, s, causal)) if args.dtype == "bf16" else None
+                r["fa4_upstream_det_tflops"] = FA4_UPSTREAM_BWD_DET.get((d, s, causal)) if args.dtype == "bf16" else None
+                rows.append(r)
+    (args.out / f"bwd-{args.dtype}.json").write_text(json.dumps({"matmul_tflops": mm, "rows": rows}, indent=1))
+    print("\nbackward")
+    print("| head_dim | seqlen | causal | fa4_aot | /cuDNN | /FA4 | deterministic | det/nondet | /FA4 det |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        fa4 = f"{r['tflops'] / r['fa4_upstream_tflops']:.2f}" if r["fa4_upstream_tflops"] else "-"
+        fa4d = f"{r['det_tflops'] / r['fa4_upstream_det_tflops']:.2f}" if r["fa4_upstream_det_tflops"] else "-"
+        print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
+              f"{r['tflops'] / r['cudnn_tflops']:.2f} ({r['cudnn_tflops']:.0f}) | {fa4} | {r['det_tflops']:.0f} | "
+              f"{r['det_tflops'] / r['tflops']:.2f} | {fa4d} |")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench-results"))
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 96, 128, 192, 256])
     p.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--bwd", action="store_true", help="also time the backward")
+    p.add_argument("--no-fwd", action="store_true", help="skip the forward table")
     args = p.parse_args()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
     mm = matmul_tflops()
+    if args.bwd:
+        bwd_table(args, dtype, mm)
+    if args.no_fwd:
+        return
     rows = []
     for d in args.head_dims:
         for s in args.seqlens:
