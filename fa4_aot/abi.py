@@ -59,15 +59,15 @@ def bwd_preprocess_plan() -> list[dict]:
 
 
 def bwd_main_plan() -> list[dict]:
-    """FlashBwdSm90.kernel: TMA for Q, dO, K, V in and dK, dV out; workspaces; scales."""
+    """FlashBwdSm90.kernel: TMA for Q, dO, K, V in, dK, dV out, dQ reduce-add; workspaces; scales."""
     q_sizes = ["seqlen_q", "heads_q", "batch"]
     kv_sizes = ["seqlen_k", "heads_kv", "batch"]
     slots = []
     for tensor, sizes in (("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes),
-                          ("dk", kv_sizes), ("dv", kv_sizes)):
+                          ("dk", kv_sizes), ("dv", kv_sizes), ("dq_accum", q_sizes)):
         slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
-    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_accum", "dq_semaphore")]
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore")]
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     return with_offsets(slots)
 

@@ -89,6 +89,8 @@ def _carve(workspace: DeviceArray, problem) -> dict:
     for name, size in regions:
         out[name] = {"ptr": at, "shape": None, "strides": None, "itemsize": 4}
         at += -(-size // 256) * 256
+    b, sq, hq, d = problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim
+    out["dq_accum"].update(shape=(b, sq, hq, d), strides=(sq * hq * d, hq * d, d, 1))  # TMA reduce target
     return out
 
 

@@ -14,6 +14,7 @@ from .driver import call, cu
 DATA_TYPES = {
     "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     "fp16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+    "fp32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
 }
 SWIZZLE = {
     "NONE": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,

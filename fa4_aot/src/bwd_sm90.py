@@ -10,9 +10,9 @@
        P^T = exp2(S^T * scale*log2(e) - LSE2),  dS^T = P^T (dP^T - D)
        dV += P^T dO, dK += dS^T Q          (RS-wgmma: P^T, dS^T stay in registers)
        dQ_partial = dS K                   (dS through shared memory; SS-wgmma)
-   and add dQ_partial into the fp32 accumulator with atomics: in any order by default, or,
-   when deterministic, in ascending key-tile order, serialized by a per-(query tile, head)
-   semaphore. dK (times scale) and dV are written once, by TMA, after the last query tile.
+   and add dQ_partial into the fp32 accumulator by a TMA reduce-add from shared memory: in
+   any order by default, or, when deterministic, in ascending key-tile order, serialized by
+   a per-(query tile, head) semaphore. dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (one thread per query row): dQ = accumulator * scale, in the input dtype.
 
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
@@ -53,12 +53,15 @@ class FlashBwdSm90:
         self.stages = stages
         self.num_consumers = 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
+        # dQ is computed per warpgroup in head-dim chunks that keep its fp32 accumulator
+        # at 64 x 64 or less per warpgroup.
+        self.dq_chunk = head_dim if head_dim <= 96 else head_dim // 2
         self.tma_boxes = {}
         self.smem_bytes = None
 
-    def _storage(self, s_q, s_kv, s_ds):
-        def buf(layout):
-            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+    def _storage(self, s_q, s_kv, s_ds, s_dq):
+        def buf(layout, dtype=self.dtype):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
         stages = self.stages
 
@@ -71,6 +74,7 @@ class FlashBwdSm90:
             sQ: buf(s_q)  # also dK's staging tile
             sdO: buf(s_q)  # also dV's staging tile
             sdS: buf(s_ds)
+            sdQ: buf(s_dq, Float32)  # one fp32 dQ chunk per consumer warpgroup
 
         return Storage
 
@@ -101,14 +105,16 @@ class FlashBwdSm90:
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q,
         ).launch(grid=rows_grid, block=[ROWS_PER_THREAD_BLOCK, 1, 1])
 
-        q, k, v, do, dk, dv = [
+        q, k, v, do, dk, dv, dq_acc = [
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mdO, mdK, mdV)
+            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
         ]
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
         s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n)
+        s_dq = smem_layout(Float32, self.tile_m, self.dq_chunk, self.num_consumers)
+        s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
         tma_do, gdo = cpasync.make_tiled_tma_atom(load, do, s_q_one, (self.tile_m, self.head_dim))
@@ -116,22 +122,24 @@ class FlashBwdSm90:
         tma_v, gv = cpasync.make_tiled_tma_atom(load, v, s_kv, (self.tile_n, self.head_dim))
         tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.tile_n, self.head_dim))
         tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
+        tma_dq, gdq = cpasync.make_tiled_tma_atom(
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, (self.tile_m, self.dq_chunk))
         self.tma_boxes = {
             name: (str(atom.type), str(layout.inner))
             for name, atom, layout in (
                 ("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
-                ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv),
+                ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv), ("dq_accum", tma_dq, s_dq_one),
             )
         }
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
-        self.storage = self._storage(s_q_tile, s_kv, s_ds)
+        self.storage = self._storage(s_q_tile, s_kv, s_ds, s_dq)
         self.smem_bytes = self.storage.size_in_bytes() + 1024
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
-            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv,
-            mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, scale, scale_log2,
-            s_q_tile, s_kv, s_ds,
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, scale, scale_log2,
+            s_q_tile, s_kv, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.postprocess(
@@ -205,20 +213,21 @@ class FlashBwdSm90:
         tma_v: cute.CopyAtom, gV: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
+        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b)
         lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
         dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
-        dqacc_ptr: cute.Pointer,  # float32 (b, s_q, h_q, d)
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
         scale: Float32,
         scale_log2: Float32,
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
         sds_layout: cute.ComposedLayout,
+        sdq_layout: cute.ComposedLayout,
     ):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -237,6 +246,7 @@ class FlashBwdSm90:
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
+        sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
         staging = smem_layout(self.dtype, self.tile_n, self.head_dim)  # dK, dV over spent Q, dO
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
@@ -265,9 +275,9 @@ class FlashBwdSm90:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.compute(
-                tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, pipe_kv, pipe_qdo, n_block, head_kv, batch,
-                group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
-                dqacc_ptr, sem_ptr, scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch],
+                tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                tma_dq, gdQacc, sem_ptr, scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch],
                 tma_dv, gdV[None, None, head_kv, batch],
             )
 
@@ -294,15 +304,14 @@ class FlashBwdSm90:
             state.advance()
 
     @cute.jit
-    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, pipe_kv, pipe_qdo, n_block, head_kv, batch, group,
-                m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr, dqacc_ptr,
-                sem_ptr, scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
+    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                tma_dq, gdQacc, sem_ptr, scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
-        # dQ: each warpgroup multiplies its own 64 keys, dS_w K_w, in head-dim chunks that
-        # keep the fp32 accumulator at 64 x 64 or less per warpgroup.
-        chunk = d if d <= 96 else d // 2
+        # dQ: each warpgroup multiplies its own 64 keys, dS_w K_w.
+        chunk = self.dq_chunk
         mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), chunk)  # (queries, chunk), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_first = wg * WARPGROUP
@@ -327,7 +336,12 @@ class FlashBwdSm90:
         acc_dk.fill(0.0)
         s_shape = thr_sdp.partition_shape_C((tn, tm))
         s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        dq_coords = thr_dq.partition_C(cute.make_identity_tensor((tm, chunk)))
+        sdQ_w = sdQ[None, None, wg]
+        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32)
+        dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
+        thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
+        tdQ_smem = thr_dq_copy.partition_D(sdQ_w)
+        issuer = tidx % WARPGROUP == 0
         ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
@@ -395,8 +409,23 @@ class FlashBwdSm90:
             for c in cutlass.range_constexpr(d // chunk):
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
                 wgmma(mma_dq, acc_dq, tQrdS, tQrKt[c], False, wait=True)
-                self.add_dq(acc_dq, dq_coords, c * chunk, dqacc_ptr, batch, head_q, m_block, seqlen_q, heads_q)
+                # Stage in shared memory once the previous reduce has read the buffer, then
+                # one TMA reduce-add of the (tile_m, chunk) tile into the fp32 accumulator.
+                if issuer:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
+                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
+                if issuer:
+                    tile = cute.local_tile(gdQacc[None, None, head_q, batch], (tm, chunk), (m_block, c))
+                    part_s, part_g = cpasync.tma_partition(
+                        tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(tile, 0, 2))
+                    cute.copy(tma_dq, part_s, part_g)
+                    cute.arch.cp_async_bulk_commit_group()
             self.end_dq(tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q)
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # dK, dV: both warpgroups are past their last GEMM before the Q/dO buffers are reused.
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
@@ -423,22 +452,11 @@ class FlashBwdSm90:
     @cute.jit
     def end_dq(self, tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q):
         if const_expr(self.deterministic):
-            cute.arch.fence_acq_rel_gpu()
-            wg = tidx // WARPGROUP
-            cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
-            if tidx % WARPGROUP == 0:
+            if tidx % WARPGROUP == 0:  # the one thread that issued this warpgroup's reduces
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+                cute.arch.fence_acq_rel_gpu()
                 sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
                 cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
 
     def _sem_index(self, batch, head_q, m_block, seqlen_q, heads_q):
         return (batch * heads_q + head_q) * cute.ceil_div(seqlen_q, self.tile_m) + m_block
-
-    @cute.jit
-    def add_dq(self, acc_dq, dq_coords, col0: int, dqacc_ptr, batch, head_q, m_block, seqlen_q, heads_q):
-        """Atomically add a (tile_m, chunk) fp32 fragment at head-dim offset col0."""
-        d, tm = self.head_dim, self.tile_m
-        row_base = (Int64(batch) * seqlen_q + m_block * tm) * heads_q + head_q
-        for i in cutlass.range_constexpr(cute.size(acc_dq)):
-            row, col = dq_coords[i]
-            if m_block * tm + row < seqlen_q:
-                cute.arch.atomic_add(dqacc_ptr + ((row_base + row * heads_q) * d + col0 + col), acc_dq[i])

@@ -29,6 +29,7 @@ SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
 # The (s, d, h, b) order the kernels give their TMA coordinate tensors, by axis letter of
 # the user-facing (b, s, h, d) layout.
 COORD_AXES = ("s", "d", "h", "b")
+FP32_TENSORS = {"dq_accum": "fp32"}  # TMA tensors whose dtype is not the variant's
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 
 
@@ -112,16 +113,17 @@ def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid
 
 def _recipes(kernel, variant: Variant) -> dict:
     return {
-        name: tensormap_recipe(name, atom_type, swizzle, variant.dtype)
+        name: tensormap_recipe(name, atom_type, swizzle, FP32_TENSORS.get(name, variant.dtype))
         for name, (atom_type, swizzle) in kernel.tma_boxes.items()
     }
 
 
-def _fake_rows(dtype, rank: int):
-    """A contiguous tensor of ``rank`` dynamic sizes (workspaces, LSE)."""
+def _fake_rows(dtype, rank: int, static_last: int | None = None):
+    """A contiguous tensor of ``rank`` dynamic sizes, and one more static one if given."""
+    shape = tuple(cute.sym_int() for _ in range(rank)) + ((static_last,) if static_last else ())
     return make_fake_compact_tensor(
-        dtype, tuple(cute.sym_int() for _ in range(rank)), stride_order=tuple(reversed(range(rank))),
-        assumed_align=4,
+        dtype, shape, stride_order=tuple(reversed(range(len(shape)))),
+        assumed_align=16 if static_last else 4,
     )
 
 
@@ -148,7 +150,8 @@ def compile_bwd(variant: Variant) -> dict:
                           t.tile_m, t.tile_n, t.stages)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
-            _fake_rows(Float32, 4), _fake_rows(cutlass.Int32, 3), Float32(1.0), Float32(1.0)]
+            _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
+            Float32(1.0), Float32(1.0)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     rows = [["ceil_div", "seqlen_q", bwd_sm90.ROWS_PER_THREAD_BLOCK], ["size", "heads_q"], ["size", "batch"]]
     plans = {
