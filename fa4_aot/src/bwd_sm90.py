@@ -341,7 +341,8 @@ class FlashBwdSm90:
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
         tdQ_smem = thr_dq_copy.partition_D(sdQ_w)
-        issuer = tidx % WARPGROUP == 0
+        # TMA copies elect one lane themselves, so a whole warp must issue them.
+        issuer = cute.arch.make_warp_uniform(tidx // 32) % 4 == 0
         ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
@@ -452,11 +453,13 @@ class FlashBwdSm90:
     @cute.jit
     def end_dq(self, tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q):
         if const_expr(self.deterministic):
-            if tidx % WARPGROUP == 0:  # the one thread that issued this warpgroup's reduces
+            if cute.arch.make_warp_uniform(tidx // 32) % 4 == 0:  # the warp that issued the reduces
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.fence_acq_rel_gpu()
-                sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
-                cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+                cute.arch.sync_warp()
+                if tidx % WARPGROUP == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
+                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
 
     def _sem_index(self, batch, head_q, m_block, seqlen_q, heads_q):
         return (batch * heads_q + head_q) * cute.ceil_div(seqlen_q, self.tile_m) + m_block

@@ -48,8 +48,9 @@ def wgmma(tiled, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool], wait:
 def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int):
     """acc (fp32 fragment of ``tiled``) -> dtype in ``smem`` -> one TMA store to ``gmem_tile``.
 
-    Every one of ``threads`` threads calls this; thread 0 issues the store and waits until
-    shared memory has been read, so the buffer may be reused after a later barrier.
+    Every one of ``threads`` threads calls this; warp 0 issues the store (the TMA copy elects
+    one lane itself, so a whole warp must reach it) and waits until shared memory has been
+    read, so the buffer may be reused after a later barrier.
     """
     staged = cute.make_rmem_tensor_like(acc, dtype)
     staged.store(acc.load().to(dtype))
@@ -59,7 +60,7 @@ def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_
     cute.copy(copy, thr.retile(staged), thr.partition_D(smem))
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
-    if tidx == 0:
+    if cute.arch.make_warp_uniform(tidx // 32) == 0:
         s_part, g_part = cpasync.tma_partition(
             tma_atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2), cute.group_modes(gmem_tile, 0, 2)
         )
