@@ -147,6 +147,12 @@ class FlashBwdSm90:
         ).launch(grid=rows_grid, block=[ROWS_PER_THREAD_BLOCK, 1, 1])
 
     # ------------------------------------------------------------------ preprocess
+    def _row(self, base: cute.Pointer, offset: Int64, dtype):
+        """The head_dim elements at ``base + offset`` (elements), 16-byte aligned by contract."""
+        address = base.toint() + offset * (dtype.width // 8)
+        ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=16)
+        return cute.make_tensor(ptr, cute.make_layout(self.head_dim))
+
     @cute.kernel
     def preprocess(
         self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
@@ -154,18 +160,18 @@ class FlashBwdSm90:
         lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
         dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
     ):
+        """One thread per query row, whole rows moved with 16-byte vector accesses."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         row = bidx * ROWS_PER_THREAD_BLOCK + tidx
         if row < seqlen_q:
             d = self.head_dim
-            o_row = cute.make_tensor(
-                o_ptr + (Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh), cute.make_layout(d))
-            do_row = cute.make_tensor(
-                do_ptr + (Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh), cute.make_layout(d))
-            total = Float32(0.0)
-            for i in cutlass.range_constexpr(d):
-                total += Float32(o_row[i]) * Float32(do_row[i])
+            o = cute.make_rmem_tensor((d,), self.dtype)
+            do = cute.make_rmem_tensor((d,), self.dtype)
+            cute.autovec_copy(self._row(o_ptr, Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh, self.dtype), o)
+            cute.autovec_copy(
+                self._row(do_ptr, Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh, self.dtype), do)
+            total = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             at = (batch * heads_q + head) * seqlen_q + row
             lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))
             lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
@@ -175,10 +181,9 @@ class FlashBwdSm90:
             lse2[at] = value * LOG2E
             if value == -Float32.inf:
                 lse2[at] = Float32.inf
-            acc_at = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
-            acc = cute.make_tensor(dqacc_ptr + acc_at, cute.make_layout(d))
-            for i in cutlass.range_constexpr(d):
-                acc[i] = Float32(0.0)
+            zeros = cute.make_rmem_tensor((d,), Float32)
+            zeros.fill(0.0)
+            cute.autovec_copy(zeros, self._row(dqacc_ptr, ((Int64(batch) * seqlen_q + row) * heads_q + head) * d, Float32))
             if row % self.tile_m == 0:
                 m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
                 sem_at = (batch * heads_q + head) * m_blocks + row // self.tile_m
@@ -196,12 +201,11 @@ class FlashBwdSm90:
         row = bidx * ROWS_PER_THREAD_BLOCK + tidx
         if row < seqlen_q:
             d = self.head_dim
-            acc = cute.make_tensor(
-                dqacc_ptr + ((Int64(batch) * seqlen_q + row) * heads_q + head) * d, cute.make_layout(d))
-            dq = cute.make_tensor(
-                dq_ptr + (Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh), cute.make_layout(d))
-            for i in cutlass.range_constexpr(d):
-                dq[i] = (acc[i] * scale).to(self.dtype)
+            acc = cute.make_rmem_tensor((d,), Float32)
+            cute.autovec_copy(self._row(dqacc_ptr, ((Int64(batch) * seqlen_q + row) * heads_q + head) * d, Float32), acc)
+            dq = cute.make_rmem_tensor((d,), self.dtype)
+            dq.store((acc.load() * scale).to(self.dtype))
+            cute.autovec_copy(dq, self._row(dq_ptr, Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh, self.dtype))
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel

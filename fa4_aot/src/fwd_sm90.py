@@ -4,12 +4,12 @@ One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgro
 - warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into
   `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
   masking) to the first, K one tile ahead of V.
-- warpgroups 1 and 2: consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
+- warpgroups 1 and 2 (and 3 for 192-row tiles): consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
   online softmax in the exp2 domain, P converted in registers and fed to O += P V as the
   A operand of an RS-wgmma. Within a warpgroup, S(j+1) and P(j) V(j) are in flight
-  together and the softmax of S(j+1) overlaps P(j) V(j); across the two warpgroups, named
-  barriers hand the tensor cores back and forth (ping-pong), so one warpgroup's softmax
-  hides behind the other's GEMMs. The epilogue normalizes O, stages it in shared memory
+  together and the softmax of S(j+1) overlaps P(j) V(j); across the warpgroups, named
+  barriers hand the tensor cores round (ping-pong), so one warpgroup's softmax hides
+  behind another's GEMMs. The epilogue normalizes O, stages it in shared memory
   over the spent Q buffer and writes it with one TMA store; LSE is written by the owning
   threads.
 Registers are moved from the producer to the consumers with setmaxnreg.
@@ -33,17 +33,17 @@ from .mask import TileMask
 from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgmma
 from .softmax import OnlineSoftmax, scale_rows
 
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
+# setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
+REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 EPILOGUE_BARRIER = 1
-SCHEDULER_BARRIER = 2  # and 3: one per consumer warpgroup
+SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
 
 
 class FlashFwdSm90:
     """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int):
-        assert tile_m == 2 * 64, "two consumer warpgroups of 64 rows"
+        assert tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         assert head_dim % 32 == 0 and tile_n % 16 == 0
         self.dtype = dtype
         self.head_dim = head_dim
@@ -51,7 +51,8 @@ class FlashFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
-        self.num_consumers = 2
+        self.num_consumers = tile_m // 64
+        self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumers]
         self.threads = WARPGROUP * (1 + self.num_consumers)
         self.tma_boxes = {}
         self.smem_bytes = None
@@ -172,7 +173,7 @@ class FlashFwdSm90:
 
         if warp < 4:
             # ---------------- producer warpgroup: TMA loads ----------------
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
                 self.load(
                     tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
@@ -180,7 +181,7 @@ class FlashFwdSm90:
                 )
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(self.consumer_regs)
             self.attend(
                 tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
@@ -300,7 +301,8 @@ class FlashFwdSm90:
                 pipe_v.consumer_wait(v_state)
                 wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
                 cute.arch.barrier_arrive(
-                    barrier_id=SCHEDULER_BARRIER + 1 - wg, number_of_threads=2 * WARPGROUP
+                    barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                    number_of_threads=2 * WARPGROUP,
                 )
                 warpgroup.wait_group(1)
                 pipe_k.consumer_release(kv_state)
