@@ -57,11 +57,12 @@ class Tiling:
     stages: int
 
 
-# Consumer warpgroups of 64 rows each (two, or three for head_dim 64 where the tiles are
-# small enough for 160 registers); key tiles sized so that S (64 x tile_n) and O
-# (64 x head_dim) fp32 fragments fit the registers, and K/V stages in 227 KB of smem.
+# Two consumer warpgroups of 64 rows each (the kernel also takes three, 192-row tiles, at
+# 160 registers each; measured slower for head_dim 64, see docs/perf-notes.md); key tiles
+# sized so that S (64 x tile_n) and O (64 x head_dim) fp32 fragments fit the registers,
+# and K/V stages in 227 KB of smem.
 FWD_SM90_TILING = {
-    64: Tiling(192, 112, 2),
+    64: Tiling(128, 128, 2),
     96: Tiling(128, 128, 2),
     128: Tiling(128, 128, 2),
     192: Tiling(128, 64, 2),
