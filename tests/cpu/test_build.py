@@ -102,3 +102,31 @@ def test_manifest_loads_and_finds_rows(built):
     m = Manifest(built[0])
     row = m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=64, causal=False)
     assert m.cubin(row)[:4] == b"\x7fELF"
+
+
+def _nvdisasm():
+    import shutil
+    from pathlib import Path
+
+    try:
+        import nvidia.cu13
+
+        found = Path(list(nvidia.cu13.__path__)[0]) / "bin" / "nvdisasm"
+        if found.exists():
+            return str(found)
+    except ImportError:
+        pass
+    return shutil.which("nvdisasm")
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_sass_uses_hopper_tensor_cores_and_setmaxnreg(built, name):
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    folder, _ = built
+    row = next(r for r in rows(folder) if r["name"] == name)
+    sass = subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass, "the matrix products must run on wgmma"
+    assert "USETMAXREG" in sass, "producer and consumers must trade registers"
+    assert "UTMALDG" in sass, "loads must go through the tensor memory accelerator"
