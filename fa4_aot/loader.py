@@ -63,7 +63,6 @@ class KernelLibrary:
         self._manifest = None
         self._functions: dict[tuple[int, str], object] = {}
         self._archs: dict[int, str] = {}
-        self._sm_counts: dict[int, int] = {}
         self._lock = threading.RLock()
 
     @property
@@ -75,14 +74,6 @@ class KernelLibrary:
         return self._manifest
 
     # ------------------------------------------------------------------ loading
-    def sm_count(self, device: int) -> int:
-        count = self._sm_counts.get(device)
-        if count is None:
-            count = call(cu.cuDeviceGetAttribute,
-                         cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
-            self._sm_counts[device] = count
-        return count
-
     def arch(self, device: int) -> str:
         """The matrix architecture for ``device``; ArchitectureError if nothing here runs on it."""
         arch = self._archs.get(device)
@@ -181,7 +172,6 @@ class KernelLibrary:
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name."""
         with _Context(device):
             fns = self.functions(row, device)
-            values = {**values, "sm_count": self.sm_count(device)}
             handle = cu.CUstream(stream)
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
@@ -207,14 +197,6 @@ def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:
             out.append(-(-sizes[args[0]] // args[1]))
         elif op == "size":
             out.append(sizes[args[0]])
-        elif op == "const":
-            out.append(args[0])
-        elif op == "persistent":  # tiles = ceil(rows / tile) * sizes..., one CTA per SM at most
-            rows, tile, *more = args
-            tiles = -(-sizes[rows] // tile)
-            for name in more:
-                tiles *= sizes[name]
-            out.append(min(tiles, sizes["sm_count"]))
         else:
             raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
     return tuple(out)

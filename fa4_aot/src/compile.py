@@ -136,8 +136,7 @@ def compile_fwd(variant: Variant) -> dict:
     cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:
         raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
-    # Persistent: one CTA per SM (registers allow no more), at most one per tile.
-    grid = [["persistent", "seqlen_q", t.tile_m, "heads_q", "batch"], ["const", 1], ["const", 1]]
+    grid = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
     launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [kernel.threads, 1, 1], grid, kernel.smem_bytes)
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": [launch],
             "tensormaps": _recipes(kernel, variant)}

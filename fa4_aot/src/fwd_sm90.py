@@ -107,7 +107,7 @@ class FlashFwdSm90:
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        grid = (cute.ceil_div(q.shape[0], self.tile_m) * q.shape[2] * q.shape[3], 1, 1)  # capped at launch
+        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
             grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
         )
@@ -156,84 +156,79 @@ class FlashFwdSm90:
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
 
+        bidx, head, batch = cute.arch.block_idx()
+        m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest causal tiles first
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q, batches = gQ.shape[2], gQ.shape[3]
-        group = heads_q // gK.shape[2]
+        head_kv = head // (heads_q // gK.shape[2])
         mLSE = cute.make_tensor(
             lse_ptr, cute.make_layout((seqlen_q, heads_q, batches), stride=(1, seqlen_q, seqlen_q * heads_q))
         )
-        # Persistent: CTA c takes tiles c, c + grid, ...; tile t is query tile
-        # m_blocks - 1 - t // (heads * batch), so the longest causal tiles go first (LPT).
-        total = cute.ceil_div(seqlen_q, self.tile_m) * heads_q * batches
-        first, step = cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(self.causal):
+            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
             # ---------------- producer warpgroup: TMA loads ----------------
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp == 0:
-                self.load(tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
-                          seqlen_q, seqlen_k, heads_q, batches, group, first, step, total)
+                self.load(
+                    tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
+                    tma_v, gV[None, None, head_kv, batch], sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                )
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.attend(
-                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, seqlen_q, seqlen_k, heads_q,
-                batches, first, step, total, scale_log2, tma_o, gO, mLSE,
+                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
+                mLSE[None, head, batch],
             )
 
-    def _tile(self, t, seqlen_q, seqlen_k, heads_q, batches):
-        """(m_block, head, batch, key tiles to visit) of tile t."""
-        per_m = heads_q * batches
-        m_block = cute.ceil_div(seqlen_q, self.tile_m) - 1 - t // per_m
-        rest = t % per_m
-        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        if const_expr(self.causal):
-            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
-            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
-        return m_block, rest % heads_q, rest // heads_q, n_blocks
-
     @cute.jit
-    def load(self, tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
-             seqlen_q, seqlen_k, heads_q, batches, group, first, step, total):
-        """gQ: (s_q, d, h_q, b) and gK, gV: (s_k, d, h_kv, b) TMA coordinates."""
+    def load(
+        self, tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
+        m_block: Int32, n_blocks: Int32,
+    ):
+        """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch)."""
         whole = cute.make_layout(1)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        tile_q = cute.local_tile(gQ, (self.tile_m, self.head_dim), (m_block, 0))
+        tQs, tQg = cpasync.tma_partition(
+            tma_q, 0, whole, cute.group_modes(sQ, 0, 2), cute.group_modes(tile_q, 0, 2)
+        )
+        tiles_k = cute.local_tile(gK, (self.tile_n, self.head_dim), (None, 0))
+        tiles_v = cute.local_tile(gV, (self.tile_n, self.head_dim), (None, 0))
+        tKs, tKg = cpasync.tma_partition(
+            tma_k, 0, whole, cute.group_modes(sK, 0, 2), cute.group_modes(tiles_k, 0, 2)
+        )
+        tVs, tVg = cpasync.tma_partition(
+            tma_v, 0, whole, cute.group_modes(sV, 0, 2), cute.group_modes(tiles_v, 0, 2)
+        )
+        load_k = lambda n, st: cute.copy(  # noqa: E731
+            tma_k, tKg[None, n], tKs[None, st.index], tma_bar_ptr=pipe_k.producer_get_barrier(st))
+        load_v = lambda n, st: cute.copy(  # noqa: E731
+            tma_v, tVg[None, n], tVs[None, st.index], tma_bar_ptr=pipe_v.producer_get_barrier(st))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for t in cutlass.range(first, total, step, unroll=1):
-            m_block, head, batch, n_blocks = self._tile(t, seqlen_q, seqlen_k, heads_q, batches)
-            q_tile = cute.local_tile(gQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tQs, tQg = cpasync.tma_partition(
-                tma_q, 0, whole, cute.group_modes(sQ, 0, 2), cute.group_modes(q_tile, 0, 2))
-            k_tiles = cute.local_tile(gK[None, None, head // group, batch], (self.tile_n, self.head_dim), (None, 0))
-            v_tiles = cute.local_tile(gV[None, None, head // group, batch], (self.tile_n, self.head_dim), (None, 0))
-            tKs, tKg = cpasync.tma_partition(
-                tma_k, 0, whole, cute.group_modes(sK, 0, 2), cute.group_modes(k_tiles, 0, 2))
-            tVs, tVg = cpasync.tma_partition(
-                tma_v, 0, whole, cute.group_modes(sV, 0, 2), cute.group_modes(v_tiles, 0, 2))
-            if n_blocks > 0:
-                pipe_k.producer_acquire(kv_state)
-                cute.copy(tma_k, tKg[None, n_blocks - 1], tKs[None, kv_state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-            # Q waits until the consumers have stored the previous tile's O from its buffer.
-            pipe_q.producer_acquire(q_state)
-            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-            q_state.advance()
-            if n_blocks > 0:
-                # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
-                for i in cutlass.range(n_blocks - 1, unroll=1):
-                    v_state = kv_state.clone()
-                    kv_state.advance()
-                    pipe_k.producer_acquire(kv_state)
-                    cute.copy(tma_k, tKg[None, n_blocks - 2 - i], tKs[None, kv_state.index],
-                              tma_bar_ptr=pipe_k.producer_get_barrier(kv_state))
-                    pipe_v.producer_acquire(v_state)
-                    cute.copy(tma_v, tVg[None, n_blocks - 1 - i], tVs[None, v_state.index],
-                              tma_bar_ptr=pipe_v.producer_get_barrier(v_state))
-                pipe_v.producer_acquire(kv_state)
-                cute.copy(tma_v, tVg[None, 0], tVs[None, kv_state.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(kv_state))
+        if n_blocks > 0:
+            pipe_k.producer_acquire(kv_state)
+            load_k(n_blocks - 1, kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_q.producer_acquire(q_state)
+        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if n_blocks > 0:
+            # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
+            for i in cutlass.range(n_blocks - 1, unroll=1):
+                v_state = kv_state.clone()
                 kv_state.advance()
+                pipe_k.producer_acquire(kv_state)
+                load_k(n_blocks - 2 - i, kv_state)
+                pipe_v.producer_acquire(v_state)
+                load_v(n_blocks - 1 - i, v_state)
+            pipe_v.producer_acquire(kv_state)
+            load_v(0, kv_state)
 
     @cute.jit
     def _tiled_mmas(self):
@@ -243,11 +238,10 @@ class FlashFwdSm90:
 
     @cute.jit
     def attend(
-        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, seqlen_q: Int32, seqlen_k: Int32,
-        heads_q: Int32, batches: Int32, first: Int32, step: Int32, total: Int32, scale_log2: Float32,
-        tma_o, gO, mLSE,
+        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block: Int32, n_blocks: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
     ):
-        """tidx: 0.. over the consumer warpgroups; gO: (s_q, d, h_q, b); mLSE: (s_q, h_q, b)."""
+        """tidx: 0..255 over the consumer warpgroups; gO: (s_q, d); mLSE: (s_q,)."""
         mma_qk, mma_pv = self._tiled_mmas()
         wg_first_thread = (tidx // WARPGROUP) * WARPGROUP
         wg_qk = mma_qk.get_slice(wg_first_thread)
@@ -259,52 +253,30 @@ class FlashFwdSm90:
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+        acc_o.fill(0.0)
         s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 
         rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax(scale_log2, rows)
+        softmax.reset()
         row_scale = cute.make_rmem_tensor((rows,), Float32)
         mask = TileMask(self.tile_m, self.tile_n, self.causal)
+        # Key tiles at or past this index need a mask (padding or the causal diagonal).
+        first_masked = seqlen_k // self.tile_n
+        if const_expr(self.causal):
+            first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
+            first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
+
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
         apply_mask, softmax_step = mask.apply, softmax.step
-        softmax_reset, softmax_finalize = softmax.reset, softmax.finalize
-        inv_sum = cute.make_rmem_tensor((rows,), Float32)
-        lse = cute.make_rmem_tensor((rows,), Float32)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_q.consumer_wait(q_state)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if wg == 0:  # the first consumer issues first
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
-        for t in cutlass.range(first, total, step, unroll=1):
-            m_block, head, batch, n_blocks = self._tile(t, seqlen_q, seqlen_k, heads_q, batches)
-            # Key tiles at or past this index need a mask (padding or the causal diagonal).
-            first_masked = seqlen_k // self.tile_n
-            if const_expr(self.causal):
-                first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
-                first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
-            softmax_reset()
-            acc_o.fill(0.0)
-            pipe_q.consumer_wait(q_state)
-            kv_state = self.attend_tile(
-                tSrQ, tSrK, tOrVt, tOrP, acc_o, s_shape, s_coords, row_scale, mma_qk, mma_pv,
-                pipe_k, pipe_v, kv_state, wg, m_block, n_blocks, first_masked, seqlen_q, seqlen_k,
-                apply_mask, softmax_step)
-            softmax_finalize(inv_sum, lse)
-            scale_rows(acc_o, inv_sum)
-            self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO[None, None, head, batch],
-                          mLSE[None, head, batch], m_block, seqlen_q)
-            # Every consumer knows the O store has read the buffer: Q may be reloaded.
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
-            pipe_q.consumer_release(q_state)
-            q_state.advance()
-
-    @cute.jit
-    def attend_tile(self, tSrQ, tSrK, tOrVt, tOrP, acc_o, s_shape, s_coords, row_scale, mma_qk, mma_pv,
-                    pipe_k, pipe_v, kv_state, wg, m_block, n_blocks, first_masked, seqlen_q, seqlen_k,
-                    apply_mask, softmax_step):
-        """The key-tile loop of one query tile; returns the K/V pipeline state after it."""
         if n_blocks > 0:
             # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
@@ -343,8 +315,12 @@ class FlashFwdSm90:
             pipe_v.consumer_wait(kv_state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)
-            kv_state.advance()
-        return kv_state
+
+        inv_sum = cute.make_rmem_tensor((rows,), Float32)
+        lse = cute.make_rmem_tensor((rows,), Float32)
+        softmax.finalize(inv_sum, lse)
+        scale_rows(acc_o, inv_sum)
+        self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
 
     @cute.jit
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):
