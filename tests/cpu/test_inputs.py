@@ -88,3 +88,41 @@ def test_dlpack_of_a_torch_cpu_tensor_is_refused():
     torch = pytest.importorskip("torch")
     with pytest.raises(DeviceError):
         as_device_array(torch.zeros(2, 3, dtype=torch.bfloat16))
+
+
+def test_backward_checks_gradients_like_their_inputs():
+    from fa4_aot.checks import check_backward
+
+    p = problem()
+    good = dict(q=p["q"], k=p["k"], v=p["v"], out=p["out"], lse=p["lse"], dout=bshd(2, 100, 8, 128),
+                dq=bshd(2, 100, 8, 128), dk=bshd(2, 300, 2, 128), dv=bshd(2, 300, 2, 128))
+    assert check_backward(**good).seqlen_k == 300
+    with pytest.raises(ShapeError, match="dk"):
+        check_backward(**{**good, "dk": bshd(2, 300, 8, 128)})
+    with pytest.raises(DTypeError, match="dout"):
+        check_backward(**{**good, "dout": bshd(2, 100, 8, 128, "fp16")})
+    with pytest.raises(LayoutError, match="dq"):
+        check_backward(**{**good, "dq": bshd(2, 100, 8, 128, ptr=BASE + 2)})
+
+
+def test_workspace_is_carved_aligned_and_checked():
+    from fa4_aot.api import _carve, backward_workspace_bytes
+    from fa4_aot.checks import check_forward
+
+    p = check_forward(**problem())
+    need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p)
+    starts = sorted(r["ptr"] for r in regions.values())
+    assert all(s % 256 == 0 for s in starts) and starts[0] == BASE
+    assert regions["dq_accum"]["shape"] == (2, 100, 8, 128)
+    with pytest.raises(ShapeError, match="workspace has"):
+        _carve(DeviceArray(BASE, (need - 1,), (1,), "u8"), p)
+    with pytest.raises(LayoutError, match="256-byte"):
+        _carve(DeviceArray(BASE + 16, (need,), (1,), "u8"), p)
+
+
+def test_size_one_axes_get_a_valid_descriptor_stride():
+    from fa4_aot.api import _tma_tensor
+
+    t = _tma_tensor(DeviceArray(BASE, (1, 1, 1, 64), (0, 0, 0, 1), "bf16"))
+    assert all(s * 2 % 16 == 0 and s > 0 for s in t["strides"][:3])
