@@ -32,8 +32,10 @@ from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgm
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
-DS_BARRIER = 2  # and 3: one per consumer warpgroup
-DQ_BARRIER = 4  # and 5
+DS_BARRIER = 2  # both consumer warpgroups (split_d), or 2 and 3: one per warpgroup
+DQ_FULL_BARRIER = 4  # and 5: warpgroup w has staged its dQ tile for the writer warp
+DQ_EMPTY_BARRIER = 6  # and 7: the writer's reduce has read warpgroup w's staging buffer
+DQ_WRITER_WARP = 1  # of the producer warpgroup
 ROWS_PER_THREAD_BLOCK = 128  # pre/postprocess: one thread per query row
 LOG2E = 1.4426950408889634
 
@@ -53,9 +55,14 @@ class FlashBwdSm90:
         self.stages = stages
         self.num_consumers = 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
-        # dQ is computed per warpgroup in head-dim chunks that keep its fp32 accumulator
-        # at 64 x 64 or less per warpgroup.
-        self.dq_chunk = head_dim if head_dim <= 96 else head_dim // 2
+        # dQ = dS K per query tile. split_d (head_dim 128): warpgroup w computes columns
+        # [64w, 64w + 64) over all 128 keys, from the whole dS tile in shared memory, so the
+        # two reduces cover disjoint halves. Otherwise (64, 96: half-width chunks would not
+        # match the 128-byte swizzle of K^T) warpgroup w computes all columns from its own
+        # 64 keys, and both reduce into the same tile.
+        self.split_d = head_dim % 128 == 0
+        self.dq_cols = head_dim // 2 if self.split_d else head_dim
+        self.ds_stages = 2  # dS double-buffered: one barrier per step orders its reuse
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -73,8 +80,8 @@ class FlashBwdSm90:
             sV: buf(s_kv)
             sQ: buf(s_q)  # also dK's staging tile
             sdO: buf(s_q)  # also dV's staging tile
-            sdS: buf(s_ds)
-            sdQ: buf(s_dq, Float32)  # one fp32 dQ chunk per consumer warpgroup
+            sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
+            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, consumer warpgroup) fp32 staging
 
         return Storage
 
@@ -112,8 +119,8 @@ class FlashBwdSm90:
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
-        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n)
-        s_dq = smem_layout(Float32, self.tile_m, self.dq_chunk, self.num_consumers)
+        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, self.ds_stages)
+        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.num_consumers)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
@@ -123,7 +130,7 @@ class FlashBwdSm90:
         tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.tile_n, self.head_dim))
         tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
         tma_dq, gdq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, (self.tile_m, self.dq_chunk))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, (self.tile_m, self.dq_cols))
         self.tma_boxes = {
             name: (str(atom.type), str(layout.inner))
             for name, atom, layout in (
@@ -256,6 +263,8 @@ class FlashBwdSm90:
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
         n_block, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.causal and self.deterministic):
+            n_block = cute.arch.grid_dim()[0] - 1 - n_block  # shortest first: see dq_writer
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]
         group = heads_q // gK.shape[2]
@@ -275,14 +284,16 @@ class FlashBwdSm90:
                 self.load(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK[None, None, head_kv, batch], sK,
                           tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_qdo,
                           n_block, head_kv, batch, group, m_first, span, steps)
+            if warp == DQ_WRITER_WARP:
+                self.dq_writer(tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
+                               m_first, span, steps, seqlen_q, seqlen_k, heads_q)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.compute(
                 tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
                 batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
-                tma_dq, gdQacc, sem_ptr, scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch],
-                tma_dv, gdV[None, None, head_kv, batch],
+                scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
             )
 
     @cute.jit
@@ -310,13 +321,15 @@ class FlashBwdSm90:
     @cute.jit
     def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
                 batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
-                tma_dq, gdQacc, sem_ptr, scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
+                scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
+        """tidx: 0..255 over the consumer warpgroups. Per query tile, in issue order:
+        S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
+        memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
+        stage it for the writer warp while dK runs."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
-        # dQ: each warpgroup multiplies its own 64 keys, dS_w K_w.
-        chunk = self.dq_chunk
-        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), chunk)  # (queries, chunk), k = keys
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)  # (queries, dq_cols), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_first = wg * WARPGROUP
         wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
@@ -330,27 +343,32 @@ class FlashBwdSm90:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (tm, 64), (0, wg))))
-        sKt_w = transpose_smem(cute.local_tile(sK, (64, d), (wg, 0)))  # (d, this warpgroup's keys)
-        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt_w, (chunk, 64), (c, 0))))
-                 for c in range(d // chunk)]
+        if const_expr(self.split_d):
+            # dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
+                cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
+            ds_barrier, ds_threads = DS_BARRIER, 2 * WARPGROUP
+        else:
+            # dS (queries, this warpgroup's keys) x K^T (all head dims, this warpgroup's keys)
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (tm, 64), (0, wg, None))))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
+                transpose_smem(cute.local_tile(sK, (64, d), (wg, 0)))))
+            ds_barrier, ds_threads = DS_BARRIER + wg, WARPGROUP
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         s_shape = thr_sdp.partition_shape_C((tn, tm))
         s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        sdQ_w = sdQ[None, None, wg]
-        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32)
+        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ_w)
-        # TMA copies elect one lane themselves, so a whole warp must issue them.
-        issuer = cute.arch.make_warp_uniform(tidx // 32) % 4 == 0
+        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg])
         ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
-        tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries)
+        tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
         ncols = cute.size(s_coords, mode=[1])
         nrows = cute.size(s_coords, mode=[0])
         lse2_col = cute.make_rmem_tensor((ncols,), Float32)
@@ -365,6 +383,7 @@ class FlashBwdSm90:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
+            ds_stage = step % self.ds_stages
             stat_base = (batch * heads_q + head_q) * seqlen_q + m_block * tm
             for j in cutlass.range_constexpr(ncols):
                 q = m_block * tm + s_coords[0, j][1]
@@ -390,47 +409,35 @@ class FlashBwdSm90:
                     if key >= seqlen_k:
                         p = Float32(0.0)
                     s[r, j] = p
+            tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             warpgroup.wait_group(0)
             dp = acc_as_rows_cols(acc_dp)
             for r in cutlass.range_constexpr(nrows):
                 for j in cutlass.range_constexpr(ncols):
                     dp[r, j] = s[r, j] * (dp[r, j] - dsum_col[j])
-            tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            tKrdS.store(acc_as_operand_a(acc_dp).load().to(self.dtype))
             wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
-            wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
-            # dS through shared memory for dQ = dS K. Each warpgroup writes and reads only its
-            # own 64 keys' columns, so a barrier over the warpgroup orders the buffer's reuse.
-            ds_bf16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-            ds_bf16.store(acc_dp.load().to(self.dtype))
-            cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
-            cute.copy(ds_copy, thr_ds.retile(ds_bf16), tdS_smem)
+            ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            ds.store(acc_dp.load().to(self.dtype))
+            tKrdS.store(acc_as_operand_a(ds).load())
+            # dS^T in registers is the A operand of dK's GEMM; dS through shared memory is
+            # dQ's. The stage written here was last read by the dQ GEMMs two steps ago,
+            # which both warpgroups waited for before the previous step's barrier.
+            cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
+            cute.arch.barrier(barrier_id=ds_barrier, number_of_threads=ds_threads)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
+            wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
+            wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
+            warpgroup.wait_group(1)  # dV and dQ done; dK in flight
+            # Hand dQ to the writer warp once its last reduce has read the buffer.
+            if step > 0:
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
             state.advance()
-            self.begin_dq(tidx, sem_ptr, batch, head_q, m_block, n_block, seqlen_q, heads_q, wg)
-            for c in cutlass.range_constexpr(d // chunk):
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-                wgmma(mma_dq, acc_dq, tQrdS, tQrKt[c], False, wait=True)
-                # Stage in shared memory once the previous reduce has read the buffer, then
-                # one TMA reduce-add of the (tile_m, chunk) tile into the fp32 accumulator.
-                if issuer:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-                cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
-                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
-                if issuer:
-                    tile = cute.local_tile(gdQacc[None, None, head_q, batch], (tm, chunk), (m_block, c))
-                    part_s, part_g = cpasync.tma_partition(
-                        tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_w, 0, 2), cute.group_modes(tile, 0, 2))
-                    cute.copy(tma_dq, part_s, part_g)
-                    cute.arch.cp_async_bulk_commit_group()
-            self.end_dq(tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q)
-        if issuer:
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
 
         # dK, dV: both warpgroups are past their last GEMM before the Q/dO buffers are reused.
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
@@ -441,29 +448,58 @@ class FlashBwdSm90:
         stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv,
                         cute.local_tile(gdV, (tn, d), (n_block, 0)), EPILOGUE_BARRIER, 2 * WARPGROUP)
 
-    # Deterministic dQ: the key tiles of one (query tile, head) add in ascending order. The
-    # tiles that touch query tile m are n = 0 .. (causal: the last one on its diagonal); tile
-    # n waits until the semaphore reads 2n (two warpgroups add per tile), adds, publishes
-    # its writes and bumps the semaphore once per warpgroup.
+    # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
-    def begin_dq(self, tidx, sem_ptr, batch, head_q, m_block, n_block, seqlen_q, heads_q, wg):
-        if const_expr(self.deterministic):
-            sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
-            if tidx % WARPGROUP == 0:
-                while cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu") != 2 * n_block + wg:
-                    pass
-            cute.arch.barrier(barrier_id=DQ_BARRIER + wg, number_of_threads=WARPGROUP)
+    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
+                  m_first, span, steps, seqlen_q, seqlen_k, heads_q):
+        """Add each staged dQ tile into the fp32 accumulator by TMA reduce-add, off the
+        consumers' critical path: they only wait for the buffer to be read.
 
-    @cute.jit
-    def end_dq(self, tidx, sem_ptr, batch, head_q, m_block, seqlen_q, heads_q):
-        if const_expr(self.deterministic):
-            if cute.arch.make_warp_uniform(tidx // 32) % 4 == 0:  # the warp that issued the reduces
+        Deterministic: the key tiles touching query tile m add in a fixed order, one turn
+        per CTA, counted by a per-(batch, head, m) semaphore. Non-causal: ascending key
+        tile. Causal: shortest processing time first: the CTAs are launched highest key
+        tile first, and tile m takes the diagonal key tile first, then downward, so a CTA's
+        first reduce (on its diagonal) never waits and a CTA only ever waits for CTAs
+        launched before it.
+        """
+        lane = tidx % 32
+        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        for step in cutlass.range(steps, unroll=1):
+            head_q = head_kv * group + step // span
+            m_block = m_first + step % span
+            sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + m_block
+            if const_expr(self.deterministic):
+                turn = n_block
+                if const_expr(self.causal):
+                    last_key = cutlass.max((m_block + 1) * self.tile_m + seqlen_k - seqlen_q, 0)
+                    turn = cutlass.min(cute.ceil_div(last_key, self.tile_n), n_blocks) - 1 - n_block
+                if lane == 0:
+                    while cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu") != turn:
+                        pass
+                cute.arch.sync_warp()
+            for w in cutlass.range_constexpr(self.num_consumers):
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=WARPGROUP + 32)
+                column_tile = w if const_expr(self.split_d) else 0
+                tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols),
+                                       (m_block, column_tile))
+                part_s, part_g = cpasync.tma_partition(
+                    tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, w], 0, 2),
+                    cute.group_modes(tile, 0, 2))
+                cute.copy(tma_dq, part_s, part_g)
+                cute.arch.cp_async_bulk_commit_group()
+                if const_expr(self.deterministic and not self.split_d):
+                    # both warpgroups add into the same tile: one after the other
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+            if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 cute.arch.sync_warp()
-                if tidx % WARPGROUP == 0:
+                if lane == 0:
                     cute.arch.fence_acq_rel_gpu()
-                    sem = sem_ptr + self._sem_index(batch, head_q, m_block, seqlen_q, heads_q)
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-
-    def _sem_index(self, batch, head_q, m_block, seqlen_q, heads_q):
-        return (batch * heads_q + head_q) * cute.ceil_div(seqlen_q, self.tile_m) + m_block
+            else:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if step + 1 < steps:  # the consumers wait for this only before a next tile
+                for w in cutlass.range_constexpr(self.num_consumers):
+                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=WARPGROUP + 32)
+        cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -298,6 +298,8 @@ class FlashFwdSm90:
                 pipe_k.consumer_wait(kv_state)
                 cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
                 wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                # O to the scale of P(j) while S(j+1) runs, before P(j) V(j) adds into it.
+                scale_rows(acc_o, row_scale)
                 pipe_v.consumer_wait(v_state)
                 wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
                 cute.arch.barrier_arrive(
@@ -310,8 +312,8 @@ class FlashFwdSm90:
                 softmax_step(acc_s, row_scale)
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
-                scale_rows(acc_o, row_scale)
                 tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            scale_rows(acc_o, row_scale)
             pipe_v.consumer_wait(kv_state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)

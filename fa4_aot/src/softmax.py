@@ -23,6 +23,16 @@ from .layout import acc_as_rows_cols
 LN2 = math.log(2.0)
 
 
+def _tree_reduce(values: list, op):
+    """Reduce a list pairwise: log2(n) dependent steps instead of n, so one warp keeps
+    several independent instructions in flight (during ping-pong a scheduler often has
+    a single softmax warp to issue from)."""
+    while len(values) > 1:
+        paired = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
+        values = paired + values[len(values) - len(values) % 2:]
+    return values[0]
+
+
 def _quad_reduce(x: Float32, op) -> Float32:
     for offset in (1, 2):
         x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
@@ -50,9 +60,7 @@ class OnlineSoftmax:
         ncols = cute.size(s, mode=[1])
         for r in cutlass.range_constexpr(self.num_rows):
             m_prev = self.row_max[r]
-            m_cur = m_prev
-            for c in cutlass.range_constexpr(ncols):
-                m_cur = cute.arch.fmax(m_cur, s[r, c])
+            m_cur = _tree_reduce([m_prev] + [s[r, c] for c in range(ncols)], cute.arch.fmax)
             m_cur = _quad_reduce(m_cur, cute.arch.fmax)
             offset = m_cur * self.scale_log2
             if m_cur == -Float32.inf:
@@ -61,11 +69,9 @@ class OnlineSoftmax:
             if m_prev == -Float32.inf:
                 prev_offset = offset
             correction = cute.arch.exp2(prev_offset - offset)
-            total = Float32(0.0)
             for c in cutlass.range_constexpr(ncols):
-                p = cute.arch.exp2(s[r, c] * self.scale_log2 - offset)
-                s[r, c] = p
-                total += p
+                s[r, c] = cute.arch.exp2(s[r, c] * self.scale_log2 - offset)
+            total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
             self.row_sum[r] = self.row_sum[r] * correction + total
             self.row_max[r] = m_cur
             row_scale[r] = correction
