@@ -41,6 +41,8 @@ FA4_UPSTREAM_BWD = {
     (64, 1024, False): 414, (64, 1024, True): 314, (64, 4096, False): 502, (64, 4096, True): 451,
     (64, 16384, False): 501, (64, 16384, True): 519, (128, 1024, False): 454, (128, 1024, True): 355,
     (128, 4096, False): 539, (128, 4096, True): 518, (128, 16384, False): 575, (128, 16384, True): 609,
+    (256, 1024, False): 306, (256, 1024, True): 247, (256, 4096, False): 327, (256, 4096, True): 336,
+    (256, 16384, False): 370, (256, 16384, True): 370,
 }
 FA4_UPSTREAM_BWD_DET = {
     (64, 4096, False): 495, (64, 4096, True): 449, (64, 16384, False): 531, (64, 16384, True): 511,
@@ -108,7 +110,7 @@ def run_bwd_case(d, s, causal, dtype):
 
 def bwd_table(args, dtype, mm):
     rows = []
-    for d in [x for x in args.head_dims if x <= 128]:
+    for d in [x for x in args.head_dims if x != 192]:  # no head_dim 192 backward is built
         for s in args.seqlens:
             for causal in (False, True):
                 r = run_bwd_case(d, s, causal, dtype)

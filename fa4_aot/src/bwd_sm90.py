@@ -45,7 +45,11 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
                  tile_m: int, tile_n: int, stages: int):
-        assert tile_n == 2 * 64 and head_dim in (64, 96, 128)
+        # wide (head_dim 256): dK, dV and dQ split along head_dim between the warpgroups,
+        # both on all 64 keys; P and dS then go through shared memory for dV and dK.
+        self.wide = head_dim > 128
+        assert head_dim in (64, 96, 128, 256) and tile_m == 64
+        assert tile_n == (64 if self.wide else 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -62,7 +66,9 @@ class FlashBwdSm90:
         # 64 keys, and both reduce into the same tile.
         self.split_d = head_dim % 128 == 0
         self.dq_cols = head_dim // 2 if self.split_d else head_dim
-        self.ds_stages = 2  # dS double-buffered: one barrier per step orders its reuse
+        # dS double-buffered: one barrier per step orders its reuse. wide: single P and
+        # dS buffers (shared memory is full), a second barrier orders their reuse.
+        self.ds_stages = 1 if self.wide else 2
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -70,7 +76,7 @@ class FlashBwdSm90:
         def buf(layout, dtype=self.dtype):
             return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
-        stages = self.stages
+        stages, wide = self.stages, self.wide
 
         @cute.struct
         class Storage:
@@ -81,6 +87,8 @@ class FlashBwdSm90:
             sQ: buf(s_q)  # also dK's staging tile
             sdO: buf(s_q)  # also dV's staging tile
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
+            if wide:
+                sP: buf(s_ds)  # (tile_m, tile_n)
             sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, consumer warpgroup) fp32 staging
 
         return Storage
@@ -119,7 +127,7 @@ class FlashBwdSm90:
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
-        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, self.ds_stages)
+        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
         s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.num_consumers)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -290,11 +298,20 @@ class FlashBwdSm90:
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.compute(
-                tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
-                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
-                scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
-            )
+            if const_expr(self.wide):
+                sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
+                self.compute_wide(
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                    scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
+                    sP,
+                )
+            else:
+                self.compute(
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                    scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
+                )
 
     @cute.jit
     def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_qdo,
@@ -370,7 +387,6 @@ class FlashBwdSm90:
         thr_ds = ds_copy.get_slice(tidx)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
         ncols = cute.size(s_coords, mode=[1])
-        nrows = cute.size(s_coords, mode=[0])
         lse2_col = cute.make_rmem_tensor((ncols,), Float32)
         dsum_col = cute.make_rmem_tensor((ncols,), Float32)
         rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]  # b * h_q * s_q
@@ -384,37 +400,17 @@ class FlashBwdSm90:
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
             ds_stage = step % self.ds_stages
-            stat_base = (batch * heads_q + head_q) * seqlen_q + m_block * tm
-            for j in cutlass.range_constexpr(ncols):
-                q = m_block * tm + s_coords[0, j][1]
-                lse2_col[j] = Float32.inf
-                dsum_col[j] = Float32(0.0)
-                if q < seqlen_q:
-                    lse2_col[j] = lse2[stat_base + s_coords[0, j][1]]
-                    dsum_col[j] = dsum[stat_base + s_coords[0, j][1]]
+            self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
             pipe_qdo.consumer_wait(state)
             wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
             wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
             warpgroup.wait_group(1)
-            s = acc_as_rows_cols(acc_s)
-            for r in cutlass.range_constexpr(nrows):
-                key = n_block * tn + s_coords[r, 0][0]
-                for j in cutlass.range_constexpr(ncols):
-                    p = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
-                    if const_expr(self.causal):
-                        if key > m_block * tm + s_coords[r, j][1] + seqlen_k - seqlen_q:
-                            p = Float32(0.0)
-                    if key >= seqlen_k:
-                        p = Float32(0.0)
-                    s[r, j] = p
+            self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             warpgroup.wait_group(0)
-            dp = acc_as_rows_cols(acc_dp)
-            for r in cutlass.range_constexpr(nrows):
-                for j in cutlass.range_constexpr(ncols):
-                    dp[r, j] = s[r, j] * (dp[r, j] - dsum_col[j])
+            self._grads(acc_s, acc_dp, dsum_col)
             wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
             ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             ds.store(acc_dp.load().to(self.dtype))
@@ -439,14 +435,155 @@ class FlashBwdSm90:
             pipe_qdo.consumer_release(state)
             state.advance()
 
-        # dK, dV: both warpgroups are past their last GEMM before the Q/dO buffers are reused.
+        self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+
+    @cute.jit
+    def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                     batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                     scale, scale_log2, tma_dk, gdK, tma_dv, gdV, sP):
+        """head_dim 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of S^T and
+        dP^T, and head dims [128w, 128w + 128) of dV, dK and dQ. dV and dK need every query
+        of P^T and dS^T, so both go through shared memory (sP, sdS: (queries, keys)):
+        S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dQ chunk 0, dV, dK (async) ->
+        stage dQ chunk 0 -> dQ chunk 1 -> stage, hand both to the writer warp."""
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        half = d // 2
+        mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tm // 2)  # (keys, queries), k = d
+        mma_dkv = tiled_mma(self.dtype, "MN", "MN", (1, 2, 1), half)  # (keys, d), k = queries
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), 64)  # (queries, 64 of d), k = keys
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wg_sdp, wg_dkv = (m.get_slice(wg * WARPGROUP) for m in (mma_sdp, mma_dkv))
+        thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
+        wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sP)))
+        tKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        sKt = transpose_smem(sK)  # (d, keys)
+        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (64, tn), (wg * (half // 64) + c, 0))))
+                 for c in range(half // 64)]
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        s_shape = thr_sdp.partition_shape_C((tn, tm))
+        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
+        thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
+        tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, 64), (0, c)))
+                    for c in range(half // 64)]
+        pds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
+        pds_copy = cute.make_tiled_copy_C(pds_atom, mma_sdp)
+        thr_pds = pds_copy.get_slice(tidx)
+        tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)
+        tdS_smem = thr_pds.partition_D(transpose_smem(sdS))
+        lse2_col = cute.make_rmem_tensor((cute.size(s_coords, mode=[1]),), Float32)
+        dsum_col = cute.make_rmem_tensor((cute.size(s_coords, mode=[1]),), Float32)
+        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]  # b * h_q * s_q
+        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(rows_total))
+        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(rows_total))
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            head_q = head_kv * group + step // span
+            m_block = m_first + step % span
+            self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_qdo.consumer_wait(state)
+            wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+            wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+            warpgroup.wait_group(1)
+            self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            p16.store(acc_s.load().to(self.dtype))
+            warpgroup.wait_group(0)
+            self._grads(acc_s, acc_dp, dsum_col)
+            ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            ds16.store(acc_dp.load().to(self.dtype))
+            # sP and sdS are single buffers: both warpgroups' GEMMs of the previous step
+            # (waited for at its end) must be done before they are overwritten.
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
+            cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
+            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[0], False, wait=False)
+            wgmma(mma_dkv, acc_dv, tVrPt, tVrdOt[None, None, None, state.index], True, wait=False)
+            wgmma(mma_dkv, acc_dk, tKrdSt, tKrQt[None, None, None, state.index], True, wait=False)
+            warpgroup.wait_group(2)  # dQ chunk 0 done; dV, dK in flight
+            if step > 0:
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
+            for c in cutlass.range_constexpr(1, half // 64):
+                acc_dq_c = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
+                wgmma(mma_dq, acc_dq_c, tQrdS, tQrKt[c], False, wait=False)
+                warpgroup.wait_group(0)
+                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq_c), tdQ_smem[c])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+            state.advance()
+        self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+
+    # ------------------------------------------------------------------ shared steps
+    @cute.jit
+    def _load_stats(self, lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q):
+        """LSE2 and D of the query columns this thread holds (+inf and 0 past seqlen_q)."""
+        base = (batch * heads_q + head_q) * seqlen_q + m_block * self.tile_m
+        for j in cutlass.range_constexpr(cute.size(lse2_col)):
+            q = m_block * self.tile_m + s_coords[0, j][1]
+            lse2_col[j] = Float32.inf
+            dsum_col[j] = Float32(0.0)
+            if q < seqlen_q:
+                lse2_col[j] = lse2[base + s_coords[0, j][1]]
+                dsum_col[j] = dsum[base + s_coords[0, j][1]]
+
+    @cute.jit
+    def _probs(self, acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
+        """S^T -> P^T in place: exp2(S * scale * log2(e) - LSE2), 0 where masked."""
+        s = acc_as_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            key = n_block * self.tile_n + s_coords[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                p = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
+                if const_expr(self.causal):
+                    if key > m_block * self.tile_m + s_coords[r, j][1] + seqlen_k - seqlen_q:
+                        p = Float32(0.0)
+                if key >= seqlen_k:
+                    p = Float32(0.0)
+                s[r, j] = p
+
+    @cute.jit
+    def _grads(self, acc_p, acc_dp, dsum_col):
+        """dP^T -> dS^T in place: P (dP - D)."""
+        p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                dp[r, j] = p[r, j] * (dp[r, j] - dsum_col[j])
+
+    @cute.jit
+    def _store_dkv(self, tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale):
+        """dK (times the softmax scale) and dV by TMA, staged over the spent Q and dO buffers
+        once both warpgroups are past their last GEMM."""
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
-        stage_and_store(tidx, acc_dk, self.dtype, mma_dkv, sdK, tma_dk,
-                        cute.local_tile(gdK, (tn, d), (n_block, 0)), EPILOGUE_BARRIER, 2 * WARPGROUP)
-        stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv,
-                        cute.local_tile(gdV, (tn, d), (n_block, 0)), EPILOGUE_BARRIER, 2 * WARPGROUP)
+        tile = (self.tile_n, self.head_dim)
+        stage_and_store(tidx, acc_dk, self.dtype, mma_dkv, sdK, tma_dk, cute.local_tile(gdK, tile, (n_block, 0)),
+                        EPILOGUE_BARRIER, 2 * WARPGROUP)
+        stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv, cute.local_tile(gdV, tile, (n_block, 0)),
+                        EPILOGUE_BARRIER, 2 * WARPGROUP)
 
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
