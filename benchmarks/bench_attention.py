@@ -117,7 +117,7 @@ def bwd_table(args, dtype, mm):
                 r["fa4_upstream_tflops"] = FA4_UPSTREAM_BWD.get((d, s, causal)) if args.dtype == "bf16" else None
                 r["fa4_upstream_det_tflops"] = FA4_UPSTREAM_BWD_DET.get((d, s, causal)) if args.dtype == "bf16" else None
                 rows.append(r)
-    (args.out / f"bwd-{args.dtype}.json").write_text(json.dumps({"matmul_tflops": mm, "rows": rows}, indent=1))
+    (args.out / f"bwd-{args.dtype}{args.tag}.json").write_text(json.dumps({"matmul_tflops": mm, "rows": rows}, indent=1))
     print("\nbackward")
     print("| head_dim | seqlen | causal | fa4_aot | /cuDNN | /FA4 | deterministic | det/nondet | /FA4 det |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -137,7 +137,14 @@ def main():
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--bwd", action="store_true", help="also time the backward")
     p.add_argument("--no-fwd", action="store_true", help="skip the forward table")
+    p.add_argument("--kernels", type=Path, help="time the cubins of this build folder (default: the package's)")
+    p.add_argument("--tag", default="", help="suffix of the result files")
     args = p.parse_args()
+    if args.kernels:
+        import fa4_aot.api
+        from fa4_aot.loader import KernelLibrary
+
+        fa4_aot.api._default_library = KernelLibrary(args.kernels)  # what the adapters launch from
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
     mm = matmul_tflops()
@@ -158,7 +165,7 @@ def main():
                 rows.append(r)
     result = {"matmul_tflops": mm, "device": torch.cuda.get_device_name(), "rows": rows,
               "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
-    (args.out / f"fwd-{args.dtype}.json").write_text(json.dumps(result, indent=1))
+    (args.out / f"fwd-{args.dtype}{args.tag}.json").write_text(json.dumps(result, indent=1))
     print(f"bf16 8192^3 matmul: {mm:.0f} TFLOP/s on {result['device']}")
     print("| head_dim | seqlen | causal | fa4_aot | cuDNN | /cuDNN | FA4 upstream | /FA4 | /matmul |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -167,7 +174,7 @@ def main():
         vs = f"{r['vs_fa4_upstream']:.2f}" if r["vs_fa4_upstream"] else "-"
         print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
               f"{r['cudnn_tflops']:.0f} | {r['vs_cudnn']:.2f} | {base} | {vs} | {r['vs_matmul']:.2f} |")
-    plot(rows, args.out / f"fwd-{args.dtype}.png", mm)
+    plot(rows, args.out / f"fwd-{args.dtype}{args.tag}.png", mm)
 
 
 def plot(rows, path, mm):

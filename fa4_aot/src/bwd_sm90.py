@@ -81,7 +81,8 @@ class FlashBwdSm90:
         @cute.struct
         class Storage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_qdo: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sK: buf(s_kv)
             sV: buf(s_kv)
             sQ: buf(s_q)  # also dK's staging tile
@@ -255,10 +256,14 @@ class FlashBwdSm90:
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
             consumer_group=consumer_warps, tx_count=2 * self.kv_bytes, defer_sync=True,
         )
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.stages, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=2 * self.q_bytes, defer_sync=True,
-        )
+        # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
+        pipe_q, pipe_do = [
+            pipeline.PipelineTmaAsync.create(
+                barrier_storage=bar.data_ptr(), num_stages=self.stages, producer_group=one_thread,
+                consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True,
+            )
+            for bar in (storage.mbar_q, storage.mbar_do)
+        ]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sdO = storage.sdO.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
@@ -290,7 +295,7 @@ class FlashBwdSm90:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self.load(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK[None, None, head_kv, batch], sK,
-                          tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_qdo,
+                          tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_q, pipe_do,
                           n_block, head_kv, batch, group, m_first, span, steps)
             if warp == DQ_WRITER_WARP:
                 self.dq_writer(tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
@@ -301,20 +306,20 @@ class FlashBwdSm90:
             if const_expr(self.wide):
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.compute_wide(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                     batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
                     scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
                     sP,
                 )
             else:
                 self.compute(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                     batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
                     scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
                 )
 
     @cute.jit
-    def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_qdo,
+    def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do,
              n_block, head_kv, batch, group, m_first, span, steps):
         whole = cute.make_layout(1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -327,16 +332,17 @@ class FlashBwdSm90:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
-            pipe_qdo.producer_acquire(state)
-            for atom, g_all, s_all in ((tma_q, gQ, sQ), (tma_do, gdO, sdO)):
+            # dO first: the consumers release it before Q.
+            for atom, g_all, s_all, pipe in ((tma_do, gdO, sdO, pipe_do), (tma_q, gQ, sQ, pipe_q)):
+                pipe.producer_acquire(state)
                 q_tile = cute.local_tile(g_all[None, None, head_q, batch], (self.tile_m, self.head_dim), (m_block, 0))
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
-                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe_qdo.producer_get_barrier(state))
+                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
             state.advance()
 
     @cute.jit
-    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                 batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
                 scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
         """tidx: 0..255 over the consumer warpgroups. Per query tile, in issue order:
@@ -403,8 +409,9 @@ class FlashBwdSm90:
             self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_qdo.consumer_wait(state)
+            pipe_q.consumer_wait(state)
             wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+            pipe_do.consumer_wait(state)
             wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
             warpgroup.wait_group(1)
             self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
@@ -425,6 +432,7 @@ class FlashBwdSm90:
             wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
             wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
             warpgroup.wait_group(1)  # dV and dQ done; dK in flight
+            pipe_do.consumer_release(state)
             # Hand dQ to the writer warp once its last reduce has read the buffer.
             if step > 0:
                 cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
@@ -432,13 +440,13 @@ class FlashBwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             warpgroup.wait_group(0)
-            pipe_qdo.consumer_release(state)
+            pipe_q.consumer_release(state)
             state.advance()
 
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
     @cute.jit
-    def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_qdo, n_block, head_kv,
+    def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                      batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
                      scale, scale_log2, tma_dk, gdK, tma_dv, gdV, sP):
         """head_dim 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of S^T and
@@ -498,8 +506,9 @@ class FlashBwdSm90:
             self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_qdo.consumer_wait(state)
+            pipe_q.consumer_wait(state)
             wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+            pipe_do.consumer_wait(state)
             wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
             warpgroup.wait_group(1)
             self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
@@ -517,22 +526,24 @@ class FlashBwdSm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
-            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[0], False, wait=False)
             wgmma(mma_dkv, acc_dv, tVrPt, tVrdOt[None, None, None, state.index], True, wait=False)
+            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[0], False, wait=False)
             wgmma(mma_dkv, acc_dk, tKrdSt, tKrQt[None, None, None, state.index], True, wait=False)
-            warpgroup.wait_group(2)  # dQ chunk 0 done; dV, dK in flight
+            warpgroup.wait_group(2)  # dV done: the producer may load the next dO
+            pipe_do.consumer_release(state)
+            warpgroup.wait_group(1)  # dQ chunk 0 done; dK in flight
             if step > 0:
                 cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
-            for c in cutlass.range_constexpr(1, half // 64):
-                acc_dq_c = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
-                wgmma(mma_dq, acc_dq_c, tQrdS, tQrKt[c], False, wait=False)
-                warpgroup.wait_group(0)
-                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq_c), tdQ_smem[c])
+            # half = 128: one more 64-column chunk, issued behind dK
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
+            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[1], False, wait=False)
+            warpgroup.wait_group(1)  # dK done: the producer may load the next Q
+            pipe_q.consumer_release(state)
+            warpgroup.wait_group(0)
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[1])
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
-            warpgroup.wait_group(0)
-            pipe_qdo.consumer_release(state)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
