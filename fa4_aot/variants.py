@@ -49,13 +49,11 @@ NOT_BUILT_REASONS = {
 
 @dataclass(frozen=True)
 class Tiling:
-    """Per-variant tile shape: query rows per CTA, key rows per step, K/V buffers; and for
-    the forward, every how many score columns exp2 runs on the FMA pipes (0: never)."""
+    """Per-variant tile shape: query rows per CTA, key rows per step, K/V buffers."""
 
     tile_m: int
     tile_n: int
     stages: int
-    exp2_emulate_every: int = 0
 
 
 # Two consumer warpgroups of 64 rows each (the kernel also takes three, 192-row tiles, at

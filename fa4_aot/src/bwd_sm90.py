@@ -35,6 +35,7 @@ EPILOGUE_BARRIER = 1
 DS_BARRIER = 2  # both consumer warpgroups (split_d), or 2 and 3: one per warpgroup
 DQ_FULL_BARRIER = 4  # and 5: warpgroup w has staged its dQ tile for the writer warp
 DQ_EMPTY_BARRIER = 6  # and 7: the writer's reduce has read warpgroup w's staging buffer
+DQ_HANDOFF_BARRIER = 8  # not split_d: warpgroup 0 has staged dQ, warpgroup 1 adds its own
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 ROWS_PER_THREAD_BLOCK = 128  # pre/postprocess: one thread per query row
 LOG2E = 1.4426950408889634
@@ -66,6 +67,9 @@ class FlashBwdSm90:
         # 64 keys, and both reduce into the same tile.
         self.split_d = head_dim % 128 == 0
         self.dq_cols = head_dim // 2 if self.split_d else head_dim
+        # Staging buffers, one reduce each per step. Not split_d: warpgroup 1 adds its
+        # partial dQ into warpgroup 0's buffer, so one reduce carries both.
+        self.dq_buffers = self.num_consumers if self.split_d else 1
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
@@ -90,7 +94,7 @@ class FlashBwdSm90:
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
             if wide:
                 sP: buf(s_ds)  # (tile_m, tile_n)
-            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, consumer warpgroup) fp32 staging
+            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, dq_buffers) fp32 staging
 
         return Storage
 
@@ -129,7 +133,7 @@ class FlashBwdSm90:
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
         s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
-        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.num_consumers)
+        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.dq_buffers)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
@@ -387,7 +391,7 @@ class FlashBwdSm90:
         dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg])
+        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg if const_expr(self.split_d) else 0])
         ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
@@ -433,12 +437,7 @@ class FlashBwdSm90:
             wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
             warpgroup.wait_group(1)  # dV and dQ done; dK in flight
             pipe_do.consumer_release(state)
-            # Hand dQ to the writer warp once its last reduce has read the buffer.
-            if step > 0:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
-            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
@@ -547,6 +546,32 @@ class FlashBwdSm90:
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
+    @cute.jit
+    def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
+        """Hand dQ to the writer warp once its last reduce has read the buffer. Not split_d:
+        warpgroup 0 stages its partial dQ, warpgroup 1 then adds its own in place (same
+        thread-to-element map) and hands the sum over."""
+        if const_expr(self.split_d):
+            if step > 0:
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+        else:
+            if wg == 0:
+                if step > 0:
+                    cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=WARPGROUP + 32)
+                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+                cute.arch.barrier_arrive(barrier_id=DQ_HANDOFF_BARRIER, number_of_threads=2 * WARPGROUP)
+            else:
+                cute.arch.barrier(barrier_id=DQ_HANDOFF_BARRIER, number_of_threads=2 * WARPGROUP)
+                staged = cute.make_rmem_tensor_like(acc_dq)
+                cute.copy(dq_copy, tdQ_smem, thr_dq_copy.retile(staged))
+                acc_dq.store(acc_dq.load() + staged.load())
+                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=WARPGROUP + 32)
+
     # ------------------------------------------------------------------ shared steps
     @cute.jit
     def _load_stats(self, lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q):
@@ -626,7 +651,7 @@ class FlashBwdSm90:
                     while cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu") != turn:
                         pass
                 cute.arch.sync_warp()
-            for w in cutlass.range_constexpr(self.num_consumers):
+            for w in cutlass.range_constexpr(self.dq_buffers):
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=WARPGROUP + 32)
                 column_tile = w if const_expr(self.split_d) else 0
                 tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols),
@@ -636,9 +661,6 @@ class FlashBwdSm90:
                     cute.group_modes(tile, 0, 2))
                 cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
-                if const_expr(self.deterministic and not self.split_d):
-                    # both warpgroups add into the same tile: one after the other
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
             if const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)
                 cute.arch.sync_warp()
@@ -648,6 +670,6 @@ class FlashBwdSm90:
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             if step + 1 < steps:  # the consumers wait for this only before a next tile
-                for w in cutlass.range_constexpr(self.num_consumers):
+                for w in cutlass.range_constexpr(self.dq_buffers):
                     cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=WARPGROUP + 32)
         cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -131,8 +131,7 @@ def compile_fwd(variant: Variant) -> dict:
     """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
     dtype = DTYPES[variant.dtype]
     t = variant.tiling
-    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages,
-                          t.exp2_emulate_every)
+    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:

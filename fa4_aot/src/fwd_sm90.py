@@ -42,8 +42,7 @@ SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
 class FlashFwdSm90:
     """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int,
-                 exp2_emulate_every: int = 0):
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int):
         assert tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         assert head_dim % 32 == 0 and tile_n % 16 == 0
         self.dtype = dtype
@@ -52,7 +51,6 @@ class FlashFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
-        self.exp2_emulate_every = exp2_emulate_every
         self.num_consumers = tile_m // 64
         self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumers]
         self.threads = WARPGROUP * (1 + self.num_consumers)
@@ -260,7 +258,7 @@ class FlashFwdSm90:
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
 
         rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, rows, self.exp2_emulate_every)
+        softmax = OnlineSoftmax(scale_log2, rows)
         softmax.reset()
         row_scale = cute.make_rmem_tensor((rows,), Float32)
         mask = TileMask(self.tile_m, self.tile_n, self.causal)

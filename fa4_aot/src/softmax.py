@@ -13,55 +13,16 @@ score gives O = 0 and LSE = -inf.
 
 import math
 import operator
-import struct
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .layout import acc_as_rows_cols
 
 LN2 = math.log(2.0)
-
-
-# 2^f on [0, 1) by a degree-3 polynomial, p(0) = 1, fitted for least maximum relative error
-# (8.6e-5: below the rounding of P to bf16 or fp16).
-EXP2_POLY = (0.6951169287044434, 0.2276479730259341, 0.07706304667382112)
-
-
-@dsl_user_op
-def exp2_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x on the FMA and integer pipes instead of the MUFU unit.
-
-    floor(x) comes from one add rounded toward -inf against 1.5 * 2^23 (whose low mantissa
-    bits then hold floor(x) as an integer), the fraction's 2^f from the polynomial, and
-    2^floor(x) by adding floor(x) to the exponent field. x is clamped at -127, so -inf
-    gives about 6e-39 rather than 0; callers decide emptiness by the row maximum.
-    """
-    c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    return Float32(llvm.inline_asm(
-        T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)],
-        "{\n"
-        ".reg .f32 x, t, r, f, p;\n"
-        ".reg .b32 j, q;\n"
-        "max.ftz.f32 x, $1, 0fC2FE0000;\n"  # -127
-        "add.rm.ftz.f32 t, x, 0f4B400000;\n"  # floor(x) + 1.5 * 2^23
-        "sub.ftz.f32 r, t, 0f4B400000;\n"
-        "sub.ftz.f32 f, x, r;\n"
-        f"fma.rn.ftz.f32 p, f, {c3}, {c2};\n"
-        f"fma.rn.ftz.f32 p, p, f, {c1};\n"
-        "fma.rn.ftz.f32 p, p, f, 0f3F800000;\n"  # 1.0
-        "mov.b32 j, t;\n"
-        "shl.b32 j, j, 23;\n"
-        "mov.b32 q, p;\n"
-        "add.s32 q, q, j;\n"
-        "mov.b32 $0, q;\n"
-        "}",
-        "=f,f", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip,
-    ))
 
 
 @dsl_user_op
@@ -76,11 +37,6 @@ def exp2_mufu(x: Float32, *, loc=None, ip=None) -> Float32:
         T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
     ))
-
-
-def _f32_hex(value: float) -> str:
-    """PTX's spelling of a float32 constant."""
-    return "0f" + struct.pack(">f", value).hex().upper()
 
 
 def _tree_reduce(values: list, op):
@@ -102,12 +58,9 @@ def _quad_reduce(x: Float32, op) -> Float32:
 class OnlineSoftmax:
     """Running max and sum for the rows this thread holds of one accumulator tile."""
 
-    def __init__(self, scale_log2: Float32, num_rows: int, emulate_every: int = 0):
-        """emulate_every = k > 0: every k-th column of a row takes exp2 on the FMA pipes
-        (exp2_fma) instead of the MUFU unit, which softmax otherwise saturates."""
+    def __init__(self, scale_log2: Float32, num_rows: int):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
-        self.emulate_every = emulate_every
         self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
 
@@ -133,11 +86,7 @@ class OnlineSoftmax:
                 prev_offset = offset
             correction = exp2_mufu(prev_offset - offset)
             for c in cutlass.range_constexpr(ncols):
-                x = s[r, c] * self.scale_log2 - offset
-                if const_expr(c % max(self.emulate_every, 1) == self.emulate_every - 1):
-                    s[r, c] = exp2_fma(x)
-                else:
-                    s[r, c] = exp2_mufu(x)
+                s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offset)
             total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
             self.row_sum[r] = self.row_sum[r] * correction + total
             self.row_max[r] = m_cur
