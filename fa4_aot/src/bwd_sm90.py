@@ -3,21 +3,34 @@
 1. ``preprocess`` (one thread per query row): D = rowsum(dO * O) in fp32, LSE moved to the
    exp2 domain (+inf for a row that saw no key, so its P is 0), the fp32 dQ accumulator
    and the dQ semaphores cleared.
-2. ``kernel`` (one CTA per key tile of 128 rows, KV head and batch): K and V stay in shared
-   memory; the producer warp streams (Q, dO) tiles of 64 query rows for every query head of
-   the KV head's group, and the two consumer warpgroups (64 keys each) compute
+2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
+   Warp 0 streams Q and dO tiles of 64 query rows (separate pipelines, so dO can be
+   reloaded as soon as dV's GEMM is done) for every query head of the KV head's group;
+   two consumer warpgroups compute
        S^T = K Q^T, dP^T = V dO^T          (SS-wgmma, keys x queries)
        P^T = exp2(S^T * scale*log2(e) - LSE2),  dS^T = P^T (dP^T - D)
-       dV += P^T dO, dK += dS^T Q          (RS-wgmma: P^T, dS^T stay in registers)
-       dQ_partial = dS K                   (dS through shared memory; SS-wgmma)
-   and add dQ_partial into the fp32 accumulator by a TMA reduce-add from shared memory: in
-   any order by default, or, when deterministic, in ascending key-tile order, serialized by
-   a per-(query tile, head) semaphore. dK (times scale) and dV are written once, by TMA, after the last query tile.
+       dV += P^T dO, dK += dS^T Q
+       dQ_tile = dS K                      (dS through shared memory)
+   and stage dQ_tile in shared memory for warp 1, the dQ writer, which adds it into the
+   fp32 accumulator by TMA reduce-add: in any order by default or, when deterministic, in
+   a fixed key-tile order per query tile, serialized by a per-(query tile, head)
+   semaphore (shortest-processing-time order for causal; see ``dq_writer``).
+   Per head dim:
+   - 64, 96: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as the A
+     operands of dV and dK; each warpgroup's dQ covers every column from its own keys,
+     and warpgroup 1 adds its part into warpgroup 0's staging buffer (one reduce).
+   - 128: as above, but dQ is split along head_dim: warpgroup w computes columns
+     [64w, 64w + 64) from the whole dS tile, so the two reduces are disjoint.
+   - 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK and dQ
+     split along head_dim (64 x 128 fp32 each per warpgroup), so P and dS go through
+     shared memory; one Q/dO buffer (208 KB of shared memory in all).
+   dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (one thread per query row): dQ = accumulator * scale, in the input dtype.
 
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
 every query head's contribution in registers, in a fixed order.
-Constraints: head_dim in {64, 96, 128}; see fwd_sm90 for the rest.
+Constraints: head_dim in {64, 96, 128, 256} (192: see variants.NOT_BUILT_REASONS); see
+fwd_sm90 for the rest.
 """
 
 import cutlass
