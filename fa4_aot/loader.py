@@ -110,9 +110,10 @@ class KernelLibrary:
                 "architecture, or a wheel built for yours."
             )
 
-    def functions(self, row: dict, device: int) -> list:
-        """The CUfunction of each of ``row``'s launches in the current context (on ``device``)."""
-        ctx = int(call(cu.cuCtxGetCurrent))
+    def functions(self, row: dict, device: int, context: int | None = None) -> list:
+        """The CUfunction of each of ``row``'s launches in the current context (on ``device``);
+        ``context``: its handle, where the caller has it already."""
+        ctx = int(call(cu.cuCtxGetCurrent)) if context is None else context
         key = (ctx, row["name"])
         fns = self._functions.get(key)
         if fns is not None:
@@ -162,16 +163,16 @@ class KernelLibrary:
     def preload(self, names=None, device: int = 0) -> None:
         """Load the named variants (all by default) on ``device`` now, e.g. before graph capture."""
         rows = [self.manifest.rows[n] for n in (names or self.manifest.rows)]
-        with _Context(device):
+        with _Context(device) as context:
             for row in rows:
-                self.functions(row, device)
+                self.functions(row, device, int(context.handle))
 
     # ------------------------------------------------------------------ launching
     def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict):
         """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name."""
-        with _Context(device):
-            fns = self.functions(row, device)
+        with _Context(device) as context:
+            fns = self.functions(row, device, int(context.handle))
             handle = cu.CUstream(stream)
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
