@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgmma
+from .sm90_common import WARPGROUP, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -91,7 +91,7 @@ class FlashBwdSm90:
 
     def _storage(self, s_q, s_kv, s_ds, s_dq):
         def buf(layout, dtype=self.dtype):
-            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+            return smem_buffer(layout, dtype)
 
         stages, wide = self.stages, self.wide
 
@@ -267,20 +267,10 @@ class FlashBwdSm90:
             for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32)
-        pipe_kv = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=2 * self.kv_bytes, defer_sync=True,
-        )
+        pipe_kv = tma_pipeline(storage.mbar_kv, 1, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
-        pipe_q, pipe_do = [
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=bar.data_ptr(), num_stages=self.stages, producer_group=one_thread,
-                consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True,
-            )
-            for bar in (storage.mbar_q, storage.mbar_do)
-        ]
+        pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, self.q_bytes)
+                           for bar in (storage.mbar_q, storage.mbar_do)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sdO = storage.sdO.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)

@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
-from .sm90_common import WARPGROUP, smem_layout, stage_and_store, tiled_mma, wgmma
+from .sm90_common import WARPGROUP, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
 from .softmax import OnlineSoftmax, scale_rows
 
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
@@ -59,9 +59,7 @@ class FlashFwdSm90:
 
     def _storage(self, sq, sk, sv):
         def buf(layout):
-            return cute.struct.Align[
-                cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024
-            ]
+            return smem_buffer(layout, self.dtype)
 
         stages = self.stages
 
@@ -135,21 +133,9 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        one_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
-        consumer_warps = pipeline.CooperativeGroup(
-            pipeline.Agent.Thread, self.num_consumers * WARPGROUP // 32
-        )
-        pipe_q = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one_thread,
-            consumer_group=consumer_warps, tx_count=self.q_bytes, defer_sync=True,
-        )
-        pipe_k, pipe_v = [
-            pipeline.PipelineTmaAsync.create(
-                barrier_storage=bar.data_ptr(), num_stages=self.stages, producer_group=one_thread,
-                consumer_group=consumer_warps, tx_count=self.kv_bytes, defer_sync=True,
-            )
-            for bar in (storage.mbar_k, storage.mbar_v)
-        ]
+        pipe_q = tma_pipeline(storage.mbar_q, 1, self.num_consumers, self.q_bytes)
+        pipe_k, pipe_v = [tma_pipeline(bar, self.stages, self.num_consumers, self.kv_bytes)
+                          for bar in (storage.mbar_k, storage.mbar_v)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)

@@ -3,6 +3,7 @@ GEMM issue, and staging a register tile through shared memory to a TMA store."""
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
@@ -19,6 +20,22 @@ def smem_layout(dtype, rows: int, cols: int, stages=None):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def smem_buffer(layout, dtype):
+    """A shared-storage field holding ``layout``'s elements, 1024-byte aligned (swizzle atoms)."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
+
+
+def tma_pipeline(barriers, stages: int, consumer_warpgroups: int, tx_count: int):
+    """An mbarrier pipeline filled by TMA: one producer thread arms each stage with
+    ``tx_count`` bytes; every warp of the consumer warpgroups releases it."""
+    return pipeline.PipelineTmaAsync.create(
+        barrier_storage=barriers.data_ptr(), num_stages=stages,
+        producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+        consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_warpgroups * WARPGROUP // 32),
+        tx_count=tx_count, defer_sync=True,
+    )
 
 
 def tiled_mma(dtype, a_major, b_major, atoms_mnk, tile_n: int, a_in_registers: bool = False):
