@@ -399,12 +399,7 @@ class FlashBwdSm90:
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
-        ncols = cute.size(s_coords, mode=[1])
-        lse2_col = cute.make_rmem_tensor((ncols,), Float32)
-        dsum_col = cute.make_rmem_tensor((ncols,), Float32)
-        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]  # b * h_q * s_q
-        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(rows_total))
-        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(rows_total))
+        lse2, dsum, lse2_col, dsum_col = self._stat_tensors(lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -416,12 +411,8 @@ class FlashBwdSm90:
             self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_q.consumer_wait(state)
-            wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
-            pipe_do.consumer_wait(state)
-            wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
-            warpgroup.wait_group(1)
-            self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                         s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             warpgroup.wait_group(0)
             self._grads(acc_s, acc_dp, dsum_col)
@@ -493,11 +484,7 @@ class FlashBwdSm90:
         thr_pds = pds_copy.get_slice(tidx)
         tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)
         tdS_smem = thr_pds.partition_D(transpose_smem(sdS))
-        lse2_col = cute.make_rmem_tensor((cute.size(s_coords, mode=[1]),), Float32)
-        dsum_col = cute.make_rmem_tensor((cute.size(s_coords, mode=[1]),), Float32)
-        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]  # b * h_q * s_q
-        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(rows_total))
-        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(rows_total))
+        lse2, dsum, lse2_col, dsum_col = self._stat_tensors(lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -508,12 +495,8 @@ class FlashBwdSm90:
             self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_q.consumer_wait(state)
-            wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
-            pipe_do.consumer_wait(state)
-            wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
-            warpgroup.wait_group(1)
-            self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                         s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
@@ -576,6 +559,27 @@ class FlashBwdSm90:
                 cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=WARPGROUP + 32)
 
     # ------------------------------------------------------------------ shared steps
+    def _stat_tensors(self, lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q):
+        """The LSE2 and D rows in global memory, (b * h_q * s_q,), and register vectors for
+        the values of this thread's query columns."""
+        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]
+        ncols = cute.size(s_coords, mode=[1])
+        return (cute.make_tensor(lse2_ptr, cute.make_layout(rows_total)),
+                cute.make_tensor(dsum_ptr, cute.make_layout(rows_total)),
+                cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32))
+
+    @cute.jit
+    def _scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
+        """S^T and dP^T of one query tile issued as they land; returns with P^T in acc_s and
+        dP^T still in flight (one wgmma group outstanding)."""
+        pipe_q.consumer_wait(state)
+        wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+        pipe_do.consumer_wait(state)
+        wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+        warpgroup.wait_group(1)
+        self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+
     @cute.jit
     def _load_stats(self, lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q):
         """LSE2 and D of the query columns this thread holds (+inf and 0 past seqlen_q)."""
