@@ -33,12 +33,9 @@ AXES = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "bwd": {"head_dim": (64, 96, 128, 256)},
 }
 
 NOT_BUILT_REASONS = {
-    "kind=bwd,head_dim=192": "the head_dim-split backward (as for 256) needs 96-column halves, "
-    "which the 128-byte swizzle of K, Q and dO does not allow as wgmma operands; not written yet",
     "arch=sm100a": "no Blackwell kernel is written yet; the sm90a kernels use wgmma, "
     "which sm_100a does not have",
     "varlen=True": "variable-length (cu_seqlens) kernels are not written yet",
@@ -70,12 +67,14 @@ FWD_SM90_TILING = {
 
 
 # Backward: 128 keys per CTA (64 per consumer warpgroup), 64 query rows per step, Q/dO
-# double-buffered. head_dim 256: 64 keys per CTA, both warpgroups on every key and each on
-# half of the head dims (dK, dV fp32 64 x 128 per warpgroup), one Q/dO buffer (208 KB smem).
+# double-buffered. head_dim 192/256: 64 keys per CTA, both warpgroups on every key and each
+# on half of the head dims (dK, dV fp32 64 x d/2 per warpgroup); 256 has room for one Q/dO
+# buffer only (208 KB of smem, as 192 with two).
 BWD_SM90_TILING = {
     64: Tiling(64, 128, 2),
     96: Tiling(64, 128, 2),
     128: Tiling(64, 128, 2),
+    192: Tiling(64, 64, 2),
     256: Tiling(64, 64, 1),
 }
 

@@ -21,16 +21,16 @@
      and warpgroup 1 adds its part into warpgroup 0's staging buffer (one reduce).
    - 128: as above, but dQ is split along head_dim: warpgroup w computes columns
      [64w, 64w + 64) from the whole dS tile, so the two reduces are disjoint.
-   - 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK and dQ
-     split along head_dim (64 x 128 fp32 each per warpgroup), so P and dS go through
-     shared memory; one Q/dO buffer (208 KB of shared memory in all).
+   - 192, 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK
+     and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so P and dS go
+     through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
+     Q/dO double-buffered at 192, single at 256 (208 KB of shared memory each).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (one thread per query row): dQ = accumulator * scale, in the input dtype.
 
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
 every query head's contribution in registers, in a fixed order.
-Constraints: head_dim in {64, 96, 128, 256} (192: see variants.NOT_BUILT_REASONS); see
-fwd_sm90 for the rest.
+Constraints: head_dim in {64, 96, 128, 192, 256}; see fwd_sm90 for the rest.
 """
 
 import cutlass
@@ -59,10 +59,10 @@ class FlashBwdSm90:
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
                  tile_m: int, tile_n: int, stages: int):
-        # wide (head_dim 256): dK, dV and dQ split along head_dim between the warpgroups,
-        # both on all 64 keys; P and dS then go through shared memory for dV and dK.
+        # wide (head_dim 192, 256): dK, dV and dQ split along head_dim between the
+        # warpgroups, both on all 64 keys; P and dS then go through shared memory.
         self.wide = head_dim > 128
-        assert head_dim in (64, 96, 128, 256) and tile_m == 64
+        assert head_dim in (64, 96, 128, 192, 256) and tile_m == 64
         assert tile_n == (64 if self.wide else 128)
         self.dtype = dtype
         self.head_dim = head_dim
@@ -73,12 +73,18 @@ class FlashBwdSm90:
         self.stages = stages
         self.num_consumers = 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
-        # dQ = dS K per query tile. split_d (head_dim 128): warpgroup w computes columns
-        # [64w, 64w + 64) over all 128 keys, from the whole dS tile in shared memory, so the
-        # two reduces cover disjoint halves. Otherwise (64, 96: half-width chunks would not
-        # match the 128-byte swizzle of K^T) warpgroup w computes all columns from its own
-        # 64 keys, and both reduce into the same tile.
-        self.split_d = head_dim % 128 == 0
+        # dQ = dS K per query tile. split_d (head_dim 128 and wide): warpgroup w computes
+        # columns [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory,
+        # so the two reduces cover disjoint halves. Otherwise (64, 96: half-width chunks
+        # would not match the 128-byte swizzle of K^T) warpgroup w computes all columns
+        # from its own 64 keys, and both reduce into the same tile.
+        self.split_d = self.wide or head_dim == 128
+        # wide: each warpgroup's dQ half is computed in chunks of dq_chunk columns (256: two
+        # of 64, the second issued behind dK; 192: one of 96).
+        self.dq_chunk = 64 if head_dim == 256 else head_dim // 2
+        # wide: Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must
+        # divide d/2 (192: 64-byte swizzle).
+        self.col_parts = 2 if self.wide else 1
         self.dq_cols = head_dim // 2 if self.split_d else head_dim
         # Staging buffers, one reduce each per step. Not split_d: warpgroup 1 adds its
         # partial dQ into warpgroup 0's buffer, so one reduce carries both.
@@ -142,9 +148,9 @@ class FlashBwdSm90:
             cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
             for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
         ]
-        s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages)
+        s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
-        s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim)
+        s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
         s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
         s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.dq_buffers)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
@@ -278,7 +284,7 @@ class FlashBwdSm90:
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
-        staging = smem_layout(self.dtype, self.tile_n, self.head_dim)  # dK, dV over spent Q, dO
+        staging = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)  # dK, dV over spent Q, dO
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
@@ -442,16 +448,17 @@ class FlashBwdSm90:
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                      batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
                      scale, scale_log2, tma_dk, gdK, tma_dv, gdV, sP):
-        """head_dim 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of S^T and
-        dP^T, and head dims [128w, 128w + 128) of dV, dK and dQ. dV and dK need every query
-        of P^T and dS^T, so both go through shared memory (sP, sdS: (queries, keys)):
-        S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dQ chunk 0, dV, dK (async) ->
-        stage dQ chunk 0 -> dQ chunk 1 -> stage, hand both to the writer warp."""
+        """head_dim 192, 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of
+        S^T and dP^T, and head dims [w d/2, (w+1) d/2) of dV, dK and dQ. dV and dK need every
+        query of P^T and dS^T, so both go through shared memory (sP, sdS: (queries, keys)):
+        S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dV, dQ chunk 0, dK (async) ->
+        stage dQ chunk 0 -> (256: dQ chunk 1 -> stage) -> hand the half to the writer warp."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
-        half = d // 2
+        half, chunk = d // 2, self.dq_chunk
+        chunks = half // chunk
         mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tm // 2)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "MN", "MN", (1, 2, 1), half)  # (keys, d), k = queries
-        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), 64)  # (queries, 64 of d), k = keys
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), chunk)  # (queries, chunk of d), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_sdp, wg_dkv = (m.get_slice(wg * WARPGROUP) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
@@ -466,8 +473,8 @@ class FlashBwdSm90:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         sKt = transpose_smem(sK)  # (d, keys)
-        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (64, tn), (wg * (half // 64) + c, 0))))
-                 for c in range(half // 64)]
+        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (chunk, tn), (wg * chunks + c, 0))))
+                 for c in range(chunks)]
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dv.fill(0.0)
@@ -477,8 +484,8 @@ class FlashBwdSm90:
         dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
-        tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, 64), (0, c)))
-                    for c in range(half // 64)]
+        tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, chunk), (0, c)))
+                    for c in range(chunks)]
         pds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
         pds_copy = cute.make_tiled_copy_C(pds_atom, mma_sdp)
         thr_pds = pds_copy.get_slice(tidx)
@@ -510,7 +517,7 @@ class FlashBwdSm90:
             cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
             wgmma(mma_dkv, acc_dv, tVrPt, tVrdOt[None, None, None, state.index], True, wait=False)
             wgmma(mma_dq, acc_dq, tQrdS, tQrKt[0], False, wait=False)
             wgmma(mma_dkv, acc_dk, tKrdSt, tKrQt[None, None, None, state.index], True, wait=False)
@@ -520,13 +527,16 @@ class FlashBwdSm90:
             if step > 0:
                 cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
-            # half = 128: one more 64-column chunk, issued behind dK
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, 64)), Float32)
-            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[1], False, wait=False)
-            warpgroup.wait_group(1)  # dK done: the producer may load the next Q
-            pipe_q.consumer_release(state)
-            warpgroup.wait_group(0)
-            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[1])
+            if const_expr(chunks == 2):  # 256: one more chunk, issued behind dK
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+                wgmma(mma_dq, acc_dq, tQrdS, tQrKt[1], False, wait=False)
+                warpgroup.wait_group(1)  # dK done: the producer may load the next Q
+                pipe_q.consumer_release(state)
+                warpgroup.wait_group(0)
+                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[1])
+            else:
+                warpgroup.wait_group(0)  # dK done: the producer may load the next Q
+                pipe_q.consumer_release(state)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             state.advance()

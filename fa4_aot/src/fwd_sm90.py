@@ -5,7 +5,7 @@ One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgro
   `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
   masking) to the first, K one tile ahead of V.
 - warpgroups 1 and 2 (and 3 for 192-row tiles): consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
-  online softmax in the exp2 domain, P converted in registers and fed to O += P V as the
+  online softmax in the exp2 domain with conditional rescaling of O, P converted in registers and fed to O += P V as the
   A operand of an RS-wgmma. Within a warpgroup, S(j+1) and P(j) V(j) are in flight
   together and the softmax of S(j+1) overlaps P(j) V(j); across the warpgroups, named
   barriers hand the tensor cores round (ping-pong), so one warpgroup's softmax hides
@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
 from .sm90_common import WARPGROUP, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
-from .softmax import OnlineSoftmax, scale_rows
+from .softmax import OnlineSoftmax, rescale_rows, scale_rows
 
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
@@ -284,8 +284,6 @@ class FlashFwdSm90:
                 pipe_k.consumer_wait(kv_state)
                 cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
                 wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
-                # O to the scale of P(j) while S(j+1) runs, before P(j) V(j) adds into it.
-                scale_rows(acc_o, row_scale)
                 pipe_v.consumer_wait(v_state)
                 wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
                 cute.arch.barrier_arrive(
@@ -299,7 +297,9 @@ class FlashFwdSm90:
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(v_state)
                 tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            scale_rows(acc_o, row_scale)
+                # O to the scale of P(j+1), with no wgmma in flight (a branch between a
+                # wgmma's issue and its wait would make ptxas serialize them).
+                rescale_rows(acc_o, row_scale)
             pipe_v.consumer_wait(kv_state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)

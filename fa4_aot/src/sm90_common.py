@@ -12,10 +12,15 @@ from cutlass.tensor_utils import LayoutEnum
 WARPGROUP = 128
 
 
-def smem_layout(dtype, rows: int, cols: int, stages=None):
-    """Row-major (rows, cols[, stages]) tile, swizzled for wgmma and TMA (cols contiguous)."""
+def smem_layout(dtype, rows: int, cols: int, stages=None, col_parts: int = 1):
+    """Row-major (rows, cols[, stages]) tile, swizzled for wgmma and TMA (cols contiguous).
+
+    ``col_parts``: the columns are also used as that many equal slices (one per warpgroup,
+    as wgmma operands), so the swizzle atom must divide ``cols // col_parts``: head_dim 192
+    halves (96 columns) take the 64-byte swizzle instead of the 128-byte one.
+    """
     atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols), dtype
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, cols // col_parts), dtype
     )
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))

@@ -6,6 +6,13 @@ registers: each row of a 64-row warpgroup tile is spread over the four threads o
 so the row max is reduced with two butterfly shuffles per tile, while the row sum stays
 thread-local until ``finalize``.
 
+Conditional rescaling: a row keeps its running maximum until a tile raises it by more
+than ``RESCALE_THRESHOLD`` in the exp2 domain (a factor of 2^8). Until then the
+exponentials are taken against the stale maximum, so P may exceed 1 by up to 2^8 (exact in
+bf16/fp16 and fp32 sums), and the O accumulator needs no correction; a warp multiplies its
+O rows only when one of its rows did move its maximum. LSE is taken against the same
+maximum as the sum, so the final normalization is exact.
+
 Rows whose every score so far is masked keep ``row_max = -inf``; the exponent offset then
 uses 0 so that exp2(-inf - offset) is 0 rather than NaN. A row that ends with no unmasked
 score gives O = 0 and LSE = -inf.
@@ -23,6 +30,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .layout import acc_as_rows_cols
 
 LN2 = math.log(2.0)
+RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2^8 between rescales
 
 
 @dsl_user_op
@@ -78,6 +86,10 @@ class OnlineSoftmax:
             m_prev = self.row_max[r]
             m_cur = _tree_reduce([m_prev] + [s[r, c] for c in range(ncols)], cute.arch.fmax)
             m_cur = _quad_reduce(m_cur, cute.arch.fmax)
+            # Keep the stale maximum unless it grew past the threshold (or was -inf: the
+            # difference is then +inf; both -inf gives NaN, which compares false).
+            if (m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD:
+                m_cur = m_prev
             offset = m_cur * self.scale_log2
             if m_cur == -Float32.inf:
                 offset = Float32(0.0)
@@ -104,6 +116,15 @@ class OnlineSoftmax:
             else:
                 inv_sum[r] = cute.arch.rcp_approx(total)
                 lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+
+
+@cute.jit
+def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
+    """``scale_rows`` for the rows of ``OnlineSoftmax.step``: skipped by a whole warp when
+    none of its rows moved its maximum (every factor is then exactly 1)."""
+    smallest = _tree_reduce([row_scale[r] for r in range(cute.size(row_scale))], cute.arch.fmin)
+    if cute.arch.vote_any_sync(smallest < Float32(1.0)):
+        scale_rows(acc_o, row_scale)
 
 
 @cute.jit
