@@ -71,9 +71,12 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
 
 
 def _workspace_regions(b: int, sq: int, hq: int, d: int, tile_m: int = 64):
-    rows = b * hq * sq * 4
+    # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
+    # 64 values into shared memory with one 256-byte bulk copy, 16-byte aligned.
+    m_blocks = -(-sq // tile_m)
+    rows = b * hq * m_blocks * tile_m * 4
     return [("lse2", rows), ("dsum", rows), ("dq_accum", b * sq * hq * d * 4),
-            ("dq_semaphore", b * hq * -(-sq // tile_m) * 4)]
+            ("dq_semaphore", b * hq * m_blocks * 4)]
 
 
 def _carve(workspace: DeviceArray, problem) -> dict:

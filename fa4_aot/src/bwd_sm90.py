@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
+from .sm90_common import WARPGROUP, bulk_copy_g2s, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -100,12 +100,15 @@ class FlashBwdSm90:
             return smem_buffer(layout, dtype)
 
         stages, wide = self.stages, self.wide
+        stats = cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
 
         @cute.struct
         class Storage:
             mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sLSE2: stats  # (tile_m, stages), with Q's stages
+            sDsum: stats  # (tile_m, stages), with dO's stages
             sK: buf(s_kv)
             sV: buf(s_kv)
             sQ: buf(s_q)  # also dK's staging tile
@@ -129,8 +132,8 @@ class FlashBwdSm90:
         mdK: cute.Tensor,  # (b, s_k, h_kv, d)
         mdV: cute.Tensor,  # (b, s_k, h_kv, d)
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous, from the forward
-        mLSE2: cute.Tensor,  # (b, h_q, s_q) float32 workspace: LSE * log2(e)
-        mDsum: cute.Tensor,  # (b, h_q, s_q) float32 workspace: rowsum(dO * O)
+        mLSE2: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: LSE * log2(e)
+        mDsum: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: rowsum(dO * O)
         mdQacc: cute.Tensor,  # (b, s_q, h_q, d) float32 workspace
         mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m)) int32 workspace
         scale: Float32,  # softmax_scale
@@ -213,13 +216,11 @@ class FlashBwdSm90:
             total = (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             at = (batch * heads_q + head) * seqlen_q + row
             lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))
-            lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
-            dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
-            dsum[at] = total
             value = lse[at]
-            lse2[at] = value * LOG2E
+            lse2_value = value * LOG2E
             if value == -Float32.inf:
-                lse2[at] = Float32.inf
+                lse2_value = Float32.inf
+            self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, batch, head, row, seqlen_q, heads_q)
             zeros = cute.make_rmem_tensor((d,), Float32)
             zeros.fill(0.0)
             cute.autovec_copy(zeros, self._row(dqacc_ptr, ((Int64(batch) * seqlen_q + row) * heads_q + head) * d, Float32))
@@ -228,6 +229,19 @@ class FlashBwdSm90:
                 sem_at = (batch * heads_q + head) * m_blocks + row // self.tile_m
                 sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + 1))
                 sem[sem_at] = Int32(0)
+        elif row < cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m:
+            # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
+            self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), batch, head, row, seqlen_q, heads_q)
+
+    @cute.jit
+    def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, batch, head, row, seqlen_q, heads_q):
+        """LSE2 and D rows are (b, h_q, padded s_q): whole query tiles, for the bulk copies."""
+        padded = cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m
+        at = (batch * heads_q + head) * padded + row
+        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
+        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
+        lse2[at] = lse2_value
+        dsum[at] = dsum_value
 
     # ------------------------------------------------------------------ postprocess
     @cute.kernel
@@ -257,8 +271,8 @@ class FlashBwdSm90:
         tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b)
-        lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
-        dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
+        lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
+        dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
         scale: Float32,
         scale_log2: Float32,
@@ -275,7 +289,8 @@ class FlashBwdSm90:
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_kv = tma_pipeline(storage.mbar_kv, 1, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
-        pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, self.q_bytes)
+        # Each Q (dO) stage also carries its tile's LSE2 (D) values: 4 * tile_m bytes more.
+        pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, self.q_bytes + 4 * self.tile_m)
                            for bar in (storage.mbar_q, storage.mbar_do)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
@@ -284,6 +299,8 @@ class FlashBwdSm90:
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
         sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
+        stats_layout = cute.make_layout((self.tile_m, self.stages))
+        sLSE2, sDsum = storage.sLSE2.get_tensor(stats_layout), storage.sDsum.get_tensor(stats_layout)
         staging = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)  # dK, dV over spent Q, dO
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
@@ -309,7 +326,8 @@ class FlashBwdSm90:
             if warp == 0:
                 self.load(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK[None, None, head_kv, batch], sK,
                           tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_q, pipe_do,
-                          n_block, head_kv, batch, group, m_first, span, steps)
+                          n_block, head_kv, batch, group, m_first, span, steps,
+                          lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q)
             if warp == DQ_WRITER_WARP:
                 self.dq_writer(tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
                                m_first, span, steps, seqlen_q, seqlen_k, heads_q)
@@ -320,20 +338,23 @@ class FlashBwdSm90:
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.compute_wide(
                     tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
                     scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
                     sP,
                 )
             else:
                 self.compute(
                     tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
                     scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
                 )
 
     @cute.jit
     def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do,
-             n_block, head_kv, batch, group, m_first, span, steps):
+             n_block, head_kv, batch, group, m_first, span, steps, lse2_ptr, sLSE2, dsum_ptr, sDsum,
+             m_blocks, heads_q):
+        """Warp 0: K and V once; then per step dO (with the tile's D) and Q (with its LSE2),
+        each tile and its 64 statistics on one mbarrier stage."""
         whole = cute.make_layout(1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
@@ -345,18 +366,24 @@ class FlashBwdSm90:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
+            stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
             # dO first: the consumers release it before Q.
-            for atom, g_all, s_all, pipe in ((tma_do, gdO, sdO, pipe_do), (tma_q, gQ, sQ, pipe_q)):
+            for atom, g_all, s_all, pipe, stats_ptr, s_stats in (
+                (tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2),
+            ):
                 pipe.producer_acquire(state)
                 q_tile = cute.local_tile(g_all[None, None, head_q, batch], (self.tile_m, self.head_dim), (m_block, 0))
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
-                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+                barrier = pipe.producer_get_barrier(state)
+                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=barrier)
+                with cute.arch.elect_one():
+                    bulk_copy_g2s(s_stats[None, state.index].iterator, stats_ptr + stats_at, barrier, 4 * self.tile_m)
             state.advance()
 
     @cute.jit
     def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
                 scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
         """tidx: 0..255 over the consumer warpgroups. Per query tile, in issue order:
         S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
@@ -405,7 +432,8 @@ class FlashBwdSm90:
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
-        lse2, dsum, lse2_col, dsum_col = self._stat_tensors(lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q)
+        ncols = cute.size(s_coords, mode=[1])
+        lse2_col, dsum_col = cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -414,11 +442,10 @@ class FlashBwdSm90:
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
             ds_stage = step % self.ds_stages
-            self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
             self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                         s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+                         s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             warpgroup.wait_group(0)
             self._grads(acc_s, acc_dp, dsum_col)
@@ -446,7 +473,7 @@ class FlashBwdSm90:
 
     @cute.jit
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                     batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, lse2_ptr, dsum_ptr,
+                     batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
                      scale, scale_log2, tma_dk, gdK, tma_dv, gdV, sP):
         """head_dim 192, 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of
         S^T and dP^T, and head dims [w d/2, (w+1) d/2) of dV, dK and dQ. dV and dK need every
@@ -491,7 +518,8 @@ class FlashBwdSm90:
         thr_pds = pds_copy.get_slice(tidx)
         tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)
         tdS_smem = thr_pds.partition_D(transpose_smem(sdS))
-        lse2, dsum, lse2_col, dsum_col = self._stat_tensors(lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q)
+        ncols = cute.size(s_coords, mode=[1])
+        lse2_col, dsum_col = cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -499,11 +527,10 @@ class FlashBwdSm90:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
-            self._load_stats(lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
             self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                         s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+                         s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
@@ -569,38 +596,21 @@ class FlashBwdSm90:
                 cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=WARPGROUP + 32)
 
     # ------------------------------------------------------------------ shared steps
-    def _stat_tensors(self, lse2_ptr, dsum_ptr, s_coords, seqlen_q, heads_q):
-        """The LSE2 and D rows in global memory, (b * h_q * s_q,), and register vectors for
-        the values of this thread's query columns."""
-        rows_total = seqlen_q * heads_q * cute.arch.grid_dim()[2]
-        ncols = cute.size(s_coords, mode=[1])
-        return (cute.make_tensor(lse2_ptr, cute.make_layout(rows_total)),
-                cute.make_tensor(dsum_ptr, cute.make_layout(rows_total)),
-                cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32))
-
     @cute.jit
     def _scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
-        """S^T and dP^T of one query tile issued as they land; returns with P^T in acc_s and
-        dP^T still in flight (one wgmma group outstanding)."""
+                s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
+        """S^T and dP^T of one query tile issued as they land, and the LSE2 and D values of
+        this thread's query columns read from shared memory while they run; returns with
+        P^T in acc_s and dP^T still in flight (one wgmma group outstanding)."""
         pipe_q.consumer_wait(state)
         wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
         pipe_do.consumer_wait(state)
         wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+        for j in cutlass.range_constexpr(cute.size(lse2_col)):
+            lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
+            dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
         warpgroup.wait_group(1)
         self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
-
-    @cute.jit
-    def _load_stats(self, lse2, dsum, lse2_col, dsum_col, s_coords, batch, heads_q, head_q, m_block, seqlen_q):
-        """LSE2 and D of the query columns this thread holds (+inf and 0 past seqlen_q)."""
-        base = (batch * heads_q + head_q) * seqlen_q + m_block * self.tile_m
-        for j in cutlass.range_constexpr(cute.size(lse2_col)):
-            q = m_block * self.tile_m + s_coords[0, j][1]
-            lse2_col[j] = Float32.inf
-            dsum_col[j] = Float32(0.0)
-            if q < seqlen_q:
-                lse2_col[j] = lse2[base + s_coords[0, j][1]]
-                dsum_col[j] = dsum[base + s_coords[0, j][1]]
 
     @cute.jit
     def _probs(self, acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):

@@ -6,6 +6,7 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import const_expr
+from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
@@ -25,6 +26,13 @@ def smem_layout(dtype, rows: int, cols: int, stages=None, col_parts: int = 1):
     if stages is None:
         return cute.tile_to_shape(atom, (rows, cols), order=(0, 1))
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+
+def bulk_copy_g2s(smem_dst, gmem_src, barrier, size: int):
+    """Copy ``size`` bytes (a multiple of 16, both ends 16-byte aligned) from global to
+    shared memory without a tensor map, completing on ``barrier``'s transaction count.
+    One thread issues it."""
+    cp_async_bulk_shared_cluster_global(smem_dst, gmem_src, barrier, size)
 
 
 def smem_buffer(layout, dtype):

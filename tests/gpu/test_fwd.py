@@ -83,6 +83,26 @@ def test_forward_strided_packed_qkv(variant):
     _check(out, lse, q, k, v, variant.causal)
 
 
+@pytest.mark.parametrize("variant", FWD, ids=lambda v: v.name)
+def test_forward_rescaling_paths(variant):
+    """Keys whose norm grows towards the first key (the kernel walks key tiles last to
+    first), so row maxima climb past the rescaling threshold several times along a row,
+    and query rows of very different norms, so some rows of a warp rescale while others
+    keep a stale maximum."""
+    b, sq, sk, h, d = 2, 700, 2500, 2, variant.head_dim
+    dtype = DTYPES[variant.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(hash(variant.name) % 2**31)
+    q, k, v = _inputs((b, sq, sk, h, h), d, dtype, gen)
+    ramp = 1 + 6 * (1 - torch.arange(sk, device="cuda") / sk)
+    k = (k.float() * ramp[None, :, None, None]).to(dtype)
+    row_norm = 0.2 + 2.8 * torch.rand(b, sq, h, 1, device="cuda", generator=gen)
+    q = (q.float() * row_norm).to(dtype)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(out, lse, q, k, v, variant.causal)
+
+
 def test_forward_custom_scale_and_strided_output():
     q, k, v = _inputs((2, 300, 400, 4, 2), 128, torch.bfloat16, None)
     big = torch.full((2, 300, 8, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
