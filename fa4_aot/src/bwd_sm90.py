@@ -614,18 +614,25 @@ class FlashBwdSm90:
 
     @cute.jit
     def _probs(self, acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
-        """S^T -> P^T in place: exp2(S * scale * log2(e) - LSE2), 0 where masked."""
+        """S^T -> P^T in place: exp2(S * scale * log2(e) - LSE2), 0 where masked. Only the
+        last key tile (padding) and, causal, tiles that cross the diagonal are masked."""
         s = acc_as_rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            key = n_block * self.tile_n + s_coords[r, 0][0]
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                p = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
-                if const_expr(self.causal):
-                    if key > m_block * self.tile_m + s_coords[r, j][1] + seqlen_k - seqlen_q:
-                        p = Float32(0.0)
-                if key >= seqlen_k:
-                    p = Float32(0.0)
-                s[r, j] = p
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
+        # the last key the tile's first query may see (exclusive bound, as a count)
+        visible = seqlen_k
+        if const_expr(self.causal):
+            visible = cutlass.min(visible, m_block * self.tile_m + 1 + seqlen_k - seqlen_q)
+        if (n_block + 1) * self.tile_n > visible:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = n_block * self.tile_n + s_coords[r, 0][0]
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    limit = seqlen_k
+                    if const_expr(self.causal):
+                        limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, j][1] + 1 + seqlen_k - seqlen_q)
+                    if key >= limit:
+                        s[r, j] = Float32(0.0)
 
     @cute.jit
     def _grads(self, acc_p, acc_dp, dsum_col):
@@ -675,9 +682,12 @@ class FlashBwdSm90:
                     last_key = cutlass.max((m_block + 1) * self.tile_m + seqlen_k - seqlen_q, 0)
                     turn = cutlass.min(cute.ceil_div(last_key, self.tile_n), n_blocks) - 1 - n_block
                 if lane == 0:
-                    while cute.arch.atomic_add(sem, Int32(0), sem="acquire", scope="gpu") != turn:
+                    # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
+                    while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
                         pass
                 cute.arch.sync_warp()
+            # The turn is taken before the staged tile is waited for: waiting for the tile
+            # first put the turn's poll on every step's critical path (measured slower).
             for w in cutlass.range_constexpr(self.dq_buffers):
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=WARPGROUP + 32)
                 column_tile = w if const_expr(self.split_d) else 0
