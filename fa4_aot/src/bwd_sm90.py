@@ -428,7 +428,9 @@ class FlashBwdSm90:
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
         tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg if const_expr(self.split_d) else 0])
-        ds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
+        # dS^T fragments go to dS (keys contiguous) by transposing stmatrix: one
+        # instruction per four 8x8 blocks instead of a 16-bit store per element.
+        ds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
         thr_ds = ds_copy.get_slice(tidx)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
@@ -513,7 +515,7 @@ class FlashBwdSm90:
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
         tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, chunk), (0, c)))
                     for c in range(chunks)]
-        pds_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=16)
+        pds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         pds_copy = cute.make_tiled_copy_C(pds_atom, mma_sdp)
         thr_pds = pds_copy.get_slice(tidx)
         tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)

@@ -84,7 +84,8 @@ def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_
     """
     staged = cute.make_rmem_tensor_like(acc, dtype)
     staged.store(acc.load().to(dtype))
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=32)
+    # stmatrix: one instruction per four 8x8 blocks of the fragment
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
     copy = cute.make_tiled_copy_C(atom, tiled)
     thr = copy.get_slice(tidx)
     cute.copy(copy, thr.retile(staged), thr.partition_D(smem))
