@@ -16,11 +16,10 @@
    a fixed key-tile order per query tile, serialized by a per-(query tile, head)
    semaphore (shortest-processing-time order for causal; see ``dq_writer``).
    Per head dim:
-   - 64, 96: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as the A
-     operands of dV and dK; each warpgroup's dQ covers every column from its own keys,
-     and warpgroup 1 adds its part into warpgroup 0's staging buffer (one reduce).
-   - 128: as above, but dQ is split along head_dim: warpgroup w computes columns
-     [64w, 64w + 64) from the whole dS tile, so the two reduces are disjoint.
+   - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
+     the A operands of dV and dK. dQ is split along head_dim: warpgroup w computes
+     columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
+     (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96).
    - 192, 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK
      and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so P and dS go
      through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
@@ -45,10 +44,9 @@ from .sm90_common import WARPGROUP, bulk_copy_g2s, smem_buffer, smem_layout, sta
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
-DS_BARRIER = 2  # both consumer warpgroups (split_d), or 2 and 3: one per warpgroup
+DS_BARRIER = 2  # both consumer warpgroups: dS (and P) written before the GEMMs read them
 DQ_FULL_BARRIER = 4  # and 5: warpgroup w has staged its dQ tile for the writer warp
 DQ_EMPTY_BARRIER = 6  # and 7: the writer's reduce has read warpgroup w's staging buffer
-DQ_HANDOFF_BARRIER = 8  # not split_d: warpgroup 0 has staged dQ, warpgroup 1 adds its own
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # pre/postprocess: THREADS_PER_ROW threads share a query row, each taking every
 # THREADS_PER_ROW-th 16-byte chunk, so a warp's access covers 64 contiguous bytes of each
@@ -78,22 +76,20 @@ class FlashBwdSm90:
         self.stages = stages
         self.num_consumers = 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
-        # dQ = dS K per query tile. split_d (head_dim 128 and wide): warpgroup w computes
-        # columns [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory,
-        # so the two reduces cover disjoint halves. Otherwise (64, 96: half-width chunks
-        # would not match the 128-byte swizzle of K^T) warpgroup w computes all columns
-        # from its own 64 keys, and both reduce into the same tile.
-        self.split_d = self.wide or head_dim == 128
+        # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
+        # [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory, so the
+        # two reduces cover disjoint halves. (Each warpgroup computing all columns from its
+        # own 64 keys, warpgroup 1 adding into warpgroup 0's staging buffer, measured 5-10%
+        # slower at head_dim 64 and 96: docs/perf-notes.md, session 3.)
         # wide: each warpgroup's dQ half is computed in chunks of dq_chunk columns (256: two
         # of 64, the second issued behind dK; 192: one of 96).
         self.dq_chunk = 64 if head_dim == 256 else head_dim // 2
-        # wide: Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must
-        # divide d/2 (192: 64-byte swizzle).
-        self.col_parts = 2 if self.wide else 1
-        self.dq_cols = head_dim // 2 if self.split_d else head_dim
-        # Staging buffers, one reduce each per step. Not split_d: warpgroup 1 adds its
-        # partial dQ into warpgroup 0's buffer, so one reduce carries both.
-        self.dq_buffers = self.num_consumers if self.split_d else 1
+        # Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must divide
+        # d/2: the 64-byte swizzle at 64 and 192, the 32-byte one at 96; 128 and 256 keep
+        # the 128-byte one (64-column halves or chunks).
+        self.col_parts = 1 if head_dim == 128 else 2
+        self.dq_cols = head_dim // 2
+        self.dq_buffers = self.num_consumers  # staging buffers, one reduce each per step
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
@@ -432,18 +428,10 @@ class FlashBwdSm90:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        if const_expr(self.split_d):
-            # dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
-                cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
-            ds_barrier, ds_threads = DS_BARRIER, 2 * WARPGROUP
-        else:
-            # dS (queries, this warpgroup's keys) x K^T (all head dims, this warpgroup's keys)
-            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (tm, 64), (0, wg, None))))
-            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
-                transpose_smem(cute.local_tile(sK, (64, d), (wg, 0)))))
-            ds_barrier, ds_threads = DS_BARRIER + wg, WARPGROUP
+        # dQ: dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
+            cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
         acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
         acc_dv.fill(0.0)
@@ -453,7 +441,7 @@ class FlashBwdSm90:
         dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg if const_expr(self.split_d) else 0])
+        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg])
         # dS^T fragments go to dS (keys contiguous) by transposing stmatrix: one
         # instruction per four 8x8 blocks instead of a 16-bit store per element.
         ds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
@@ -486,7 +474,7 @@ class FlashBwdSm90:
             # which both warpgroups waited for before the previous step's barrier.
             cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
             cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=ds_barrier, number_of_threads=ds_threads)
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
             wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
             wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
@@ -599,29 +587,13 @@ class FlashBwdSm90:
 
     @cute.jit
     def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
-        """Hand dQ to the writer warp once its last reduce has read the buffer. Not split_d:
-        warpgroup 0 stages its partial dQ, warpgroup 1 then adds its own in place (same
-        thread-to-element map) and hands the sum over."""
-        if const_expr(self.split_d):
-            if step > 0:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
-            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
-        else:
-            if wg == 0:
-                if step > 0:
-                    cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER, number_of_threads=WARPGROUP + 32)
-                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-                cute.arch.barrier_arrive(barrier_id=DQ_HANDOFF_BARRIER, number_of_threads=2 * WARPGROUP)
-            else:
-                cute.arch.barrier(barrier_id=DQ_HANDOFF_BARRIER, number_of_threads=2 * WARPGROUP)
-                staged = cute.make_rmem_tensor_like(acc_dq)
-                cute.copy(dq_copy, tdQ_smem, thr_dq_copy.retile(staged))
-                acc_dq.store(acc_dq.load() + staged.load())
-                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER, number_of_threads=WARPGROUP + 32)
+        """Hand this warpgroup's dQ half to the writer warp once its last reduce has read
+        the buffer."""
+        if step > 0:
+            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
 
     # ------------------------------------------------------------------ shared steps
     @cute.jit
@@ -718,9 +690,7 @@ class FlashBwdSm90:
             # first put the turn's poll on every step's critical path (measured slower).
             for w in cutlass.range_constexpr(self.dq_buffers):
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=WARPGROUP + 32)
-                column_tile = w if const_expr(self.split_d) else 0
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols),
-                                       (m_block, column_tile))
+                tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols), (m_block, w))
                 part_s, part_g = cpasync.tma_partition(
                     tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, w], 0, 2),
                     cute.group_modes(tile, 0, 2))
