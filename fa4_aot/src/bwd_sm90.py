@@ -4,8 +4,9 @@
    exp2 domain (+inf for a row that saw no key, so its P is 0), the fp32 dQ accumulator
    and the dQ semaphores cleared.
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
-   Warp 0 streams Q and dO tiles of 64 query rows (separate pipelines, so dO can be
-   reloaded as soon as dV's GEMM is done) for every query head of the KV head's group;
+   Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
+   on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
+   GEMM is done) for every query head of the KV head's group;
    two consumer warpgroups compute
        S^T = K Q^T, dP^T = V dO^T          (SS-wgmma, keys x queries)
        P^T = exp2(S^T * scale*log2(e) - LSE2),  dS^T = P^T (dP^T - D)
@@ -23,7 +24,7 @@
    - 192, 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK
      and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so P and dS go
      through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
-     Q/dO double-buffered at 192, single at 256 (208 KB of shared memory each).
+     Q/dO double-buffered at 192, single at 256 (about 210 KB of shared memory each).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (four threads per query row): dQ = accumulator * scale, in the input dtype.
 
