@@ -121,6 +121,19 @@ def test_workspace_is_carved_aligned_and_checked():
         _carve(DeviceArray(BASE + 16, (need,), (1,), "u8"), p)
 
 
+def test_workspace_statistics_rows_are_padded_to_whole_query_tiles():
+    """The kernel copies each 64-row tile's LSE2 / D values with one 256-byte bulk copy:
+    every (batch, head) row of them must be a whole number of tiles, 16-byte aligned."""
+    from fa4_aot.api import _workspace_regions
+
+    for seqlen_q in (1, 63, 64, 65, 100, 1000):
+        regions = dict(_workspace_regions(2, seqlen_q, 8, 128))
+        padded = -(-seqlen_q // 64) * 64
+        assert regions["lse2"] == regions["dsum"] == 2 * 8 * padded * 4
+        assert padded * 4 % 256 == 0
+        assert regions["dq_semaphore"] == 2 * 8 * (padded // 64) * 4
+
+
 def test_size_one_axes_get_a_valid_descriptor_stride():
     from fa4_aot.api import _tma_tensor
 
