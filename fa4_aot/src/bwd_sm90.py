@@ -40,7 +40,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, bulk_copy_g2s, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
+from .sm90_common import WARPGROUP, bulk_copy_g2s, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -149,10 +149,7 @@ class FlashBwdSm90:
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
 
-        q, k, v, do, dk, dv, dq_acc = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)
-        ]
+        q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
@@ -433,24 +430,10 @@ class FlashBwdSm90:
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
             cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
-        acc_dv.fill(0.0)
-        acc_dk.fill(0.0)
-        s_shape = thr_sdp.partition_shape_C((tn, tm))
-        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
-        thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
+        (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col,
+         dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
         tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg])
-        # dS^T fragments go to dS (keys contiguous) by transposing stmatrix: one
-        # instruction per four 8x8 blocks instead of a 16-bit store per element.
-        ds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
-        thr_ds = ds_copy.get_slice(tidx)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
-        ncols = cute.size(s_coords, mode=[1])
-        lse2_col, dsum_col = cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -519,24 +502,12 @@ class FlashBwdSm90:
         sKt = transpose_smem(sK)  # (d, keys)
         tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (chunk, tn), (wg * chunks + c, 0))))
                  for c in range(chunks)]
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, d)), Float32)
-        acc_dv.fill(0.0)
-        acc_dk.fill(0.0)
-        s_shape = thr_sdp.partition_shape_C((tn, tm))
-        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
-        dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
-        thr_dq_copy = dq_copy.get_slice(tidx % WARPGROUP)
+        (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, pds_copy, thr_pds, lse2_col,
+         dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
         tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, chunk), (0, c)))
                     for c in range(chunks)]
-        pds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
-        pds_copy = cute.make_tiled_copy_C(pds_atom, mma_sdp)
-        thr_pds = pds_copy.get_slice(tidx)
         tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)
         tdS_smem = thr_pds.partition_D(transpose_smem(sdS))
-        ncols = cute.size(s_coords, mode=[1])
-        lse2_col, dsum_col = cute.make_rmem_tensor((ncols,), Float32), cute.make_rmem_tensor((ncols,), Float32)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -597,6 +568,28 @@ class FlashBwdSm90:
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
 
     # ------------------------------------------------------------------ shared steps
+    def _step_tensors(self, tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq):
+        """What both compute paths set up alike: the zeroed dV and dK accumulators, the
+        S^T / dP^T fragment shape and coordinates (keys, queries), the fp32 dQ staging copy,
+        the copy of dS^T (and P^T) fragments to their key-contiguous shared tiles (a
+        transposing stmatrix: one instruction per four 8x8 blocks), and the registers for
+        the LSE2 and D values of this thread's query columns."""
+        tn, tm = self.tile_n, self.tile_m
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, self.head_dim)), Float32)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((tn, self.head_dim)), Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        s_shape = thr_sdp.partition_shape_C((tn, tm))
+        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
+        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
+        ds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
+        ncols = cute.size(s_coords, mode=[1])
+        return (acc_dv, acc_dk, s_shape, s_coords, dq_copy, dq_copy.get_slice(tidx % WARPGROUP),
+                ds_copy, ds_copy.get_slice(tidx), cute.make_rmem_tensor((ncols,), Float32),
+                cute.make_rmem_tensor((ncols,), Float32))
+
     @cute.jit
     def _scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
                 s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):

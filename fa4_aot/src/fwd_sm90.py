@@ -30,7 +30,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
-from .sm90_common import WARPGROUP, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
+from .sm90_common import WARPGROUP, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
 from .softmax import OnlineSoftmax, rescale_rows, scale_rows
 
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
@@ -84,11 +84,7 @@ class FlashFwdSm90:
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
         scale_log2: Float32,  # softmax_scale * log2(e)
     ):
-        # TMA and MMA work on (s, d, h, b): rows, then the contiguous head dim.
-        q, k, v, o = [
-            cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
-            for t in (mQ, mK, mV, mO)
-        ]
+        q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
         sq = smem_layout(self.dtype, self.tile_m, self.head_dim)
         skv = smem_layout(self.dtype, self.tile_n, self.head_dim, self.stages)
         skv_one = cute.select(skv, mode=[0, 1])

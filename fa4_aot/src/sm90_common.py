@@ -28,6 +28,12 @@ def smem_layout(dtype, rows: int, cols: int, stages=None, col_parts: int = 1):
     return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
 
 
+def sdhb(t: cute.Tensor) -> cute.Tensor:
+    """A (b, s, h, d) tensor viewed as (s, d, h, b), the order TMA and the MMAs work in:
+    rows, then the contiguous head dim."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
 def bulk_copy_g2s(smem_dst, gmem_src, barrier, size: int):
     """Copy ``size`` bytes (a multiple of 16, both ends 16-byte aligned) from global to
     shared memory without a tensor map, completing on ``barrier``'s transaction count.
