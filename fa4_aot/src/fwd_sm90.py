@@ -30,13 +30,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
-from .sm90_common import WARPGROUP, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
+from .sm90_common import (
+    WARPGROUP, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after, wgmma,
+)
 from .softmax import OnlineSoftmax, rescale_rows, scale_rows
 
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 EPILOGUE_BARRIER = 1
 SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
+ORDER_BARRIER = 5  # .. 5 + consumers - 1: see sm90_common.wait_after
 
 
 class FlashFwdSm90:
@@ -265,37 +268,44 @@ class FlashFwdSm90:
             pipe_k.consumer_wait(kv_state)
             wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
             pipe_k.consumer_release(kv_state)
-            apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k, True)
+            apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
             softmax_step(acc_s, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j) are
-                # in flight together; softmax of S(j+1) runs while P(j) V(j) finishes.
-                # Across warpgroups (ping-pong): one issues its GEMMs while the other
-                # does softmax, handing over through the scheduler barriers.
-                n_block = n_blocks - 2 - i
-                v_state = kv_state.clone()
-                kv_state.advance()
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(kv_state)
-                cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
-                pipe_v.consumer_wait(v_state)
-                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
-                cute.arch.barrier_arrive(
-                    barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
-                    number_of_threads=2 * WARPGROUP,
-                )
-                warpgroup.wait_group(1)
-                pipe_k.consumer_release(kv_state)
-                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, n_block >= first_masked)
-                softmax_step(acc_s, row_scale)
-                warpgroup.wait_group(0)
-                pipe_v.consumer_release(v_state)
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-                # O to the scale of P(j+1), with no wgmma in flight (a branch between a
-                # wgmma's issue and its wait would make ptxas serialize them).
-                rescale_rows(acc_o, row_scale)
+            # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
+            # loops, so that no branch sits between a wgmma's issue and its wait (ptxas
+            # would wait for P V at the branch's join, before the softmax it should hide).
+            masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0)
+            for phase in cutlass.range_constexpr(2):
+                steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
+                for i in cutlass.range(steps, unroll=1):
+                    # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
+                    # are in flight together; softmax of S(j+1) runs while P(j) V(j)
+                    # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
+                    # the other does softmax, handing over through the scheduler barriers.
+                    n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                    pipe_k.consumer_wait(kv_state)
+                    cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+                    wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                    pipe_v.consumer_wait(v_state)
+                    wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
+                    cute.arch.barrier_arrive(
+                        barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                        number_of_threads=2 * WARPGROUP,
+                    )
+                    warpgroup.wait_group(1)
+                    pipe_k.consumer_release(kv_state)
+                    if const_expr(phase == 0):
+                        apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
+                    softmax_step(acc_s, row_scale)
+                    # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
+                    wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
+                    pipe_v.consumer_release(v_state)
+                    tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                    # O to the scale of P(j+1), with no wgmma in flight.
+                    rescale_rows(acc_o, row_scale)
             pipe_v.consumer_wait(kv_state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)

@@ -26,21 +26,22 @@ class TileMask:
     @cute.jit
     def apply(
         self, acc_s: cute.Tensor, coords: cute.Tensor, m_block: Int32, n_block: Int32,
-        seqlen_q: Int32, seqlen_k: Int32, needed: cutlass.Boolean,
+        seqlen_q: Int32, seqlen_k: Int32,
     ):
         """coords: the thread's partition of an identity tensor (tile_m, tile_n).
 
-        ``needed`` is false for tiles wholly inside both masks; they are left untouched.
+        Callers decide which tiles need it, outside any code that runs with wgmmas in
+        flight: a branch there makes ptxas wait for every wgmma at the branch's join.
         """
-        if needed:
-            s = acc_as_rows_cols(acc_s)
-            c = acc_as_rows_cols(coords)
-            col_limit_base = seqlen_k - n_block * self.tile_n
-            diag = seqlen_k - seqlen_q + m_block * self.tile_m - n_block * self.tile_n
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                limit = col_limit_base
-                if cutlass.const_expr(self.causal):
-                    limit = cutlass.min(limit, diag + c[r, 0][0] + 1)
-                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    if c[r, j][1] >= limit:
-                        s[r, j] = -Float32.inf
+        s = acc_as_rows_cols(acc_s)
+        c = acc_as_rows_cols(coords)
+        col_limit_base = seqlen_k - n_block * self.tile_n
+        diag = seqlen_k - seqlen_q + m_block * self.tile_m - n_block * self.tile_n
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            limit = col_limit_base
+            if cutlass.const_expr(self.causal):
+                limit = cutlass.min(limit, diag + c[r, 0][0] + 1)
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                # A select, not an `if`: per element, an `if` made the compiler carry
+                # every element written so far through each branch (quadratic code).
+                s[r, j] = Float32(cutlass.select_(c[r, j][1] >= limit, -Float32.inf, s[r, j]))

@@ -81,6 +81,26 @@ def wgmma(tiled, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool], wait:
 
 
 @cute.jit
+def wait_after(values, barrier_id, threads: int):
+    """``wgmma.wait_group 0``, kept after the instructions that compute ``values``.
+
+    ptxas hoists a wgmma wait to the top of the code between it and the preceding wait
+    (measured: to before the first exponential of the forward's softmax, at every head
+    dim), which serializes the softmax behind the P V GEMM it is meant to overlap. A
+    named-barrier arrive whose thread count depends on ``values`` (always ``threads`` at run
+    time) cannot move above them, and ptxas does not move the wait above the arrive.
+    Every one of ``threads`` threads calls this with its own barrier (arrive-only, so the
+    barrier completes with no waiter).
+    """
+    total = values[0]
+    for i in cutlass.range_constexpr(1, len(values)):
+        total = total + values[i]
+    extra = cutlass.Int32(cutlass.select_(total < cutlass.Float32(0.0), 32, 0))  # sums: never < 0
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=threads + extra)
+    warpgroup.wait_group(0)
+
+
+@cute.jit
 def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int):
     """acc (fp32 fragment of ``tiled``) -> dtype in ``smem`` -> one TMA store to ``gmem_tile``.
 

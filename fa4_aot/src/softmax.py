@@ -57,6 +57,11 @@ def _tree_reduce(values: list, op):
     return values[0]
 
 
+def _select(cond, if_true, if_false) -> Float32:
+    """A value select: no `if`, so no branch for ptxas to schedule around."""
+    return Float32(cutlass.select_(cond, if_true, if_false))
+
+
 def _quad_reduce(x: Float32, op) -> Float32:
     for offset in (1, 2):
         x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
@@ -88,14 +93,9 @@ class OnlineSoftmax:
             m_cur = _quad_reduce(m_cur, cute.arch.fmax)
             # Keep the stale maximum unless it grew past the threshold (or was -inf: the
             # difference is then +inf; both -inf gives NaN, which compares false).
-            if (m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD:
-                m_cur = m_prev
-            offset = m_cur * self.scale_log2
-            if m_cur == -Float32.inf:
-                offset = Float32(0.0)
-            prev_offset = m_prev * self.scale_log2
-            if m_prev == -Float32.inf:
-                prev_offset = offset
+            m_cur = _select((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
+            offset = _select(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
+            prev_offset = _select(m_prev == -Float32.inf, offset, m_prev * self.scale_log2)
             correction = exp2_mufu(prev_offset - offset)
             for c in cutlass.range_constexpr(ncols):
                 s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offset)
