@@ -625,8 +625,7 @@ class FlashBwdSm90:
                     limit = seqlen_k
                     if const_expr(self.causal):
                         limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, j][1] + 1 + seqlen_k - seqlen_q)
-                    if key >= limit:
-                        s[r, j] = Float32(0.0)
+                    s[r, j] = Float32(cutlass.select_(key >= limit, Float32(0.0), s[r, j]))
 
     @cute.jit
     def _grads(self, acc_p, acc_dp, dsum_col):
