@@ -46,8 +46,9 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
 DS_BARRIER = 2  # both consumer warpgroups: dS (and P) written before the GEMMs read them
-DQ_FULL_BARRIER = 4  # and 5: warpgroup w has staged its dQ tile for the writer warp
-DQ_EMPTY_BARRIER = 6  # and 7: the writer's reduce has read warpgroup w's staging buffer
+# Per dQ staging buffer b = w + 2 * stage (warpgroup w; stage: step % dq_stages):
+DQ_FULL_BARRIER = 4  # .. 7: warpgroup w has staged its dQ tile in buffer b for the writer
+DQ_EMPTY_BARRIER = 8  # .. 11: the writer's reduce has read buffer b
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # pre/postprocess: THREADS_PER_ROW threads share a query row, each taking every
 # THREADS_PER_ROW-th 16-byte chunk, so a warp's access covers 64 contiguous bytes of each
@@ -90,7 +91,12 @@ class FlashBwdSm90:
         # the 128-byte one (64-column halves or chunks).
         self.col_parts = 1 if head_dim == 128 else 2
         self.dq_cols = head_dim // 2
-        self.dq_buffers = self.num_consumers  # staging buffers, one reduce each per step
+        self.dq_buffers = self.num_consumers  # staging buffers per step, one reduce each
+        # Double-buffered staging, so a warpgroup waits for the writer only when the writer
+        # is two steps behind. Not wide (its shared memory is full), and not deterministic:
+        # there the single buffer's back-pressure keeps each CTA's reduces close behind its
+        # GEMMs, which the other CTAs' turns wait for (measured faster, docs/perf-notes.md).
+        self.dq_stages = 1 if self.wide or deterministic else 2
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
@@ -118,7 +124,7 @@ class FlashBwdSm90:
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
             if wide:
                 sP: buf(s_ds)  # (tile_m, tile_n)
-            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, dq_buffers) fp32 staging
+            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, dq_buffers * dq_stages) fp32 staging
 
         return Storage
 
@@ -154,7 +160,7 @@ class FlashBwdSm90:
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
         s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
-        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.dq_buffers)
+        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.dq_buffers * self.dq_stages)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
@@ -432,7 +438,7 @@ class FlashBwdSm90:
             cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
         (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col,
          dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ[None, None, wg])
+        tdQ_smem = thr_dq_copy.partition_D(sdQ)  # (..., buffer)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -464,7 +470,8 @@ class FlashBwdSm90:
             wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
             warpgroup.wait_group(1)  # dV and dQ done; dK in flight
             pipe_do.consumer_release(state)
-            self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy,
+                           tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
@@ -539,7 +546,7 @@ class FlashBwdSm90:
             warpgroup.wait_group(2)  # dV done: the producer may load the next dO
             pipe_do.consumer_release(state)
             warpgroup.wait_group(1)  # dQ chunk 0 done; dK in flight
-            if step > 0:
+            if step > 0:  # wide: one stage, buffer wg
                 cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
             cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
             if const_expr(chunks == 2):  # 256: one more chunk, issued behind dK
@@ -559,13 +566,18 @@ class FlashBwdSm90:
 
     @cute.jit
     def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
-        """Hand this warpgroup's dQ half to the writer warp once its last reduce has read
-        the buffer."""
-        if step > 0:
-            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+        """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer,
+        once the writer's reduce from dq_stages steps ago has read it."""
+        buffer = self._dq_buffer(wg, step)
+        if step >= self.dq_stages:
+            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
         cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+
+    def _dq_buffer(self, wg, step):
+        """The staging buffer of warpgroup ``wg`` at ``step``."""
+        return wg + self.dq_buffers * (step % self.dq_stages)
 
     # ------------------------------------------------------------------ shared steps
     def _step_tensors(self, tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq):
@@ -682,10 +694,11 @@ class FlashBwdSm90:
             # The turn is taken before the staged tile is waited for: waiting for the tile
             # first put the turn's poll on every step's critical path (measured slower).
             for w in cutlass.range_constexpr(self.dq_buffers):
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + w, number_of_threads=WARPGROUP + 32)
+                buffer = self._dq_buffer(w, step)
+                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
                 tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols), (m_block, w))
                 part_s, part_g = cpasync.tma_partition(
-                    tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, w], 0, 2),
+                    tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
                     cute.group_modes(tile, 0, 2))
                 cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
@@ -697,7 +710,8 @@ class FlashBwdSm90:
                     cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if step + 1 < steps:  # the consumers wait for this only before a next tile
+            if step + self.dq_stages < steps:  # waited for only by a later step's staging
                 for w in cutlass.range_constexpr(self.dq_buffers):
-                    cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + w, number_of_threads=WARPGROUP + 32)
+                    cute.arch.barrier_arrive(
+                        barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(w, step), number_of_threads=WARPGROUP + 32)
         cute.arch.cp_async_bulk_wait_group(0, read=False)
