@@ -46,9 +46,12 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
 DS_BARRIER = 2  # both consumer warpgroups: dS (and P) written before the GEMMs read them
+# (staggered: 2 + w, warpgroup w alone, before it tells the other one through READY)
 # Per dQ staging buffer b = w + 2 * stage (warpgroup w; stage: step % dq_stages):
 DQ_FULL_BARRIER = 4  # .. 7: warpgroup w has staged its dQ tile in buffer b for the writer
 DQ_EMPTY_BARRIER = 8  # .. 11: the writer's reduce has read buffer b
+READY_BARRIER = 12  # .. 15, 2 w + step parity (staggered): warpgroup w's dS of that step is in
+# shared memory and its dQ GEMM of the step before is done
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # pre/postprocess: THREADS_PER_ROW threads share a query row, each taking every
 # THREADS_PER_ROW-th 16-byte chunk, so a warp's access covers 64 contiguous bytes of each
@@ -97,6 +100,13 @@ class FlashBwdSm90:
         # there the single buffer's back-pressure keeps each CTA's reduces close behind its
         # GEMMs, which the other CTAs' turns wait for (measured faster, docs/perf-notes.md).
         self.dq_stages = 1 if self.wide or deterministic else 2
+        # Staggered warpgroups (64, 96): a warpgroup issues the dQ GEMM of a query tile at
+        # the start of the next tile, once the other warpgroup has put its half of that
+        # tile's dS in shared memory, instead of both meeting at a barrier every tile; so
+        # the faster one waits with its next GEMMs already queued. dQ's accumulator is
+        # then live next to S^T and dP^T, which does not fit at 128. Not deterministic:
+        # the later dQ delays the ordered reduces other CTAs wait for (measured slower).
+        self.stagger = not self.wide and head_dim <= 96 and not deterministic
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
@@ -444,37 +454,74 @@ class FlashBwdSm90:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for step in cutlass.range(steps, unroll=1):
-            head_q = head_kv * group + step // span
-            m_block = m_first + step % span
-            ds_stage = step % self.ds_stages
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                         s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
-            tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            warpgroup.wait_group(0)
-            self._grads(acc_s, acc_dp, dsum_col)
-            wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
-            ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-            ds.store(acc_dp.load().to(self.dtype))
-            tKrdS.store(acc_as_operand_a(ds).load())
-            # dS^T in registers is the A operand of dK's GEMM; dS through shared memory is
-            # dQ's. The stage written here was last read by the dQ GEMMs two steps ago,
-            # which both warpgroups waited for before the previous step's barrier.
-            cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
-            wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
-            wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
-            warpgroup.wait_group(1)  # dV and dQ done; dK in flight
-            pipe_do.consumer_release(state)
-            self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy,
-                           tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
-            warpgroup.wait_group(0)
-            pipe_q.consumer_release(state)
-            state.advance()
+        other = 1 - wg
+        # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
+        # around a wgmma inside the loop.
+        for phase in cutlass.range_constexpr(2 if self.stagger else 1):
+            count = steps
+            if const_expr(self.stagger):
+                count = cutlass.min(steps, 1) if phase == 0 else steps - 1
+            late_dq = self.stagger and phase == 1  # this tile issues the previous tile's dQ
+            for i in cutlass.range(count, unroll=1):
+                step = i + phase
+                head_q = head_kv * group + step // span
+                m_block = m_first + step % span
+                ds_stage = step % self.ds_stages
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+                self._issue_scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                                   s_coords, sLSE2, sDsum, lse2_col, dsum_col)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
+                if const_expr(late_dq):
+                    self._ready_wait(other, step - 1)
+                    wgmma(mma_dq, acc_dq, tQrdS[None, None, None, (step - 1) % self.ds_stages], tQrKt, False,
+                          wait=False)
+                    warpgroup.wait_group(2)
+                else:
+                    warpgroup.wait_group(1)
+                self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+                tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                warpgroup.wait_group(1 if late_dq else 0)  # dP^T done
+                self._grads(acc_s, acc_dp, dsum_col)
+                wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+                ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+                ds.store(acc_dp.load().to(self.dtype))
+                tKrdS.store(acc_as_operand_a(ds).load())
+                if const_expr(late_dq):
+                    warpgroup.wait_group(1)  # the previous tile's dQ done; dV in flight
+                    self._stage_dq(wg, step - 1, acc_dq, dq_copy, thr_dq_copy,
+                                   tdQ_smem[None, None, None, self._dq_buffer(wg, step - 1)])
+                # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
+                # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
+                # ago, which both warpgroups waited for before they last said READY
+                # (staggered) or before the previous tile's barrier.
+                cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
+                cute.arch.fence_proxy("async.shared", space="cta")
+                if const_expr(self.stagger):
+                    cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
+                    cute.arch.barrier_arrive(barrier_id=READY_BARRIER + 2 * wg + step % 2,
+                                             number_of_threads=2 * WARPGROUP)
+                    wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
+                    warpgroup.wait_group(1)  # dV done
+                    pipe_do.consumer_release(state)
+                else:
+                    cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+                    wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
+                    wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
+                    warpgroup.wait_group(1)  # dV and dQ done; dK in flight
+                    pipe_do.consumer_release(state)
+                    self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy,
+                                   tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
+                warpgroup.wait_group(0)
+                pipe_q.consumer_release(state)
+                state.advance()
+        if const_expr(self.stagger):
+            if steps > 0:  # the last tile's dQ
+                self._ready_wait(other, steps - 1)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
+                wgmma(mma_dq, acc_dq, tQrdS[None, None, None, (steps - 1) % self.ds_stages], tQrKt, False, wait=True)
+                self._stage_dq(wg, steps - 1, acc_dq, dq_copy, thr_dq_copy,
+                               tdQ_smem[None, None, None, self._dq_buffer(wg, steps - 1)])
 
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
@@ -524,8 +571,10 @@ class FlashBwdSm90:
             m_block = m_first + step % span
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            self._scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                         s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            self._issue_scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                               s_coords, sLSE2, sDsum, lse2_col, dsum_col)
+            warpgroup.wait_group(1)
+            self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
@@ -575,6 +624,10 @@ class FlashBwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
 
+    def _ready_wait(self, wg, step):
+        """Wait until warpgroup ``wg`` has said READY for ``step`` (staggered)."""
+        cute.arch.barrier(barrier_id=READY_BARRIER + 2 * wg + step % 2, number_of_threads=2 * WARPGROUP)
+
     def _dq_buffer(self, wg, step):
         """The staging buffer of warpgroup ``wg`` at ``step``."""
         return wg + self.dq_buffers * (step % self.dq_stages)
@@ -603,11 +656,11 @@ class FlashBwdSm90:
                 cute.make_rmem_tensor((ncols,), Float32))
 
     @cute.jit
-    def _scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
-                s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
-        """S^T and dP^T of one query tile issued as they land, and the LSE2 and D values of
-        this thread's query columns read from shared memory while they run; returns with
-        P^T in acc_s and dP^T still in flight (one wgmma group outstanding)."""
+    def _issue_scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                      s_coords, sLSE2, sDsum, lse2_col, dsum_col):
+        """S^T and dP^T of one query tile issued as they land (two wgmma groups), and the
+        LSE2 and D values of this thread's query columns read from shared memory while
+        they run."""
         pipe_q.consumer_wait(state)
         wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
         pipe_do.consumer_wait(state)
@@ -615,8 +668,6 @@ class FlashBwdSm90:
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
-        warpgroup.wait_group(1)
-        self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
 
     @cute.jit
     def _probs(self, acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):

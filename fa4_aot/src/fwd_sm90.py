@@ -274,8 +274,9 @@ class FlashFwdSm90:
             # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
             # loops, so that no branch sits between a wgmma's issue and its wait (ptxas
             # would wait for P V at the branch's join, before the softmax it should hide).
-            masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0)
-            for phase in cutlass.range_constexpr(2):
+            # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
+            masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
+            for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
                 steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
                 for i in cutlass.range(steps, unroll=1):
                     # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)

@@ -35,8 +35,11 @@ class TileMask:
         """
         s = acc_as_rows_cols(acc_s)
         c = acc_as_rows_cols(coords)
-        col_limit_base = seqlen_k - n_block * self.tile_n
-        diag = seqlen_k - seqlen_q + m_block * self.tile_m - n_block * self.tile_n
+        # Limits are taken relative to this thread's first column, so each element compares
+        # a constant column offset (no column coordinates held in registers).
+        col0 = c[0, 0][1]
+        col_limit_base = seqlen_k - n_block * self.tile_n - col0
+        diag = seqlen_k - seqlen_q + m_block * self.tile_m - n_block * self.tile_n - col0
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             limit = col_limit_base
             if cutlass.const_expr(self.causal):
@@ -44,4 +47,4 @@ class TileMask:
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 # A select, not an `if`: per element, an `if` made the compiler carry
                 # every element written so far through each branch (quadratic code).
-                s[r, j] = Float32(cutlass.select_(c[r, j][1] >= limit, -Float32.inf, s[r, j]))
+                s[r, j] = Float32(cutlass.select_(c[r, j][1] - col0 >= limit, -Float32.inf, s[r, j]))
