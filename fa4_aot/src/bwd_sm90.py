@@ -21,6 +21,9 @@
      the A operands of dV and dK. dQ is split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
      (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96).
+     Non-deterministic, the dQ staging is double-buffered, and at 64 and 96 the
+     warpgroups are staggered: the dQ GEMM of a query tile is issued at the start of the
+     next one, once the other warpgroup has said its dS half is ready (``compute``).
    - 192, 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK
      and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so P and dS go
      through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);

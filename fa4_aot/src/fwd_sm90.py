@@ -272,8 +272,7 @@ class FlashFwdSm90:
             softmax_step(acc_s, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
             # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
-            # loops, so that no branch sits between a wgmma's issue and its wait (ptxas
-            # would wait for P V at the branch's join, before the softmax it should hide).
+            # loops, so the unmasked one carries neither mask code nor a branch on it.
             # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
             masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
             for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):

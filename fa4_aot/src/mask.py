@@ -30,8 +30,8 @@ class TileMask:
     ):
         """coords: the thread's partition of an identity tensor (tile_m, tile_n).
 
-        Callers decide which tiles need it, outside any code that runs with wgmmas in
-        flight: a branch there makes ptxas wait for every wgmma at the branch's join.
+        Callers decide which tiles need it (the forward at compile time: its masked key
+        tiles run in a loop of their own, so the other loop carries no mask code).
         """
         s = acc_as_rows_cols(acc_s)
         c = acc_as_rows_cols(coords)
