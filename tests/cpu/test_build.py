@@ -130,3 +130,36 @@ def test_sass_uses_hopper_tensor_cores_and_setmaxnreg(built, name):
     assert "HGMMA" in sass, "the matrix products must run on wgmma"
     assert "USETMAXREG" in sass, "producer and consumers must trade registers"
     assert "UTMALDG" in sass, "loads must go through the tensor memory accelerator"
+
+
+FORWARD = [n for n in SUBSET if n.startswith("fwd.")]
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_has_no_spills(built, name):
+    folder, _ = built
+    row = next(r for r in rows(folder) if r["name"] == name)
+    assert [launch["local_bytes"] for launch in row["launches"]] == [0], "the forward must not spill"
+
+
+@pytest.mark.parametrize("name", FORWARD)
+def test_forward_softmax_runs_while_p_v_is_in_flight(built, name):
+    """Every main-loop softmax sits between the wait for S (one wgmma group left: P V) and
+    the wait for P V: ptxas once hoisted the second wait above all of it (perf notes,
+    session 4), which the build would not otherwise notice."""
+    tool = _nvdisasm()
+    if tool is None:
+        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
+    folder, _ = built
+    row = next(r for r in rows(folder) if r["name"] == name)
+    sass = subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
+    overlapped, inside = [], None
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            inside = 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and inside is not None:
+            overlapped.append(inside)
+            inside = None
+        elif "MUFU.EX2" in line and inside is not None:
+            inside += 1
+    assert overlapped and min(overlapped) >= 32, f"exponentials between the waits, per loop: {overlapped}"
