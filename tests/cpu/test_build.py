@@ -119,14 +119,19 @@ def _nvdisasm():
     return shutil.which("nvdisasm")
 
 
-@pytest.mark.parametrize("name", SUBSET)
-def test_sass_uses_hopper_tensor_cores_and_setmaxnreg(built, name):
+def _sass(built, name) -> str:
+    """The disassembly of variant ``name``'s cubin (skips the test without nvdisasm)."""
     tool = _nvdisasm()
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     folder, _ = built
     row = next(r for r in rows(folder) if r["name"] == name)
-    sass = subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_sass_uses_hopper_tensor_cores_and_setmaxnreg(built, name):
+    sass = _sass(built, name)
     assert "HGMMA" in sass, "the matrix products must run on wgmma"
     assert "USETMAXREG" in sass, "producer and consumers must trade registers"
     assert "UTMALDG" in sass, "loads must go through the tensor memory accelerator"
@@ -147,14 +152,8 @@ def test_forward_softmax_runs_while_p_v_is_in_flight(built, name):
     """Every main-loop softmax sits between the wait for S (one wgmma group left: P V) and
     the wait for P V: ptxas once hoisted the second wait above all of it (perf notes,
     session 4), which the build would not otherwise notice."""
-    tool = _nvdisasm()
-    if tool is None:
-        pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
-    folder, _ = built
-    row = next(r for r in rows(folder) if r["name"] == name)
-    sass = subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
     overlapped, inside = [], None
-    for line in sass.splitlines():
+    for line in _sass(built, name).splitlines():
         if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
             inside = 0
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line and inside is not None:
