@@ -43,7 +43,10 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, bulk_copy_g2s, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wgmma
+from .sm90_common import (
+    WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline,
+    wgmma,
+)
 
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -437,10 +440,7 @@ class FlashBwdSm90:
         wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
         wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        score_operands = self._score_operands(wg_sdp, sK, sQ, sV, sdO)
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
@@ -472,7 +472,7 @@ class FlashBwdSm90:
                 ds_stage = step % self.ds_stages
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-                self._issue_scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+                self._issue_scores(mma_sdp, acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
                                    s_coords, sLSE2, sDsum, lse2_col, dsum_col)
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
                 if const_expr(late_dq):
@@ -547,10 +547,7 @@ class FlashBwdSm90:
         wg_sdp, wg_dkv = (m.get_slice(wg * WARPGROUP) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
         wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
-        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
-        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
-        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
-        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        score_operands = self._score_operands(wg_sdp, sK, sQ, sV, sdO)
         tVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sP)))
         tKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
@@ -574,7 +571,7 @@ class FlashBwdSm90:
             m_block = m_first + step % span
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            self._issue_scores(mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+            self._issue_scores(mma_sdp, acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
                                s_coords, sLSE2, sDsum, lse2_col, dsum_col)
             warpgroup.wait_group(1)
             self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
@@ -658,12 +655,18 @@ class FlashBwdSm90:
                 ds_copy, ds_copy.get_slice(tidx), cute.make_rmem_tensor((ncols,), Float32),
                 cute.make_rmem_tensor((ncols,), Float32))
 
+    def _score_operands(self, wg_sdp, sK, sQ, sV, sdO):
+        """This warpgroup's wgmma operands of S^T = K Q^T and dP^T = V dO^T (Q, dO staged)."""
+        return (wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+                wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)))
+
     @cute.jit
-    def _issue_scores(self, mma_sdp, acc_s, acc_dp, tSrK, tSrQ, tPrV, tPrdO, pipe_q, pipe_do, state,
+    def _issue_scores(self, mma_sdp, acc_s, acc_dp, operands, pipe_q, pipe_do, state,
                       s_coords, sLSE2, sDsum, lse2_col, dsum_col):
         """S^T and dP^T of one query tile issued as they land (two wgmma groups), and the
         LSE2 and D values of this thread's query columns read from shared memory while
-        they run."""
+        they run. ``operands``: from _score_operands."""
+        tSrK, tSrQ, tPrV, tPrdO = operands
         pipe_q.consumer_wait(state)
         wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
         pipe_do.consumer_wait(state)
@@ -691,7 +694,7 @@ class FlashBwdSm90:
                     limit = seqlen_k
                     if const_expr(self.causal):
                         limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, j][1] + 1 + seqlen_k - seqlen_q)
-                    s[r, j] = Float32(cutlass.select_(key >= limit, Float32(0.0), s[r, j]))
+                    s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
 
     @cute.jit
     def _grads(self, acc_p, acc_dp, dsum_col):

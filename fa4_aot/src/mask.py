@@ -13,6 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .layout import acc_as_rows_cols
+from .sm90_common import select_f32
 
 
 class TileMask:
@@ -45,6 +46,4 @@ class TileMask:
             if cutlass.const_expr(self.causal):
                 limit = cutlass.min(limit, diag + c[r, 0][0] + 1)
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                # A select, not an `if`: per element, an `if` made the compiler carry
-                # every element written so far through each branch (quadratic code).
-                s[r, j] = Float32(cutlass.select_(c[r, j][1] - col0 >= limit, -Float32.inf, s[r, j]))
+                s[r, j] = select_f32(c[r, j][1] - col0 >= limit, -Float32.inf, s[r, j])

@@ -80,6 +80,12 @@ def wgmma(tiled, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool], wait:
         warpgroup.wait_group(0)
 
 
+def select_f32(cond, if_true, if_false) -> cutlass.Float32:
+    """A float select without an `if`: an `if` per element makes the DSL carry every value
+    written so far through each branch (quadratic code), and gives ptxas branches."""
+    return cutlass.Float32(cutlass.select_(cond, if_true, if_false))
+
+
 @cute.jit
 def wait_after(values, barrier_id, threads: int):
     """``wgmma.wait_group 0``, kept after the instructions that compute ``values``.

@@ -28,6 +28,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .layout import acc_as_rows_cols
+from .sm90_common import select_f32
 
 LN2 = math.log(2.0)
 RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2^8 between rescales
@@ -55,11 +56,6 @@ def _tree_reduce(values: list, op):
         paired = [op(values[i], values[i + 1]) for i in range(0, len(values) - 1, 2)]
         values = paired + values[len(values) - len(values) % 2:]
     return values[0]
-
-
-def _select(cond, if_true, if_false) -> Float32:
-    """A value select: no `if`, so no branch for ptxas to schedule around."""
-    return Float32(cutlass.select_(cond, if_true, if_false))
 
 
 def _quad_reduce(x: Float32, op) -> Float32:
@@ -93,9 +89,9 @@ class OnlineSoftmax:
             m_cur = _quad_reduce(m_cur, cute.arch.fmax)
             # Keep the stale maximum unless it grew past the threshold (or was -inf: the
             # difference is then +inf; both -inf gives NaN, which compares false).
-            m_cur = _select((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
-            offset = _select(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
-            prev_offset = _select(m_prev == -Float32.inf, offset, m_prev * self.scale_log2)
+            m_cur = select_f32((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
+            offset = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
+            prev_offset = select_f32(m_prev == -Float32.inf, offset, m_prev * self.scale_log2)
             correction = exp2_mufu(prev_offset - offset)
             for c in cutlass.range_constexpr(ncols):
                 s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offset)
