@@ -31,7 +31,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
 from .sm90_common import (
-    WARPGROUP, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after, wgmma,
+    WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
+    wgmma,
 )
 from .softmax import OnlineSoftmax, rescale_rows, scale_rows
 
@@ -270,7 +271,7 @@ class FlashFwdSm90:
             pipe_k.consumer_release(kv_state)
             apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
             softmax_step(acc_s, row_scale)
-            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            self._to_operand(acc_s, tOrP)
             # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
             # loops, so the unmasked one carries neither mask code nor a branch on it.
             # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
@@ -303,9 +304,8 @@ class FlashFwdSm90:
                     # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
                     wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
                     pipe_v.consumer_release(v_state)
-                    tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-                    # O to the scale of P(j+1), with no wgmma in flight.
-                    rescale_rows(acc_o, row_scale)
+                    # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
+                    self._to_operand(acc_s, tOrP, acc_o, row_scale)
             pipe_v.consumer_wait(kv_state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
             pipe_v.consumer_release(kv_state)
@@ -315,6 +315,27 @@ class FlashFwdSm90:
         softmax.finalize(inv_sum, lse)
         scale_rows(acc_o, inv_sum)
         self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
+
+    @cute.jit
+    def _to_operand(self, acc_s, tOrP, acc_o=None, row_scale=None):
+        """P in the input dtype into tOrP, the A operand of the P V wgmma; then, if given,
+        O rescaled by row_scale.
+
+        bf16 tiles of 80 or 112 columns (head_dim 256, 192) take convert_into: the DSL's
+        own conversion goes element by element there, and ptxas then fences every k-block
+        of the P V wgmma (measured 1-6% faster with convert_into, O rescaled first).
+        Elsewhere the DSL's conversion and the original order (convert_into measured 1-3%
+        slower at head_dim 128): docs/perf-notes.md, session 5.
+        """
+        paired = self.dtype is cutlass.BFloat16 and self.tile_n % 128 != 0
+        if const_expr(paired and acc_o is not None):
+            rescale_rows(acc_o, row_scale)
+        if const_expr(paired):
+            convert_into(acc_as_operand_a(acc_s), tOrP)
+        else:
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        if const_expr(not paired and acc_o is not None):
+            rescale_rows(acc_o, row_scale)
 
     @cute.jit
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):

@@ -6,6 +6,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import const_expr
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.experimental.primitives import cp_async_bulk_shared_cluster_global
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
@@ -78,6 +80,32 @@ def wgmma(tiled, acc, frag_a, frag_b, accumulate: cutlass.Constexpr[bool], wait:
     warpgroup.commit_group()
     if const_expr(wait):
         warpgroup.wait_group(0)
+
+
+@dsl_user_op
+def _round_pair(lo, hi, dtype, *, loc=None, ip=None) -> cutlass.Int32:
+    """Two fp32 values rounded to nearest into one register of two 16-bit floats (lo in
+    the low half): one cvt instruction."""
+    kind = "bf16x2" if dtype is cutlass.BFloat16 else "f16x2"
+    return cutlass.Int32(llvm.inline_asm(
+        T.i32(), [cutlass.Float32(hi).ir_value(loc=loc, ip=ip), cutlass.Float32(lo).ir_value(loc=loc, ip=ip)],
+        f"cvt.rn.{kind}.f32 $0, $1, $2;", "=r,f,f",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    ))
+
+
+@cute.jit
+def convert_into(src: cute.Tensor, dst: cute.Tensor):
+    """dst (16-bit floats, compact registers) = src (fp32, same shape), a register pair at a time.
+
+    ``dst.store(src.load().to(dtype))`` converts bf16 one element at a time when a row
+    holds 80 or 112 columns (the forward's P at head_dim 256 and 192), then packs the
+    halves with extra moves; ptxas then fences every k-block of the P V wgmma that reads
+    them (a WARPGROUP.ARRIVE before each, C7519/C7520), serializing it.
+    """
+    words = cute.recast_tensor(dst, cutlass.Int32)
+    for j in cutlass.range_constexpr(cute.size(words)):
+        words[j] = _round_pair(src[2 * j], src[2 * j + 1], dst.element_type)
 
 
 def select_f32(cond, if_true, if_false) -> cutlass.Float32:

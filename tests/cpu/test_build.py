@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import re
 import subprocess
 import sys
 
@@ -162,3 +163,28 @@ def test_forward_softmax_runs_while_p_v_is_in_flight(built, name):
         elif "MUFU.EX2" in line and inside is not None:
             inside += 1
     assert overlapped and min(overlapped) >= 32, f"exponentials between the waits, per loop: {overlapped}"
+
+
+@pytest.mark.parametrize("name", SUBSET)
+def test_each_wgmma_chain_is_one_group(built, name):
+    """A GEMM's k-block wgmmas form one commit group: only the last carries gsb0. ptxas
+    closes the group after every k-block (fencing each with a WARPGROUP.ARRIVE, which
+    serializes them) when the A registers of an RS-wgmma need moves, as bf16 P did at
+    80- and 112-column tiles (perf notes, session 5)."""
+    closed = set()  # accumulators whose last wgmma carried gsb0, with no wait since
+    split = []
+    for line in _sass(built, name).splitlines():
+        if "WARPGROUP.DEPBAR" in line:
+            closed.clear()
+            continue
+        m = re.search(r"HGMMA\.\S+ (R\d+), (.*?) ;", line)
+        if not m:
+            continue
+        dest, operands = m.group(1), m.group(2)
+        if f", {dest}" in operands and dest in closed:  # accumulates onto a closed group
+            split.append(line.strip())
+        if "gsb0" in operands:
+            closed.add(dest)
+        else:
+            closed.discard(dest)
+    assert not split, f"{len(split)} wgmmas continue a chain after a gsb0 with no wait: {split[:3]}"
