@@ -9,6 +9,7 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ShapeError
 from .loader import KernelLibrary
+from .variants import Variant
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -37,8 +38,13 @@ def _tma_tensor(t: DeviceArray) -> dict:
     return {"ptr": t.ptr, "shape": t.shape, "strides": tuple(strides), "itemsize": t.itemsize}
 
 
+# Keys up to which the forward takes two query tiles per CTA (``q_tiles`` 2, where built):
+# measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k (docs/perf-notes.md, session 5).
+TWO_TILES_MAX_SEQLEN_K = 4096
+
+
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-            stream: int = 0, library: KernelLibrary | None = None) -> None:
+            q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
     q, out: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -47,16 +53,21 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
     Each is a DeviceArray or an object with __dlpack__ / __cuda_array_interface__.
     Causal masking is aligned to the bottom-right corner (query i sees keys
     j <= i + seqlen_k - seqlen_q); a query row that sees no key gets out = 0, lse = -inf.
-    ``stream`` is a raw CUstream handle (0: the legacy default stream). Asynchronous:
-    nothing is allocated and nothing waits for the GPU.
+    ``q_tiles``: query tiles per CTA, 1 or 2; None picks by seqlen_k
+    (TWO_TILES_MAX_SEQLEN_K). ``stream`` is a raw CUstream handle (0: the legacy default
+    stream). Asynchronous: nothing is allocated and nothing waits for the GPU.
     """
     arrays = {name: as_device_array(x) for name, x in
               (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))}
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     library = library or default_library()
     device = device_of(arrays)
-    row = library.manifest.find(kind="fwd", arch=library.arch(device), dtype=problem.dtype,
-                                head_dim=problem.head_dim, causal=bool(causal))
+    axes = dict(kind="fwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=bool(causal))
+    if q_tiles is None:
+        two = problem.sizes["seqlen_k"] <= TWO_TILES_MAX_SEQLEN_K
+        q_tiles = 2 if two and Variant(**axes, q_tiles=2).name in library.manifest.rows else 1
+    row = library.manifest.find(**axes, q_tiles=int(q_tiles))
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")

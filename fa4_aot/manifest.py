@@ -13,9 +13,9 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
-from .variants import NOT_BUILT_REASONS, Variant
+from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 2
+SCHEMA = 3  # 3: the q_tiles axis (forward query tiles per CTA)
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
@@ -87,7 +87,7 @@ class Manifest:
         return self.row(variant)
 
     def _not_built_message(self, v: Variant) -> str:
-        reasons = [why for key, why in NOT_BUILT_REASONS.items() if _matches(v, key)]
+        reasons = [why for key, why in NOT_BUILT_REASONS.items() if matches(v, key)]
         same_kind = [x for x in self.variants if x.kind == v.kind and x.arch == v.arch] or self.variants
         same_kind.sort(key=lambda x: (x.dtype != v.dtype, abs(x.head_dim - v.head_dim), x.causal != v.causal))
         nearest = ", ".join(x.name for x in same_kind[:4]) or "none"
@@ -110,5 +110,3 @@ class Manifest:
         return data
 
 
-def _matches(v: Variant, key: str) -> bool:
-    return all(str(getattr(v, axis)) == value for axis, value in (p.split("=") for p in key.split(",")))

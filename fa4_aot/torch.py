@@ -36,7 +36,7 @@ def _stream(t: torch.Tensor) -> int:
 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   lse: torch.Tensor | None = None, q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward."""
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -44,7 +44,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
-    forward(*arrays, causal=causal, softmax_scale=softmax_scale, stream=_stream(q))
+    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q))
     return out, lse
 
 

@@ -29,10 +29,12 @@ AXES = {
     "varlen": {"declared": (False, True), "built": (False,)},
     "cta_mode": {"declared": (1, 2), "built": (1,)},
     "deterministic": {"declared": (False, True), "built": (False, True)},
+    "q_tiles": {"declared": (1, 2), "built": (1, 2)},
 }
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
+    "bwd": {"q_tiles": (1,)},
 }
 
 NOT_BUILT_REASONS = {
@@ -41,6 +43,9 @@ NOT_BUILT_REASONS = {
     "varlen=True": "variable-length (cu_seqlens) kernels are not written yet",
     "cta_mode=2": "2-CTA mode is a backward feature; no backward yet",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
+    "kind=bwd,q_tiles=2": "query tiles per CTA is a forward axis",
+    "kind=fwd,head_dim=192,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 192",
+    "kind=fwd,head_dim=256,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 256",
 }
 
 
@@ -89,6 +94,7 @@ class Variant:
     varlen: bool = False
     cta_mode: int = 1
     deterministic: bool = False
+    q_tiles: int = 1  # forward: query tiles per CTA, Q double-buffered when 2 (``.q2``)
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -107,6 +113,8 @@ class Variant:
             parts.append(f"cta{self.cta_mode}")
         if self.deterministic:
             parts.append("det")
+        if self.q_tiles != 1:
+            parts.append(f"q{self.q_tiles}")
         return ".".join(parts)
 
     @property
@@ -166,8 +174,16 @@ def _build_matrix() -> tuple[Variant, ...]:
                 for head_dim in built_values(kind, "head_dim"):
                     for causal in built_values(kind, "causal"):
                         for det in built_values(kind, "deterministic"):
-                            out.append(Variant(kind, arch, dtype, head_dim, causal, deterministic=det))
+                            for q_tiles in built_values(kind, "q_tiles"):
+                                v = Variant(kind, arch, dtype, head_dim, causal, deterministic=det, q_tiles=q_tiles)
+                                if not any(matches(v, key) for key in NOT_BUILT_REASONS):
+                                    out.append(v)
     return tuple(sorted(out))
+
+
+def matches(v: "Variant", key: str) -> bool:
+    """Whether ``v`` has every axis value of a NOT_BUILT_REASONS key such as "kind=fwd,head_dim=192"."""
+    return all(str(getattr(v, axis)) == value for axis, value in (p.split("=") for p in key.split(",")))
 
 
 MATRIX: tuple[Variant, ...] = _build_matrix()

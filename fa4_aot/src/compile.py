@@ -131,12 +131,12 @@ def compile_fwd(variant: Variant) -> dict:
     """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
     dtype = DTYPES[variant.dtype]
     t = variant.tiling
-    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages)
+    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages, variant.q_tiles)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:
         raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
-    grid = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
+    grid = [["ceil_div", "seqlen_q", t.tile_m * variant.q_tiles], ["size", "heads_q"], ["size", "batch"]]
     launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [kernel.threads, 1, 1], grid, kernel.smem_bytes)
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": [launch],
             "tensormaps": _recipes(kernel, variant)}

@@ -1,6 +1,9 @@
 """FlashAttention forward for Hopper (sm_90a), warp-specialized, TMA + wgmma.
 
-One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgroups:
+One CTA computes one (tile_m query rows, head, batch) output tile, or with ``q_tiles`` 2
+two of them (query tiles m and M-1-m: equal causal work), with the second tile's Q loaded
+while the first is computed and the first's O store running under the second; the API
+takes two for short key sequences (fa4_aot.api.TWO_TILES_MAX_SEQLEN_K). Warpgroups:
 - warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into
   `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
   masking) to the first, K one tile ahead of V.
@@ -14,8 +17,8 @@ One CTA computes one (tile_m query rows, head, batch) output tile. Three warpgro
   threads.
 Registers are moved from the producer to the consumers with setmaxnreg.
 
-Causal masking is bottom-right aligned; fully masked key tiles are never loaded, and
-query tiles are issued in reverse order so the longest (last) ones start first.
+Causal masking is bottom-right aligned; fully masked key tiles are never loaded; with one
+query tile per CTA the tiles are issued in reverse order so the longest (last) start first.
 
 Constraints: head_dim in {64, 96, 128, 192, 256}; bf16 or fp16; seqlen_q, seqlen_k >= 1;
 heads_q a multiple of heads_kv. Build with ``build_kernels.py``; the kernel reads no
@@ -46,7 +49,8 @@ ORDER_BARRIER = 5  # .. 5 + consumers - 1: see sm90_common.wait_after
 class FlashFwdSm90:
     """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int):
+    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int,
+                 q_tiles: int = 1):
         assert tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         assert head_dim % 32 == 0 and tile_n % 16 == 0
         self.dtype = dtype
@@ -55,6 +59,11 @@ class FlashFwdSm90:
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
+        # q_tiles 2: a CTA computes two query tiles, the heaviest and the lightest causal
+        # ones (m and M-1-m; equal work), with Q double-buffered: the second Q lands during
+        # the first tile and the first tile's O store overlaps the second tile.
+        assert q_tiles in (1, 2)
+        self.q_tiles = q_tiles
         self.num_consumers = tile_m // 64
         self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumers]
         self.threads = WARPGROUP * (1 + self.num_consumers)
@@ -69,10 +78,10 @@ class FlashFwdSm90:
 
         @cute.struct
         class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: buf(sq)  # also the O staging buffer
+            sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer
             sK: buf(sk)
             sV: buf(sv)
 
@@ -89,23 +98,25 @@ class FlashFwdSm90:
         scale_log2: Float32,  # softmax_scale * log2(e)
     ):
         q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
-        sq = smem_layout(self.dtype, self.tile_m, self.head_dim)
+        sq = smem_layout(self.dtype, self.tile_m, self.head_dim, self.q_tiles)
+        sq_one = cute.select(sq, mode=[0, 1])
         skv = smem_layout(self.dtype, self.tile_n, self.head_dim, self.stages)
         skv_one = cute.select(skv, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq, (self.tile_m, self.head_dim))
+        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq_one, (self.tile_m, self.head_dim))
         tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.tile_n, self.head_dim))
         tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.tile_n, self.head_dim))
-        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq, (self.tile_m, self.head_dim))
+        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.tile_m, self.head_dim))
         self.tma_boxes = {  # name -> (atom type, smem swizzle), read by the build for the manifest
             name: (str(atom.type), str(layout.inner))
-            for name, atom, layout in (("q", tma_q, sq), ("k", tma_k, skv_one), ("v", tma_v, skv_one), ("o", tma_o, sq))
+            for name, atom, layout in (("q", tma_q, sq_one), ("k", tma_k, skv_one), ("v", tma_v, skv_one),
+                                       ("o", tma_o, sq_one))
         }
-        self.q_bytes = cute.size_in_bytes(self.dtype, sq)
+        self.q_bytes = cute.size_in_bytes(self.dtype, sq_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
+        grid = (cute.ceil_div(q.shape[0], self.tile_m * self.q_tiles), q.shape[2], q.shape[3])
         self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
             grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
         )
@@ -133,7 +144,7 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_q = tma_pipeline(storage.mbar_q, 1, self.num_consumers, self.q_bytes)
+        pipe_q = tma_pipeline(storage.mbar_q, self.q_tiles, self.num_consumers, self.q_bytes)
         pipe_k, pipe_v = [tma_pipeline(bar, self.stages, self.num_consumers, self.kv_bytes)
                           for bar in (storage.mbar_k, storage.mbar_v)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
@@ -143,17 +154,17 @@ class FlashFwdSm90:
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
 
         bidx, head, batch = cute.arch.block_idx()
-        m_block = cute.arch.grid_dim()[0] - 1 - bidx  # longest causal tiles first
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
+        if const_expr(self.q_tiles == 1):
+            m_blocks = (cute.arch.grid_dim()[0] - 1 - bidx,)  # longest causal tiles first
+        else:
+            # the middle tile of an odd count is computed twice (same values, same writes)
+            m_blocks = (cute.ceil_div(seqlen_q, self.tile_m) - 1 - bidx, bidx)
         heads_q, batches = gQ.shape[2], gQ.shape[3]
         head_kv = head // (heads_q // gK.shape[2])
         mLSE = cute.make_tensor(
             lse_ptr, cute.make_layout((seqlen_q, heads_q, batches), stride=(1, seqlen_q, seqlen_q * heads_q))
         )
-        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        if const_expr(self.causal):
-            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
-            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -163,28 +174,33 @@ class FlashFwdSm90:
             if warp == 0:
                 self.load(
                     tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
-                    tma_v, gV[None, None, head_kv, batch], sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                    tma_v, gV[None, None, head_kv, batch], sV, pipe_q, pipe_k, pipe_v, m_blocks, seqlen_q, seqlen_k,
                 )
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self.attend(
-                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block, n_blocks,
+                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_blocks,
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
                 mLSE[None, head, batch],
             )
 
+    def _key_tiles(self, m_block, seqlen_q, seqlen_k):
+        """Key tiles query tile ``m_block`` attends to (causal: up to its last row's diagonal)."""
+        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        if const_expr(self.causal):
+            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+        return n_blocks
+
     @cute.jit
     def load(
         self, tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
-        m_block: Int32, n_blocks: Int32,
+        m_blocks, seqlen_q: Int32, seqlen_k: Int32,
     ):
-        """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch)."""
+        """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch); m_blocks:
+        this CTA's query tiles, in order. The first tile's first K, then every Q, then K/V."""
         whole = cute.make_layout(1)
-        tile_q = cute.local_tile(gQ, (self.tile_m, self.head_dim), (m_block, 0))
-        tQs, tQg = cpasync.tma_partition(
-            tma_q, 0, whole, cute.group_modes(sQ, 0, 2), cute.group_modes(tile_q, 0, 2)
-        )
         tiles_k = cute.local_tile(gK, (self.tile_n, self.head_dim), (None, 0))
         tiles_v = cute.local_tile(gV, (self.tile_n, self.head_dim), (None, 0))
         tKs, tKg = cpasync.tma_partition(
@@ -198,23 +214,37 @@ class FlashFwdSm90:
         load_v = lambda n, st: cute.copy(  # noqa: E731
             tma_v, tVg[None, n], tVs[None, st.index], tma_bar_ptr=pipe_v.producer_get_barrier(st))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        if n_blocks > 0:
+        n_first = self._key_tiles(m_blocks[0], seqlen_q, seqlen_k)
+        if n_first > 0:
             pipe_k.producer_acquire(kv_state)
-            load_k(n_blocks - 1, kv_state)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-        if n_blocks > 0:
-            # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                v_state = kv_state.clone()
-                kv_state.advance()
-                pipe_k.producer_acquire(kv_state)
-                load_k(n_blocks - 2 - i, kv_state)
-                pipe_v.producer_acquire(v_state)
-                load_v(n_blocks - 1 - i, v_state)
-            pipe_v.producer_acquire(kv_state)
-            load_v(0, kv_state)
+            load_k(n_first - 1, kv_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
+        for t in cutlass.range_constexpr(self.q_tiles):
+            tile_q = cute.local_tile(gQ, (self.tile_m, self.head_dim), (m_blocks[t], 0))
+            tQs, tQg = cpasync.tma_partition(
+                tma_q, 0, whole, cute.group_modes(sQ[None, None, t], 0, 2), cute.group_modes(tile_q, 0, 2)
+            )
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+        for t in cutlass.range_constexpr(self.q_tiles):
+            n_blocks = self._key_tiles(m_blocks[t], seqlen_q, seqlen_k)
+            if n_blocks > 0:
+                if const_expr(t > 0):
+                    pipe_k.producer_acquire(kv_state)
+                    load_k(n_blocks - 1, kv_state)
+                # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
+                for i in cutlass.range(n_blocks - 1, unroll=1):
+                    v_state = kv_state.clone()
+                    kv_state.advance()
+                    pipe_k.producer_acquire(kv_state)
+                    load_k(n_blocks - 2 - i, kv_state)
+                    pipe_v.producer_acquire(v_state)
+                    load_v(n_blocks - 1 - i, v_state)
+                pipe_v.producer_acquire(kv_state)
+                load_v(0, kv_state)
+                if const_expr(t + 1 < self.q_tiles):
+                    kv_state.advance()
 
     @cute.jit
     def _tiled_mmas(self):
@@ -224,97 +254,106 @@ class FlashFwdSm90:
 
     @cute.jit
     def attend(
-        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_block: Int32, n_blocks: Int32,
+        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_blocks,
         seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
     ):
-        """tidx: 0..255 over the consumer warpgroups; gO: (s_q, d); mLSE: (s_q,)."""
+        """tidx: 0..255 over the consumer warpgroups; m_blocks: this CTA's query tiles, in
+        order; gO: (s_q, d); mLSE: (s_q,)."""
         mma_qk, mma_pv = self._tiled_mmas()
         wg_first_thread = (tidx // WARPGROUP) * WARPGROUP
         wg_qk = mma_qk.get_slice(wg_first_thread)
         wg_pv = mma_pv.get_slice(wg_first_thread)
         thr_qk = mma_qk.get_slice(tidx)
         thr_pv = mma_pv.get_slice(tidx)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ))
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
-        acc_o.fill(0.0)
         s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-
-        rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, rows)
-        softmax.reset()
-        row_scale = cute.make_rmem_tensor((rows,), Float32)
         mask = TileMask(self.tile_m, self.tile_n, self.causal)
-        # Key tiles at or past this index need a mask (padding or the causal diagonal).
-        first_masked = seqlen_k // self.tile_n
-        if const_expr(self.causal):
-            first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
-            first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
-
-        # Bound methods: the DSL would treat a method call on a local object inside a
-        # run-time loop as a write of that object and try to carry it through the loop.
-        apply_mask, softmax_step = mask.apply, softmax.step
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        if wg == 0:  # the first consumer issues first
+        if wg == 0:  # the first consumer issues first (for every tile: its last arrive
+            # on this barrier carries over, one per tile)
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
-        if n_blocks > 0:
-            # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(kv_state)
-            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
-            pipe_k.consumer_release(kv_state)
-            apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
-            softmax_step(acc_s, row_scale)
-            self._to_operand(acc_s, tOrP)
-            # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
-            # loops, so the unmasked one carries neither mask code nor a branch on it.
-            # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-            masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
-            for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
-                steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
-                for i in cutlass.range(steps, unroll=1):
-                    # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
-                    # are in flight together; softmax of S(j+1) runs while P(j) V(j)
-                    # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
-                    # the other does softmax, handing over through the scheduler barriers.
-                    n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
-                    v_state = kv_state.clone()
-                    kv_state.advance()
-                    acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                    pipe_k.consumer_wait(kv_state)
-                    cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-                    wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
-                    pipe_v.consumer_wait(v_state)
-                    wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
-                    cute.arch.barrier_arrive(
-                        barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
-                        number_of_threads=2 * WARPGROUP,
-                    )
-                    warpgroup.wait_group(1)
-                    pipe_k.consumer_release(kv_state)
-                    if const_expr(phase == 0):
-                        apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
-                    softmax_step(acc_s, row_scale)
-                    # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
-                    wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
-                    pipe_v.consumer_release(v_state)
-                    # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
-                    self._to_operand(acc_s, tOrP, acc_o, row_scale)
-            pipe_v.consumer_wait(kv_state)
-            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
-            pipe_v.consumer_release(kv_state)
+        for t in cutlass.range_constexpr(self.q_tiles):
+            m_block = m_blocks[t]
+            n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k)
+            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ[None, None, t]))
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            acc_o.fill(0.0)
+            rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
+            softmax = OnlineSoftmax(scale_log2, rows)
+            softmax.reset()
+            row_scale = cute.make_rmem_tensor((rows,), Float32)
+            # Key tiles at or past this index need a mask (padding or the causal diagonal).
+            first_masked = seqlen_k // self.tile_n
+            if const_expr(self.causal):
+                first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
+                first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
 
-        inv_sum = cute.make_rmem_tensor((rows,), Float32)
-        lse = cute.make_rmem_tensor((rows,), Float32)
-        softmax.finalize(inv_sum, lse)
-        scale_rows(acc_o, inv_sum)
-        self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ, tma_o, gO, mLSE, m_block, seqlen_q)
+            # Bound methods: the DSL would treat a method call on a local object inside a
+            # run-time loop as a write of that object and try to carry it through the loop.
+            apply_mask, softmax_step = mask.apply, softmax.step
+            pipe_q.consumer_wait(q_state)
+            q_state.advance()
+            if n_blocks > 0:
+                # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(kv_state)
+                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
+                pipe_k.consumer_release(kv_state)
+                apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
+                softmax_step(acc_s, row_scale)
+                self._to_operand(acc_s, tOrP)
+                # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
+                # loops, so the unmasked one carries neither mask code nor a branch on it.
+                # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
+                masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
+                for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
+                    steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
+                    for i in cutlass.range(steps, unroll=1):
+                        # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
+                        # are in flight together; softmax of S(j+1) runs while P(j) V(j)
+                        # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
+                        # the other does softmax, handing over through the scheduler barriers.
+                        n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
+                        v_state = kv_state.clone()
+                        kv_state.advance()
+                        acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                        pipe_k.consumer_wait(kv_state)
+                        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+                        wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                        pipe_v.consumer_wait(v_state)
+                        wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
+                        cute.arch.barrier_arrive(
+                            barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                            number_of_threads=2 * WARPGROUP,
+                        )
+                        warpgroup.wait_group(1)
+                        pipe_k.consumer_release(kv_state)
+                        if const_expr(phase == 0):
+                            apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
+                        softmax_step(acc_s, row_scale)
+                        # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
+                        wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
+                        pipe_v.consumer_release(v_state)
+                        # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
+                        self._to_operand(acc_s, tOrP, acc_o, row_scale)
+                pipe_v.consumer_wait(kv_state)
+                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
+                pipe_v.consumer_release(kv_state)
+                if const_expr(t + 1 < self.q_tiles):
+                    kv_state.advance()  # the next tile's first K
+
+            inv_sum = cute.make_rmem_tensor((rows,), Float32)
+            lse = cute.make_rmem_tensor((rows,), Float32)
+            softmax.finalize(inv_sum, lse)
+            scale_rows(acc_o, inv_sum)
+            # O over this tile's spent Q; only the last store is waited for (CTA exit)
+            self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ[None, None, t], tma_o, gO, mLSE, m_block, seqlen_q,
+                          t == self.q_tiles - 1)
 
     @cute.jit
     def _to_operand(self, acc_s, tOrP, acc_o=None, row_scale=None):
@@ -338,11 +377,12 @@ class FlashFwdSm90:
             rescale_rows(acc_o, row_scale)
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q):
+    def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q,
+                 wait_read: cutlass.Constexpr[bool]):
         """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows."""
         tile_o = cute.local_tile(gO, (self.tile_m, self.head_dim), (m_block, 0))
         stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
-                        self.num_consumers * WARPGROUP)
+                        self.num_consumers * WARPGROUP, wait_read)
         coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):

@@ -135,12 +135,13 @@ def wait_after(values, barrier_id, threads: int):
 
 
 @cute.jit
-def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int):
+def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int,
+                    wait_read: cutlass.Constexpr[bool] = True):
     """acc (fp32 fragment of ``tiled``) -> dtype in ``smem`` -> one TMA store to ``gmem_tile``.
 
     Every one of ``threads`` threads calls this; warp 0 issues the store (the TMA copy elects
-    one lane itself, so a whole warp must reach it) and waits until shared memory has been
-    read, so the buffer may be reused after a later barrier.
+    one lane itself, so a whole warp must reach it) and, if ``wait_read``, waits until shared
+    memory has been read, so the buffer may be reused after a later barrier.
     """
     staged = cute.make_rmem_tensor_like(acc, dtype)
     staged.store(acc.load().to(dtype))
@@ -157,4 +158,5 @@ def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_
         )
         cute.copy(tma_atom, s_part, g_part)
         cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(wait_read):
+            cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -42,7 +42,8 @@ def test_manifest_records_toolchain_and_driver_floor(built):
     assert m["toolchain"]["dsl"].startswith("nvidia-cutlass-dsl 4.8.1")
     assert m["toolchain"]["ptxas"].startswith("13.")
     assert m["driver_floor"]["cuda_version"] >= 13000
-    assert set(m["axes"]) == {"kind", "arch", "dtype", "head_dim", "causal", "varlen", "cta_mode", "deterministic"}
+    assert set(m["axes"]) == {"kind", "arch", "dtype", "head_dim", "causal", "varlen", "cta_mode", "deterministic",
+                              "q_tiles"}
 
 
 @pytest.mark.parametrize("name", SUBSET)

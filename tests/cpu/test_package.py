@@ -1,5 +1,6 @@
 """Import promises, the variant matrix, the parameter-plan parser and the CLI."""
 
+import itertools
 import subprocess
 import sys
 
@@ -8,7 +9,7 @@ from click.testing import CliRunner
 
 from fa4_aot import abi
 from fa4_aot.cli import main
-from fa4_aot.variants import AXES, MATRIX, Variant, built_values, select
+from fa4_aot.variants import AXES, MATRIX, NOT_BUILT_REASONS, Variant, built_values, matches, select
 
 from ..conftest import SUBSET
 
@@ -24,14 +25,16 @@ def test_matrix_is_the_product_of_the_built_axes():
     assert len(MATRIX) == len(set(MATRIX)) == len({v.name for v in MATRIX})
     for axis, spec in AXES.items():
         assert {getattr(v, axis) for v in MATRIX} == set(spec["built"]), axis
+    axes = ("arch", "dtype", "head_dim", "causal", "deterministic", "q_tiles")
     for kind in AXES["kind"]["built"]:
         mine = [v for v in MATRIX if v.kind == kind]
-        expected = 1
-        for axis in ("arch", "dtype", "head_dim", "causal", "deterministic"):
-            values = built_values(kind, axis)
-            assert {getattr(v, axis) for v in mine} == set(values), (kind, axis)
-            expected *= len(values)
-        assert len(mine) == expected
+        for axis in axes:
+            assert {getattr(v, axis) for v in mine} == set(built_values(kind, axis)), (kind, axis)
+        product = [Variant(kind=kind, **dict(zip(axes, values)))
+                   for values in itertools.product(*(built_values(kind, a) for a in axes))]
+        # every combination of built values, less the ones a NOT_BUILT_REASONS entry names
+        expected = [v for v in product if not any(matches(v, key) for key in NOT_BUILT_REASONS)]
+        assert sorted(mine) == sorted(expected)
 
 
 def test_names_round_trip_and_read_well():
@@ -39,7 +42,10 @@ def test_names_round_trip_and_read_well():
     assert v.name == "fwd.sm90a.bf16.d128.causal" and Variant.from_name(v.name) == v
     assert Variant.from_dict(v.to_dict()) == v
     assert v.gpu_arch == "sm_90a" and v.compute_capability == (9, 0)
-    assert [x.name for x in select(("fwd.*.fp16.d64*",))] == ["fwd.sm90a.fp16.d64", "fwd.sm90a.fp16.d64.causal"]
+    assert [x.name for x in select(("fwd.*.fp16.d64",))] == ["fwd.sm90a.fp16.d64"]
+    assert [x.name for x in select(("fwd.*.fp16.d64*",))] == [
+        "fwd.sm90a.fp16.d64", "fwd.sm90a.fp16.d64.q2", "fwd.sm90a.fp16.d64.causal", "fwd.sm90a.fp16.d64.causal.q2"]
+    assert Variant.from_name("fwd.sm90a.bf16.d128.causal.q2").q_tiles == 2
     with pytest.raises(ValueError, match="head_dim=80"):
         Variant("fwd", "sm90a", "bf16", 80, False)
 

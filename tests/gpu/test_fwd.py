@@ -28,7 +28,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (2, 128, 1000, 2, 2),  # seqlen_q < seqlen_k: causal diagonal far right
     (2, 1000, 128, 2, 2),  # seqlen_q > seqlen_k: causal rows that see no key
     (1, 17, 3000, 3, 1),  # short q over a long k, MQA with 3 heads
-    (3, 257, 513, 4, 4),  # one past the tile in q and k
+    (3, 257, 513, 4, 4),  # one past the tile in q and k; 3 query tiles: a two-tile CTA does the middle twice
 ]
 
 
@@ -66,7 +66,7 @@ def test_forward_matches_reference(variant, shape):
     gen = torch.Generator(device="cuda").manual_seed(hash((variant.name, shape)) % 2**31)
     q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
     out, lse = _poisoned(q)
-    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse, q_tiles=variant.q_tiles)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, variant.causal)
 
@@ -78,7 +78,7 @@ def test_forward_strided_packed_qkv(variant):
     qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
     q, k, v = qkv.unbind(dim=2)
     out, lse = _poisoned(q)
-    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse, q_tiles=variant.q_tiles)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, variant.causal)
 
@@ -98,7 +98,7 @@ def test_forward_rescaling_paths(variant):
     row_norm = 0.2 + 2.8 * torch.rand(b, sq, h, 1, device="cuda", generator=gen)
     q = (q.float() * row_norm).to(dtype)
     out, lse = _poisoned(q)
-    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse, q_tiles=variant.q_tiles)
     torch.cuda.synchronize()
     _check(out, lse, q, k, v, variant.causal)
 
