@@ -9,7 +9,6 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ShapeError
 from .loader import KernelLibrary
-from .variants import Variant
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -66,7 +65,7 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
                 causal=bool(causal))
     if q_tiles is None:
         two = problem.sizes["seqlen_k"] <= TWO_TILES_MAX_SEQLEN_K
-        q_tiles = 2 if two and Variant(**axes, q_tiles=2).name in library.manifest.rows else 1
+        q_tiles = 2 if two and library.manifest.built(**axes, q_tiles=2) else 1
     row = library.manifest.find(**axes, q_tiles=int(q_tiles))
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):

@@ -72,6 +72,13 @@ class Manifest:
             raise UnsupportedVariantError(self._not_built_message(variant))
         return row
 
+    def built(self, **axes) -> bool:
+        """Whether the variant with these axes is in this build (False for undeclared values)."""
+        try:
+            return Variant(**axes).name in self.rows
+        except ValueError:
+            return False
+
     def find(self, **axes) -> dict:
         """The row for a variant given by its axes; a typed error names the nearest built ones."""
         try:

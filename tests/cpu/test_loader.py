@@ -60,6 +60,9 @@ def test_variant_not_built_lists_the_nearest(built):
         m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=80, causal=False)
     with pytest.raises(UnsupportedVariantError, match="no Blackwell kernel"):
         m.find(kind="fwd", arch="sm100a", dtype="bf16", head_dim=64, causal=False)
+    assert m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True, q_tiles=2)
+    assert not m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True)
+    assert not m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=80, causal=True)  # undeclared
 
 
 def test_no_gpu_gives_a_clear_error_not_a_crash(built, monkeypatch):
