@@ -41,7 +41,8 @@ NOT_BUILT_REASONS = {
     "arch=sm100a": "no Blackwell kernel is written yet; the sm90a kernels use wgmma, "
     "which sm_100a does not have",
     "varlen=True": "variable-length (cu_seqlens) kernels are not written yet",
-    "cta_mode=2": "2-CTA mode is a backward feature; no backward yet",
+    "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
+    "on sm90a; not built (docs/perf-notes.md, session 5)",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
     "kind=bwd,q_tiles=2": "query tiles per CTA is a forward axis",
     "kind=fwd,head_dim=192,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 192",
