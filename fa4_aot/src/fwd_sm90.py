@@ -274,8 +274,9 @@ class FlashFwdSm90:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        if wg == 0:  # the first consumer issues first (for every tile: its last arrive
-            # on this barrier carries over, one per tile)
+        if wg == 0:
+            # The first consumer issues first. Once, not per tile: every tile leaves the last
+            # consumer's final arrive on this barrier pending, which starts the next tile alike.
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
         for t in cutlass.range_constexpr(self.q_tiles):
             m_block = m_blocks[t]
