@@ -42,6 +42,16 @@ def _tma_tensor(t: DeviceArray) -> dict:
 TWO_TILES_MAX_SEQLEN_K = 4096
 
 
+def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
+    """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal): with
+    ``q_tiles`` query tiles per CTA, or when None two up to TWO_TILES_MAX_SEQLEN_K keys
+    where they are built, else one."""
+    if q_tiles is None:
+        two = seqlen_k <= TWO_TILES_MAX_SEQLEN_K and manifest.built(**axes, q_tiles=2)
+        q_tiles = 2 if two else 1
+    return manifest.find(**axes, q_tiles=int(q_tiles))
+
+
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
@@ -63,10 +73,7 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
     device = device_of(arrays)
     axes = dict(kind="fwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=bool(causal))
-    if q_tiles is None:
-        two = problem.sizes["seqlen_k"] <= TWO_TILES_MAX_SEQLEN_K
-        q_tiles = 2 if two and library.manifest.built(**axes, q_tiles=2) else 1
-    row = library.manifest.find(**axes, q_tiles=int(q_tiles))
+    row = forward_row(library.manifest, axes, problem.sizes["seqlen_k"], q_tiles)
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from fa4_aot import loader, tma
+from fa4_aot.api import TWO_TILES_MAX_SEQLEN_K, forward_row
 from fa4_aot.errors import (ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             UnsupportedVariantError)
 from fa4_aot.loader import KernelLibrary, grid_of, pack_params
@@ -63,6 +64,16 @@ def test_variant_not_built_lists_the_nearest(built):
     assert m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True, q_tiles=2)
     assert not m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True)
     assert not m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=80, causal=True)  # undeclared
+
+
+def test_forward_takes_two_query_tiles_for_short_keys_where_built(built):
+    m = Manifest(built[0])
+    d128 = dict(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True)
+    assert forward_row(m, d128, TWO_TILES_MAX_SEQLEN_K)["name"] == "fwd.sm90a.bf16.d128.causal.q2"
+    with pytest.raises(UnsupportedVariantError, match="d128.causal is not built"):  # one tile: not in SUBSET
+        forward_row(m, d128, TWO_TILES_MAX_SEQLEN_K + 1)
+    d256 = dict(kind="fwd", arch="sm90a", dtype="bf16", head_dim=256, causal=True)
+    assert forward_row(m, d256, 1000)["name"] == "fwd.sm90a.bf16.d256.causal"  # no two-tile variant there
 
 
 def test_no_gpu_gives_a_clear_error_not_a_crash(built, monkeypatch):
