@@ -595,8 +595,7 @@ class FlashBwdSm90:
             warpgroup.wait_group(2)  # dV done: the producer may load the next dO
             pipe_do.consumer_release(state)
             warpgroup.wait_group(1)  # dQ chunk 0 done; dK in flight
-            if step > 0:  # wide: one stage, buffer wg
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            buffer = self._claim_dq(wg, step)  # wide: one stage, buffer wg
             cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
             if const_expr(chunks == 2):  # 256: one more chunk, issued behind dK
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
@@ -608,19 +607,28 @@ class FlashBwdSm90:
             else:
                 warpgroup.wait_group(0)  # dK done: the producer may load the next Q
                 pipe_q.consumer_release(state)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + wg, number_of_threads=WARPGROUP + 32)
+            self._hand_dq(buffer)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
     @cute.jit
     def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
-        """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer,
-        once the writer's reduce from dq_stages steps ago has read it."""
+        """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer."""
+        buffer = self._claim_dq(wg, step)
+        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+        self._hand_dq(buffer)
+
+    @cute.jit
+    def _claim_dq(self, wg, step):
+        """This step's staging buffer of warpgroup ``wg``, once the writer's reduce from
+        dq_stages steps ago has read it."""
         buffer = self._dq_buffer(wg, step)
         if step >= self.dq_stages:
             cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+        return buffer
+
+    def _hand_dq(self, buffer):
+        """The staged buffer (written by this warpgroup) to the writer warp."""
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
 
