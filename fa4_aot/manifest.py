@@ -41,6 +41,9 @@ class Manifest:
             raise ManifestError(f"{path} is not valid JSON ({e}); rebuild or reinstall") from e
         self._validate(path)
         self.rows = {row["name"]: row for row in self.data["kernels"]}
+        # find() and built() by their sorted axes: launches ask the same few questions again
+        self._found: dict[tuple, dict] = {}
+        self._built: dict[tuple, bool] = {}
 
     def _validate(self, path: Path) -> None:
         missing = [k for k in TOP_FIELDS if k not in self.data]
@@ -74,13 +77,23 @@ class Manifest:
 
     def built(self, **axes) -> bool:
         """Whether the variant with these axes is in this build (False for undeclared values)."""
-        try:
-            return Variant(**axes).name in self.rows
-        except ValueError:
-            return False
+        key = tuple(sorted(axes.items()))
+        if key not in self._built:
+            try:
+                self._built[key] = Variant(**axes).name in self.rows
+            except ValueError:
+                self._built[key] = False
+        return self._built[key]
 
     def find(self, **axes) -> dict:
         """The row for a variant given by its axes; a typed error names the nearest built ones."""
+        key = tuple(sorted(axes.items()))
+        row = self._found.get(key)
+        if row is None:
+            row = self._found[key] = self._find(axes)
+        return row
+
+    def _find(self, axes: dict) -> dict:
         try:
             variant = Variant(**axes)
         except ValueError as e:
