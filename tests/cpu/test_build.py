@@ -22,6 +22,10 @@ def rows(folder):
     return json.loads((folder / "manifest.json").read_text())["kernels"]
 
 
+def row_of(folder, name) -> dict:
+    return next(r for r in rows(folder) if r["name"] == name)
+
+
 def test_build_writes_one_row_per_requested_variant(built):
     folder, proc = built
     assert [r["name"] for r in rows(folder)] == sorted(SUBSET, key=Variant.from_name)
@@ -49,7 +53,7 @@ def test_manifest_records_toolchain_and_driver_floor(built):
 @pytest.mark.parametrize("name", SUBSET)
 def test_parameter_plan_matches_ptx_and_cubin(built, name):
     folder, _ = built
-    row = next(r for r in rows(folder) if r["name"] == name)
+    row = row_of(folder, name)
     ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
     for launch in row["launches"]:
         abi.check_against_ptx(launch["params"], ptx, launch["symbol"])
@@ -62,7 +66,7 @@ def test_parameter_plan_matches_ptx_and_cubin(built, name):
 @pytest.mark.parametrize("name", SUBSET)
 def test_launch_contract_is_complete(built, name):
     folder, _ = built
-    row = next(r for r in rows(folder) if r["name"] == name)
+    row = row_of(folder, name)
     v = Variant.from_dict(row["variant"])
     assert v.name == name and row["arch"] == "sm_90a" and row["compute_capability"] == [9, 0]
     main = max(row["launches"], key=lambda launch: launch["block"][0])
@@ -127,7 +131,7 @@ def _sass(built, name) -> str:
     if tool is None:
         pytest.skip("nvdisasm not installed (pip install nvidia-cuda-nvdisasm)")
     folder, _ = built
-    row = next(r for r in rows(folder) if r["name"] == name)
+    row = row_of(folder, name)
     return subprocess.run([tool, "-c", str(folder / row["file"])], capture_output=True, text=True, check=True).stdout
 
 
@@ -145,7 +149,7 @@ FORWARD = [n for n in SUBSET if n.startswith("fwd.")]
 @pytest.mark.parametrize("name", FORWARD)
 def test_forward_has_no_spills(built, name):
     folder, _ = built
-    row = next(r for r in rows(folder) if r["name"] == name)
+    row = row_of(folder, name)
     assert [launch["local_bytes"] for launch in row["launches"]] == [0], "the forward must not spill"
 
 
