@@ -69,6 +69,7 @@ def bwd_main_plan() -> list[dict]:
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
     slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore")]
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
+    slots.append(_slot("turn_tiles", "i32", fields=["turn_tiles"]))
     return with_offsets(slots)
 
 

@@ -114,6 +114,13 @@ def _carve(workspace: DeviceArray, problem) -> dict:
     return out
 
 
+def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
+    """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
+    faster than 1 (causal up to head_dim 128, and 16k keys and more), else 1. Speed only:
+    the bits of the results are the same either way (docs/perf-notes.md, session 6)."""
+    return 2 if (causal and head_dim <= 128) or seqlen_k >= 16384 else 1
+
+
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
              softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
              library: KernelLibrary | None = None) -> None:
@@ -144,7 +151,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
         ("o", "out"), ("dq", "dq"))}
     tensors["lse"] = arrays["lse"].as_launch_tensor()
     tensors.update(regions)
-    values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E}
+    turn_tiles = deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
+    values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles}
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride

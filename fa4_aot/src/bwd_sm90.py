@@ -162,6 +162,7 @@ class FlashBwdSm90:
         mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m)) int32 workspace
         scale: Float32,  # softmax_scale
         scale_log2: Float32,  # softmax_scale * log2(e)
+        turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         rows_grid = (cute.ceil_div(s_q, ROWS_PER_BLOCK), h_q, b)
@@ -201,7 +202,7 @@ class FlashBwdSm90:
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, scale, scale_log2,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, scale, scale_log2, turn_tiles,
             s_q_tile, s_kv, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
@@ -318,6 +319,7 @@ class FlashBwdSm90:
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
         scale: Float32,
         scale_log2: Float32,
+        turn_tiles: Int32,
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
         sds_layout: cute.ComposedLayout,
@@ -372,7 +374,7 @@ class FlashBwdSm90:
                           lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q)
             if warp == DQ_WRITER_WARP:
                 self.dq_writer(tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
-                               m_first, span, steps, seqlen_q, seqlen_k, heads_q)
+                               m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -728,34 +730,45 @@ class FlashBwdSm90:
     # ------------------------------------------------------------------ dQ writer warp
     @cute.jit
     def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
-                  m_first, span, steps, seqlen_q, seqlen_k, heads_q):
+                  m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles):
         """Add each staged dQ tile into the fp32 accumulator by TMA reduce-add, off the
         consumers' critical path: they only wait for the buffer to be read.
 
-        Deterministic: the key tiles touching query tile m add in a fixed order, one turn
-        per CTA, counted by a per-(batch, head, m) semaphore. Non-causal: ascending key
-        tile. Causal: shortest processing time first: the CTAs are launched highest key
-        tile first, and tile m takes the diagonal key tile first, then downward, so a CTA's
-        first reduce (on its diagonal) never waits and a CTA only ever waits for CTAs
-        launched before it.
+        Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
+        tiles add into it in a fixed order, one turn per CTA per run, counted by a
+        per-(batch, head, run) semaphore. Non-causal: ascending key tile. Causal: shortest
+        processing time first: the CTAs are launched highest key tile first, and a run's
+        turns go from the highest key tile touching it downward, so a CTA only ever waits
+        for CTAs launched before it. A turn is held over the run's reduces and ends once
+        they are complete, so its latency (the reduces' completion, the release, the next
+        CTA's poll) is paid once per run; holding it longer delays the CTAs behind. Each
+        query tile's order of key tiles is the same for every ``turn_tiles``, and so are
+        the results' bits.
         """
         lane = tidx % 32
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        run_tiles = turn_tiles if const_expr(self.deterministic) else 1
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = m_first + step % span
-            sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + m_block
+            run = m_block // run_tiles
+            sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + run
+            # this CTA's last tile of the run: the run's last, or the head's
+            run_ends = m_block % run_tiles == run_tiles - 1 or m_block == m_blocks - 1
             if const_expr(self.deterministic):
-                turn = n_block
-                if const_expr(self.causal):
-                    last_key = cutlass.max((m_block + 1) * self.tile_m + seqlen_k - seqlen_q, 0)
-                    turn = cutlass.min(cute.ceil_div(last_key, self.tile_n), n_blocks) - 1 - n_block
-                if lane == 0:
-                    # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
-                    while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
-                        pass
-                cute.arch.sync_warp()
+                if m_block % run_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
+                    turn = n_block
+                    if const_expr(self.causal):
+                        # every key tile touching the run touches its last query tile
+                        run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
+                        last_key = cutlass.max((run_last + 1) * self.tile_m + seqlen_k - seqlen_q, 0)
+                        turn = cutlass.min(cute.ceil_div(last_key, self.tile_n), n_blocks) - 1 - n_block
+                    if lane == 0:
+                        # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
+                        while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
+                            pass
+                    cute.arch.sync_warp()
             # The turn is taken before the staged tile is waited for: waiting for the tile
             # first put the turn's poll on every step's critical path (measured slower).
             for w in cutlass.range_constexpr(self.dq_buffers):
@@ -768,11 +781,14 @@ class FlashBwdSm90:
                 cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
             if const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.fence_acq_rel_gpu()
-                    cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+                if run_ends:
+                    cute.arch.cp_async_bulk_wait_group(0, read=False)
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
             else:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             if step + self.dq_stages < steps:  # waited for only by a later step's staging
