@@ -59,6 +59,8 @@ DQ_EMPTY_BARRIER = 8  # .. 11: the writer's reduce has read buffer b
 READY_BARRIER = 12  # .. 15, 2 w + step parity (staggered): warpgroup w's dS of that step is in
 # shared memory and its dQ GEMM of the step before is done
 DQ_WRITER_WARP = 1  # of the producer warpgroup
+# Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
+ROTATION_TILES = 2
 # pre/postprocess: THREADS_PER_ROW threads share a query row, each taking every
 # THREADS_PER_ROW-th 16-byte chunk, so a warp's access covers 64 contiguous bytes of each
 # of 8 rows; a block covers one 64-row query tile (its padding included).
@@ -116,6 +118,10 @@ class FlashBwdSm90:
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
+        # Rotated query loops (not causal, not deterministic: see kernel). Deterministic
+        # turns must only wait for CTAs launched earlier (lower key tiles), which a
+        # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
+        self.rotate = not causal and not deterministic
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -361,6 +367,12 @@ class FlashBwdSm90:
             # query q sees key j iff j <= q + seqlen_k - seqlen_q
             m_first = cutlass.max(n_block * self.tile_n - (seqlen_k - seqlen_q), 0) // self.tile_m
         span = cutlass.max(m_blocks - m_first, 0)
+        if const_expr(self.rotate):
+            # Not causal, every CTA of a head visits every query tile: each starts at its own
+            # tile (spread over the head in steps of ROTATION_TILES) and wraps around, so
+            # the CTAs of a head reduce into different dQ tiles at any moment (see _m_block).
+            runs = cute.ceil_div(m_blocks, ROTATION_TILES)
+            m_first = (n_block * runs // cute.ceil_div(seqlen_k, self.tile_n)) * ROTATION_TILES
         steps = group * span
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
@@ -409,7 +421,7 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
-            m_block = m_first + step % span
+            m_block = self._m_block(step, m_first, span, m_blocks)
             stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
             # dO first: the consumers release it before Q.
             for atom, g_all, s_all, pipe, stats_ptr, s_stats in (
@@ -434,6 +446,7 @@ class FlashBwdSm90:
         memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
         stage it for the writer warp while dK runs."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
         mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)  # (queries, dq_cols), k = keys
@@ -470,7 +483,7 @@ class FlashBwdSm90:
             for i in cutlass.range(count, unroll=1):
                 step = i + phase
                 head_q = head_kv * group + step // span
-                m_block = m_first + step % span
+                m_block = self._m_block(step, m_first, span, m_blocks)
                 ds_stage = step % self.ds_stages
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -540,6 +553,7 @@ class FlashBwdSm90:
         S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dV, dQ chunk 0, dK (async) ->
         stage dQ chunk 0 -> (256: dQ chunk 1 -> stage) -> hand the half to the writer warp."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        m_blocks = cute.ceil_div(seqlen_q, tm)
         half, chunk = d // 2, self.dq_chunk
         chunks = half // chunk
         mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tm // 2)  # (keys, queries), k = d
@@ -570,7 +584,7 @@ class FlashBwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
-            m_block = m_first + step % span
+            m_block = self._m_block(step, m_first, span, m_blocks)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
             self._issue_scores(mma_sdp, acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
@@ -612,6 +626,16 @@ class FlashBwdSm90:
             self._hand_dq(buffer)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+
+    @cute.jit
+    def _m_block(self, step, m_first, span, m_blocks):
+        """The query tile of ``step``: m_first, m_first + 1, ... over the span, wrapping
+        past the last tile when not causal (m_first is then the CTA's rotation start)."""
+        m_block = m_first + step % span
+        if const_expr(self.rotate):
+            if m_block >= m_blocks:
+                m_block = m_block - m_blocks
+        return m_block
 
     @cute.jit
     def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
@@ -751,7 +775,7 @@ class FlashBwdSm90:
         run_tiles = turn_tiles if const_expr(self.deterministic) else 1
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
-            m_block = m_first + step % span
+            m_block = self._m_block(step, m_first, span, m_blocks)
             run = m_block // run_tiles
             sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + run
             # this CTA's last tile of the run: the run's last, or the head's

@@ -73,13 +73,13 @@ def test_backward_matches_reference(variant, shape):
 @pytest.mark.parametrize("variant", [v for v in BWD if v.deterministic and v.dtype == "bf16"], ids=lambda v: v.name)
 def test_deterministic_backward_is_bitwise_repeatable(variant, monkeypatch):
     """20 runs bitwise identical, whatever the number of query tiles per ordered turn
-    (1, 2, 3 in turn: the API picks 1 or 2 by problem; 3 leaves a partial run at the end)."""
+    (1 and 2 in turn, as the API picks by problem; 21 query tiles leave a partial run)."""
     import fa4_aot.api
 
-    q, k, v, dout, out, lse = _case((2, 1500, 1500, 4, 2), variant.head_dim, torch.bfloat16, variant.causal)
+    q, k, v, dout, out, lse = _case((2, 1300, 1300, 4, 2), variant.head_dim, torch.bfloat16, variant.causal)
     runs = []
     for i in range(20):
-        monkeypatch.setattr(fa4_aot.api, "deterministic_turn_tiles", lambda *_, turns=1 + i % 3: turns)
+        monkeypatch.setattr(fa4_aot.api, "deterministic_turn_tiles", lambda *_, turns=1 + i % 2: turns)
         runs.append(flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True))
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
