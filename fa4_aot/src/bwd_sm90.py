@@ -6,7 +6,9 @@
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
    Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
    on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
-   GEMM is done) for every query head of the KV head's group;
+   GEMM is done) for every query head of the KV head's group (causal: from the tile at
+   the CTA's diagonal up; not causal and not deterministic: from a tile of its own,
+   wrapping, so a head's CTAs do not reduce into the same dQ tile at once);
    two consumer warpgroups compute
        S^T = K Q^T, dP^T = V dO^T          (SS-wgmma, keys x queries)
        P^T = exp2(S^T * scale*log2(e) - LSE2),  dS^T = P^T (dP^T - D)
@@ -14,7 +16,7 @@
        dQ_tile = dS K                      (dS through shared memory)
    and stage dQ_tile in shared memory for warp 1, the dQ writer, which adds it into the
    fp32 accumulator by TMA reduce-add: in any order by default or, when deterministic, in
-   a fixed key-tile order per query tile, serialized by a per-(query tile, head)
+   a fixed key-tile order per query tile, serialized by a per-(run of query tiles, head)
    semaphore (shortest-processing-time order for causal; see ``dq_writer``).
    Per head dim:
    - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
