@@ -72,6 +72,36 @@ ROW_BLOCK_THREADS = THREADS_PER_ROW * ROWS_PER_BLOCK
 LOG2E = 1.4426950408889634
 
 
+# ---- the deterministic dQ order, as integer functions: Int32 values in the kernel, Python
+# ints in the CPU tests that check it (tests/cpu/test_order.py).
+def key_tile_of_launch(x, n_blocks, causal: bool, deterministic: bool):
+    """The key tile of the CTA launched x-th (block x) among the n_blocks of its head:
+    causal deterministic ones highest key tile first (the fewest query tiles first)."""
+    return n_blocks - 1 - x if causal and deterministic else x
+
+
+def first_query_tile(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    """The first query tile key tile n_block touches (query q sees key j iff
+    j <= q + seqlen_k - seqlen_q when causal)."""
+    if causal:
+        return cutlass.max(n_block * tile_n - (seqlen_k - seqlen_q), 0) // tile_m
+    return 0
+
+
+def dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m: int, tile_n: int,
+            causal: bool):
+    """Key tile n_block's place in the order of the dQ reduces into query tiles
+    [run * run_tiles, (run + 1) * run_tiles). Not causal: ascending key tile. Causal:
+    from the highest key tile touching the run (every one that touches it touches its
+    last query tile) downward. Either way each CTA waits only for CTAs launched before it
+    (key_tile_of_launch), so the order cannot deadlock however few CTAs are resident."""
+    if causal:
+        run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
+        last_key = cutlass.max((run_last + 1) * tile_m + seqlen_k - seqlen_q, 0)
+        return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1 - n_block
+    return n_block
+
+
 class FlashBwdSm90:
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
@@ -357,17 +387,13 @@ class FlashBwdSm90:
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
-        n_block, head_kv, batch = cute.arch.block_idx()
-        if const_expr(self.causal and self.deterministic):
-            n_block = cute.arch.grid_dim()[0] - 1 - n_block  # shortest first: see dq_writer
+        launch, head_kv, batch = cute.arch.block_idx()
+        n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]
         group = heads_q // gK.shape[2]
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        m_first = Int32(0)
-        if const_expr(self.causal):
-            # query q sees key j iff j <= q + seqlen_k - seqlen_q
-            m_first = cutlass.max(n_block * self.tile_n - (seqlen_k - seqlen_q), 0) // self.tile_m
+        m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal))
         span = cutlass.max(m_blocks - m_first, 0)
         if const_expr(self.rotate):
             # Not causal, every CTA of a head visits every query tile: each starts at its own
@@ -784,12 +810,8 @@ class FlashBwdSm90:
             run_ends = m_block % run_tiles == run_tiles - 1 or m_block == m_blocks - 1
             if const_expr(self.deterministic):
                 if m_block % run_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
-                    turn = n_block
-                    if const_expr(self.causal):
-                        # every key tile touching the run touches its last query tile
-                        run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
-                        last_key = cutlass.max((run_last + 1) * self.tile_m + seqlen_k - seqlen_q, 0)
-                        turn = cutlass.min(cute.ceil_div(last_key, self.tile_n), n_blocks) - 1 - n_block
+                    turn = dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
+                                   self.tile_m, self.tile_n, self.causal)
                     if lane == 0:
                         # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
                         while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:

@@ -1,0 +1,62 @@
+"""The deterministic backward's dQ order, checked on the integer functions the kernel runs.
+
+Every CTA of a head adds its dQ tiles in turns counted by a semaphore per run of query
+tiles. The order is safe only if, for every run, the turns of the CTAs touching it are
+0, 1, ..., k-1 (no turn is skipped or taken twice) and each CTA waits only for CTAs
+launched before it: then however few CTAs are resident, the earliest-launched waiting
+CTA always has its predecessor done or running. A rotation of the query loops broke the
+second rule once and hung a benchmark while every GPU test passed (docs/perf-notes.md,
+session 6); these checks run on every shape class without a GPU.
+"""
+
+import pytest
+
+bwd = pytest.importorskip("fa4_aot.src.bwd_sm90", reason="the CuTe DSL is needed to import the kernel source")
+
+SHAPES = [  # (seqlen_q, seqlen_k)
+    (1, 1), (17, 17), (1000, 1000), (128, 700), (700, 128), (257, 513), (4096, 4096), (1300, 1300), (64, 8192),
+]
+TILES = [(64, 128), (64, 64)]  # (tile_m, tile_n): head_dim up to 128, and 192/256
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("run_tiles", [1, 2])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"q{s[0]}_k{s[1]}")
+def test_turns_are_a_permutation_that_only_waits_for_earlier_launches(shape, tiles, run_tiles, causal):
+    seqlen_q, seqlen_k = shape
+    tile_m, tile_n = tiles
+    m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
+    by_run = {}  # run -> [(turn, launch index)]
+    for launch in range(n_blocks):
+        n_block = bwd.key_tile_of_launch(launch, n_blocks, causal, True)
+        first = bwd.first_query_tile(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal)
+        tiles_seen = range(first, m_blocks)
+        for m in tiles_seen:
+            assert not causal or n_block * tile_n <= m * tile_m + tile_m - 1 + seqlen_k - seqlen_q, \
+                "a key tile is given a query tile none of whose rows sees it"
+        for run in sorted({m // run_tiles for m in tiles_seen}):
+            turn = bwd.dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n,
+                               causal)
+            by_run.setdefault(run, []).append((turn, launch))
+    for run, entries in by_run.items():
+        turns = sorted(t for t, _ in entries)
+        assert turns == list(range(len(entries))), f"run {run}: turns {turns}"
+        launches = [x for _, x in sorted(entries)]
+        assert launches == sorted(launches), f"run {run}: a turn waits for a later launch ({launches})"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_causal_key_tiles_skip_no_visible_query_tile(causal):
+    """A key tile's first query tile is the first one with a row that sees one of its keys."""
+    tile_m, tile_n = 64, 128
+    for seqlen_q, seqlen_k in SHAPES:
+        for n_block in range(ceil_div(seqlen_k, tile_n)):
+            first = bwd.first_query_tile(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal)
+            if first > 0:
+                last_row_before = first * tile_m - 1
+                assert last_row_before + seqlen_k - seqlen_q < n_block * tile_n, (seqlen_q, seqlen_k, n_block)
