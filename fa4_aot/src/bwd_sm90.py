@@ -1,8 +1,7 @@
 """FlashAttention backward for Hopper (sm_90a): three kernels launched in order.
 
-1. ``preprocess`` (four threads per query row): D = rowsum(dO * O) in fp32, LSE moved to the
-   exp2 domain (+inf for a row that saw no key, so its P is 0), the fp32 dQ accumulator
-   and the dQ semaphores cleared.
+1. ``preprocess`` (``bwd_rows_sm90``): D = rowsum(dO * O) in fp32, LSE moved to the exp2
+   domain, the fp32 dQ accumulator and the dQ semaphores cleared.
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
    Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
    on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
@@ -31,7 +30,7 @@
      through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
      Q/dO double-buffered at 192, single at 256 (about 210 KB of shared memory each).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
-3. ``postprocess`` (four threads per query row): dQ = accumulator * scale, in the input dtype.
+3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
 
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
 every query head's contribution in registers, in a fixed order.
@@ -41,9 +40,10 @@ Constraints: head_dim in {64, 96, 128, 192, 256}; see fwd_sm90 for the rest.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
     WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline,
@@ -63,13 +63,6 @@ READY_BARRIER = 12  # .. 15, 2 w + step parity (staggered): warpgroup w's dS of 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
 ROTATION_TILES = 2
-# pre/postprocess: THREADS_PER_ROW threads share a query row, each taking every
-# THREADS_PER_ROW-th 16-byte chunk, so a warp's access covers 64 contiguous bytes of each
-# of 8 rows; a block covers one 64-row query tile (its padding included).
-THREADS_PER_ROW = 4
-ROWS_PER_BLOCK = 64
-ROW_BLOCK_THREADS = THREADS_PER_ROW * ROWS_PER_BLOCK
-LOG2E = 1.4426950408889634
 
 
 # ---- the deterministic dQ order, as integer functions: Int32 values in the kernel, Python
@@ -154,6 +147,7 @@ class FlashBwdSm90:
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
         self.rotate = not causal and not deterministic
+        self.rows = BwdRowsSm90(dtype, head_dim, tile_m)  # pre/postprocess
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -204,7 +198,7 @@ class FlashBwdSm90:
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         rows_grid = (cute.ceil_div(s_q, ROWS_PER_BLOCK), h_q, b)
-        self.preprocess(
+        self.rows.preprocess(
             mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
             mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q,
@@ -244,102 +238,9 @@ class FlashBwdSm90:
             s_q_tile, s_kv, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
-        self.postprocess(
+        self.rows.postprocess(
             mdQacc.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
-
-    # ------------------------------------------------------------------ preprocess
-    def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):
-        """``elems`` elements at ``base + offset`` (elements), 16-byte aligned by contract."""
-        address = base.toint() + offset * (dtype.width // 8)
-        ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=16)
-        return cute.make_tensor(ptr, cute.make_layout(elems))
-
-    @cute.kernel
-    def preprocess(
-        self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
-        do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
-        lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
-    ):
-        """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
-        64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, batch = cute.arch.block_idx()
-        row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
-        part = tidx % THREADS_PER_ROW
-        d = self.head_dim
-        vec = 8  # elements of O, dO per 16-byte chunk
-        total = Float32(0.0)
-        if row < seqlen_q:
-            o_row = Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh
-            do_row = Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh
-            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * vec
-                o = cute.make_rmem_tensor((vec,), self.dtype)
-                do = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(self._chunk(o_ptr, o_row + col, self.dtype, vec), o)
-                cute.autovec_copy(self._chunk(do_ptr, do_row + col, self.dtype, vec), do)
-                total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-            zeros = cute.make_rmem_tensor((4,), Float32)
-            zeros.fill(0.0)
-            acc_row = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
-            for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * 4
-                cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
-        for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
-            total += cute.arch.shuffle_sync_bfly(total, offset=offset)
-        if part == 0:
-            if row < seqlen_q:
-                at = (batch * heads_q + head) * seqlen_q + row
-                lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))
-                value = lse[at]
-                lse2_value = value * LOG2E
-                if value == -Float32.inf:
-                    lse2_value = Float32.inf
-                self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, batch, head, row, seqlen_q, heads_q)
-                if row % self.tile_m == 0:
-                    m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-                    sem_at = (batch * heads_q + head) * m_blocks + row // self.tile_m
-                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + 1))
-                    sem[sem_at] = Int32(0)
-            else:
-                # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
-                self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), batch, head, row, seqlen_q, heads_q)
-
-    @cute.jit
-    def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, batch, head, row, seqlen_q, heads_q):
-        """LSE2 and D rows are (b, h_q, padded s_q): whole query tiles, for the bulk copies."""
-        padded = cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m
-        at = (batch * heads_q + head) * padded + row
-        lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
-        dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
-        lse2[at] = lse2_value
-        dsum[at] = dsum_value
-
-    # ------------------------------------------------------------------ postprocess
-    @cute.kernel
-    def postprocess(
-        self, dqacc_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64, dq_sh: Int64,
-        seqlen_q: Int32, heads_q: Int32, scale: Float32,
-    ):
-        """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row."""
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, batch = cute.arch.block_idx()
-        row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
-        part = tidx % THREADS_PER_ROW
-        vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
-        if row < seqlen_q:
-            d = self.head_dim
-            acc_row = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
-            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
-            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * vec
-                acc = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(self._chunk(dqacc_ptr, acc_row + col, Float32, vec), acc)
-                dq = cute.make_rmem_tensor((vec,), self.dtype)
-                dq.store((acc.load() * scale).to(self.dtype))
-                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel

@@ -20,7 +20,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
-from . import bwd_sm90
+from . import bwd_rows_sm90
 from .bwd_sm90 import FlashBwdSm90
 from .fwd_sm90 import FlashFwdSm90
 
@@ -153,13 +153,13 @@ def compile_bwd(variant: Variant) -> dict:
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
             Float32(1.0), Float32(1.0), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
-    rows = [["ceil_div", "seqlen_q", bwd_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
+    rows = [["ceil_div", "seqlen_q", bwd_rows_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
     plans = {
-        "preprocess": (abi.bwd_preprocess_plan(), [bwd_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
+        "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
         "kernel": (abi.bwd_main_plan(), [kernel.threads, 1, 1],
                    [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
                    kernel.smem_bytes),
-        "postprocess": (abi.bwd_postprocess_plan(), [bwd_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
+        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
     }
     order = ["preprocess", "kernel", "postprocess"]
     if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
