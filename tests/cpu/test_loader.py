@@ -152,3 +152,45 @@ def test_wrong_architecture_is_refused_before_loading(built, monkeypatch):
         lib.arch(0)
     _fake_device(monkeypatch, cc=(9, 0))
     assert lib.arch(0) == "sm90a"
+
+
+def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkeypatch):
+    """fa4_aot.backward up to the driver call: every run-time value and tensor the three
+    kernels' parameter plans name is provided (a missing one would only fail on a GPU), and
+    the deterministic turn rule reaches the main kernel."""
+    import fa4_aot.api as api
+
+    from fa4_aot.arrays import DeviceArray
+
+    from .test_inputs import BASE, bshd
+
+    captured = {}
+
+    class FakeLibrary:
+        manifest = Manifest(built[0])
+
+        def arch(self, device):
+            return "sm90a"
+
+        def launch(self, row, device, stream, values, tensors):
+            captured.update(row=row, values=values, tensors=tensors)
+
+    monkeypatch.setattr(api, "device_of", lambda arrays: 0)
+    b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
+    q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
+    k, v, dk, dv = (bshd(b, sk, hkv, d) for _ in range(4))
+    lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
+    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d),), (1,), "u8")
+    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
+                 library=FakeLibrary())
+    values, tensors = captured["values"], captured["tensors"]
+    assert captured["row"]["name"] == "bwd.sm90a.bf16.d128.causal.det"
+    for launch in captured["row"]["launches"]:
+        for slot in launch["params"]:
+            if slot["kind"] in ("i32", "i64"):
+                assert set(slot["fields"]) <= set(values), (launch["symbol"], slot)
+            elif slot["kind"] == "f32":
+                assert slot["value"] in values, (launch["symbol"], slot)
+            else:
+                assert slot["tensor"] in tensors, (launch["symbol"], slot)
+    assert values["turn_tiles"] == api.deterministic_turn_tiles(True, d, sk) == 2
