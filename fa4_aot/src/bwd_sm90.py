@@ -701,17 +701,16 @@ class FlashBwdSm90:
         lane = tidx % 32
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        run_tiles = turn_tiles if const_expr(self.deterministic) else 1
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
-            run = m_block // run_tiles
-            sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + run
-            # this CTA's last tile of the run: the run's last, or the head's
-            run_ends = m_block % run_tiles == run_tiles - 1 or m_block == m_blocks - 1
             if const_expr(self.deterministic):
-                if m_block % run_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
-                    turn = dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
+                run = m_block // turn_tiles
+                sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + run
+                # this CTA's last tile of the run: the run's last, or the head's
+                run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
+                if m_block % turn_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
+                    turn = dq_turn(n_block, run, turn_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
                                    self.tile_m, self.tile_n, self.causal)
                     if lane == 0:
                         # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
