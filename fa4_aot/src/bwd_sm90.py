@@ -19,7 +19,7 @@
    semaphore (shortest-processing-time order for causal; see ``dq_writer``).
    Per head dim:
    - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
-     the A operands of dV and dK. dQ is split along head_dim: warpgroup w computes
+     the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
      (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96).
      Non-deterministic, the dQ staging is double-buffered, and at 64 and 96 the
@@ -133,6 +133,11 @@ class FlashBwdSm90:
         # there the single buffer's back-pressure keeps each CTA's reduces close behind its
         # GEMMs, which the other CTAs' turns wait for (measured faster, docs/perf-notes.md).
         self.dq_stages = 1 if self.wide or deterministic else 2
+        # head_dim 64: K and V read once into registers as the A operands of S^T and dP^T
+        # (32 registers), so those GEMMs read only Q and dO from shared memory, whose
+        # bandwidth bounds the backward (ncu: its pipe 76% busy, 1796 wavefronts a step for
+        # 1280 tensor cycles; this takes 252 off). Wider heads have no registers to spare.
+        self.kv_in_registers = head_dim == 64
         # Staggered warpgroups (64, 96): a warpgroup issues the dQ GEMM of a query tile at
         # the start of the next tile, once the other warpgroup has put its half of that
         # tile's dS in shared memory, instead of both meeting at a barrier every tile; so
@@ -384,7 +389,16 @@ class FlashBwdSm90:
         wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
         wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
-        score_operands = self._score_operands(wg_sdp, sK, sQ, sV, sdO)
+        score_operands = self._score_operands(mma_sdp, wg_sdp, sK, sQ, sV, sdO)
+        if const_expr(self.kv_in_registers):
+            mma_rs = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm, a_in_registers=True)
+            wg_rs = mma_rs.get_slice(wg_first)
+            load_a = cute.make_tiled_copy_A(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype),
+                mma_rs)
+            thr_load_a = load_a.get_slice(tidx)
+            tSrK_r = wg_rs.make_fragment_A(wg_rs.partition_shape_A((tn, d)))
+            tPrV_r = wg_rs.make_fragment_A(wg_rs.partition_shape_A((tn, d)))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
@@ -400,6 +414,11 @@ class FlashBwdSm90:
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
+        if const_expr(self.kv_in_registers):
+            cute.copy(load_a, thr_load_a.partition_S(sK), thr_load_a.retile(tSrK_r))
+            cute.copy(load_a, thr_load_a.partition_S(sV), thr_load_a.retile(tPrV_r))
+            _, _, tSrQ, _, tPrdO = score_operands
+            score_operands = (mma_rs, tSrK_r, tSrQ, tPrV_r, tPrdO)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         other = 1 - wg
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
@@ -416,7 +435,7 @@ class FlashBwdSm90:
                 ds_stage = step % self.ds_stages
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-                self._issue_scores(mma_sdp, acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
+                self._issue_scores(acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
                                    s_coords, sLSE2, sDsum, lse2_col, dsum_col)
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
                 if const_expr(late_dq):
@@ -492,7 +511,7 @@ class FlashBwdSm90:
         wg_sdp, wg_dkv = (m.get_slice(wg * WARPGROUP) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
         wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
-        score_operands = self._score_operands(wg_sdp, sK, sQ, sV, sdO)
+        score_operands = self._score_operands(mma_sdp, wg_sdp, sK, sQ, sV, sdO)
         tVrPt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sP)))
         tKrdSt = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
@@ -516,7 +535,7 @@ class FlashBwdSm90:
             m_block = self._m_block(step, m_first, span, m_blocks)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            self._issue_scores(mma_sdp, acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
+            self._issue_scores(acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
                                s_coords, sLSE2, sDsum, lse2_col, dsum_col)
             warpgroup.wait_group(1)
             self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
@@ -618,22 +637,23 @@ class FlashBwdSm90:
                 ds_copy, ds_copy.get_slice(tidx), cute.make_rmem_tensor((ncols,), Float32),
                 cute.make_rmem_tensor((ncols,), Float32))
 
-    def _score_operands(self, wg_sdp, sK, sQ, sV, sdO):
-        """This warpgroup's wgmma operands of S^T = K Q^T and dP^T = V dO^T (Q, dO staged)."""
-        return (wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
+    def _score_operands(self, mma_sdp, wg_sdp, sK, sQ, sV, sdO):
+        """The wgmma of S^T = K Q^T and dP^T = V dO^T and this warpgroup's operands of both,
+        all in shared memory (Q, dO staged)."""
+        return (mma_sdp, wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ)),
                 wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO)))
 
     @cute.jit
-    def _issue_scores(self, mma_sdp, acc_s, acc_dp, operands, pipe_q, pipe_do, state,
+    def _issue_scores(self, acc_s, acc_dp, operands, pipe_q, pipe_do, state,
                       s_coords, sLSE2, sDsum, lse2_col, dsum_col):
         """S^T and dP^T of one query tile issued as they land (two wgmma groups), and the
         LSE2 and D values of this thread's query columns read from shared memory while
-        they run. ``operands``: from _score_operands."""
-        tSrK, tSrQ, tPrV, tPrdO = operands
+        they run. ``operands``: from _score_operands (or K and V in registers)."""
+        mma, tSrK, tSrQ, tPrV, tPrdO = operands
         pipe_q.consumer_wait(state)
-        wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+        wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
         pipe_do.consumer_wait(state)
-        wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+        wgmma(mma, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
