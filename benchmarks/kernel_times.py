@@ -10,6 +10,7 @@ pre/postprocess must move, as an effective bandwidth.
 
 import argparse
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -52,7 +53,13 @@ def main():
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--kernels", type=Path, help="time the cubins of this build folder (default: the package's)")
     args = p.parse_args()
+    if args.kernels:
+        import fa4_aot.api
+        from fa4_aot.loader import KernelLibrary
+
+        fa4_aot.api._default_library = KernelLibrary(args.kernels)
     d = args.head_dim
     for s in args.seqlen:
         b, h = 16384 // s, 2048 // d
