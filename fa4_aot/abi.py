@@ -63,8 +63,9 @@ def bwd_main_plan() -> list[dict]:
     q_sizes = ["seqlen_q", "heads_q", "batch"]
     kv_sizes = ["seqlen_k", "heads_kv", "batch"]
     slots = []
+    # the dQ accumulator's batch axis holds every copy (variants.dq_chains)
     for tensor, sizes in (("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes),
-                          ("dk", kv_sizes), ("dv", kv_sizes), ("dq_accum", q_sizes)):
+                          ("dk", kv_sizes), ("dv", kv_sizes), ("dq_accum", ["seqlen_q", "heads_q", "dq_batch"])):
         slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
     slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore")]

@@ -7,8 +7,9 @@ import threading
 
 from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
-from .errors import LayoutError, ShapeError
+from .errors import LayoutError, ManifestError, ShapeError
 from .loader import KernelLibrary
+from .variants import dq_chains
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -82,27 +83,31 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
     library.launch(row, device, int(stream), {**problem.sizes, "scale_log2": scale * LOG2E}, tensors)
 
 
-def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int) -> int:
-    """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem."""
-    return sum(size for _, size in _workspace_regions(batch, seqlen_q, heads_q, head_dim))
+def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
+                             deterministic: bool = False) -> int:
+    """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem
+    (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
+    backward keeps more than one copy of its fp32 dQ accumulator)."""
+    chains = dq_chains(bool(causal), bool(deterministic))
+    return sum(size for _, size in _workspace_regions(batch, seqlen_q, heads_q, head_dim, chains))
 
 
-def _workspace_regions(b: int, sq: int, hq: int, d: int, tile_m: int = 64):
+def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m: int = 64):
     # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
     # 64 values into shared memory with one 256-byte bulk copy, 16-byte aligned.
     m_blocks = -(-sq // tile_m)
     rows = b * hq * m_blocks * tile_m * 4
-    return [("lse2", rows), ("dsum", rows), ("dq_accum", b * sq * hq * d * 4),
-            ("dq_semaphore", b * hq * m_blocks * 4)]
+    return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * sq * hq * d * 4),
+            ("dq_semaphore", chains * b * hq * m_blocks * 4)]
 
 
-def _carve(workspace: DeviceArray, problem) -> dict:
-    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim)
+def _carve(workspace: DeviceArray, problem, chains: int = 1) -> dict:
+    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, chains)
     need = sum(size for _, size in regions)
     have = math.prod(workspace.shape) * workspace.itemsize
     if have < need:
         raise ShapeError(f"workspace has {have} bytes; this problem needs {need} "
-                         "(fa4_aot.backward_workspace_bytes)")
+                         "(fa4_aot.backward_workspace_bytes, with the same causal and deterministic)")
     if workspace.ptr % 256:
         raise LayoutError(f"workspace pointer {workspace.ptr:#x} is not 256-byte aligned")
     out, at = {}, workspace.ptr
@@ -110,15 +115,16 @@ def _carve(workspace: DeviceArray, problem) -> dict:
         out[name] = {"ptr": at, "shape": None, "strides": None, "itemsize": 4}
         at += -(-size // 256) * 256
     b, sq, hq, d = problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim
-    out["dq_accum"].update(shape=(b, sq, hq, d), strides=(sq * hq * d, hq * d, d, 1))  # TMA reduce target
+    # TMA reduce target: copy c of batch i is batch i * chains + c
+    out["dq_accum"].update(shape=(b * chains, sq, hq, d), strides=(sq * hq * d, hq * d, d, 1))
     return out
 
 
 def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
-    faster than 1 (causal up to head_dim 128, and 16k keys and more), else 1. Speed only:
-    the bits of the results are the same either way (docs/perf-notes.md, session 6)."""
-    return 2 if (causal and head_dim <= 128) or seqlen_k >= 16384 else 1
+    faster than 1 (up to head_dim 128, and 16k keys and more), else 1. Speed only: the
+    bits of the results are the same either way (docs/perf-notes.md, sessions 6 and 7)."""
+    return 2 if head_dim <= 128 or seqlen_k >= 16384 else 1
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
@@ -128,8 +134,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
 
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
     dout, dq: shaped like q; dk, dv: shaped like k; same dtype and layout rules as forward.
-    workspace: contiguous device memory of ``backward_workspace_bytes(...)`` bytes, 256-byte
-    aligned; the kernels clear what they use. ``deterministic``: dq is summed in a fixed
+    workspace: contiguous device memory of ``backward_workspace_bytes(..., causal=causal,
+    deterministic=deterministic)`` bytes, 256-byte aligned; the kernels clear what they use. ``deterministic``: dq is summed in a fixed
     order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and dv
     of a shared KV head sum every query head of its group. Asynchronous, allocation-free.
     """
@@ -137,12 +143,16 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
         ("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
         ("dq", dq), ("dk", dk), ("dv", dv), ("workspace", workspace))}
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
-    regions = _carve(arrays["workspace"], problem)
+    chains = dq_chains(bool(causal), bool(deterministic))
+    regions = _carve(arrays["workspace"], problem, chains)
     library = library or default_library()
     device = device_of(arrays)
     row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
                                 head_dim=problem.head_dim, causal=bool(causal),
                                 deterministic=bool(deterministic))
+    if row.get("dq_chains", 1) != chains:
+        raise ManifestError(f"{row['name']} was built with {row.get('dq_chains', 1)} dQ accumulator copies; this "
+                            f"fa4_aot sizes the workspace for {chains}: rebuild the kernels with this version")
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
@@ -152,7 +162,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     tensors["lse"] = arrays["lse"].as_launch_tensor()
     tensors.update(regions)
     turn_tiles = deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
-    values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles}
+    values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
+              "dq_batch": problem.batch * chains}
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride

@@ -55,7 +55,8 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
-    workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d), dtype=torch.uint8, device=q.device)
+    workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
+                            dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
              stream=_stream(q))

@@ -85,6 +85,22 @@ BWD_SM90_TILING = {
 }
 
 
+# Deterministic backward, not causal: the key tiles of a head add their dQ into DET_DQ_CHAINS
+# copies of the fp32 accumulator, key tile n into copy n % DET_DQ_CHAINS and, within a copy,
+# in ascending n; the postprocess sums the copies in copy order. A head's CTAs walk the
+# query tiles in lockstep and every tile's turns pass from CTA to CTA; two chains halve
+# the CTAs each turn passes through, which pays with two-tile turns (turn_tiles 2): +21-25%
+# at head_dim 64 1k-4k, +3-5% at 128 (docs/perf-notes.md, session 7), for one more
+# accumulator copy to clear and read. Four chains measured slower. Causal keeps one chain
+# (its order already starts each CTA at its first turn).
+DET_DQ_CHAINS = 2
+
+
+def dq_chains(causal: bool, deterministic: bool) -> int:
+    """Copies of the backward's fp32 dQ accumulator (and of its semaphores)."""
+    return DET_DQ_CHAINS if deterministic and not causal else 1
+
+
 @dataclass(frozen=True, order=True)
 class Variant:
     kind: str

@@ -3,8 +3,10 @@
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
   that saw no key, so its P is 0), the fp32 dQ accumulator rows and the dQ semaphores
-  cleared; the padding rows of the last tile get LSE2 = +inf and D = 0.
-- ``postprocess``: dQ = accumulator * scale in the input dtype.
+  cleared (every copy: see variants.dq_chains); the padding rows of the last tile get
+  LSE2 = +inf and D = 0.
+- ``postprocess``: dQ = (sum of the accumulator copies, in copy order) * scale in the
+  input dtype.
 
 Rows are read and written 16 bytes per access, THREADS_PER_ROW threads per row.
 """
@@ -23,13 +25,16 @@ LOG2E = 1.4426950408889634
 
 
 class BwdRowsSm90:
-    """Compile-time knobs of the row kernels: the input dtype, head_dim and the main
-    kernel's query tile (the unit of the statistics' padding and of the semaphores)."""
+    """Compile-time knobs of the row kernels: the input dtype, head_dim, the main
+    kernel's query tile (the unit of the statistics' padding and of the semaphores) and
+    the copies of the dQ accumulator: (batch * chains + copy, s_q, h_q, d), and as many
+    semaphores per query tile."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int):
+    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1):
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
+        self.chains = chains
 
     # ------------------------------------------------------------------ preprocess
     def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):
@@ -66,10 +71,11 @@ class BwdRowsSm90:
                 total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             zeros = cute.make_rmem_tensor((4,), Float32)
             zeros.fill(0.0)
-            acc_row = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
-            for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * 4
-                cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
+            for copy in cutlass.range_constexpr(self.chains):
+                acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
+                for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
+                    col = (part + i * THREADS_PER_ROW) * 4
+                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
@@ -83,12 +89,17 @@ class BwdRowsSm90:
                 self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, batch, head, row, seqlen_q, heads_q)
                 if row % self.tile_m == 0:
                     m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-                    sem_at = (batch * heads_q + head) * m_blocks + row // self.tile_m
-                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + 1))
-                    sem[sem_at] = Int32(0)
+                    sem_at = ((batch * heads_q + head) * m_blocks + row // self.tile_m) * self.chains
+                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.chains))
+                    for copy in cutlass.range_constexpr(self.chains):
+                        sem[sem_at + copy] = Int32(0)
             else:
                 # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
                 self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), batch, head, row, seqlen_q, heads_q)
+
+    def _acc_row(self, batch, copy, row, head, seqlen_q, heads_q):
+        """Element offset of a row of accumulator copy ``copy``."""
+        return (((Int64(batch) * self.chains + copy) * seqlen_q + row) * heads_q + head) * self.head_dim
 
     @cute.jit
     def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, batch, head, row, seqlen_q, heads_q):
@@ -114,12 +125,17 @@ class BwdRowsSm90:
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
         if row < seqlen_q:
             d = self.head_dim
-            acc_row = ((Int64(batch) * seqlen_q + row) * heads_q + head) * d
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
                 acc = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(self._chunk(dqacc_ptr, acc_row + col, Float32, vec), acc)
+                cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, 0, row, head, seqlen_q, heads_q) + col,
+                                              Float32, vec), acc)
+                for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
+                    more = cute.make_rmem_tensor((vec,), Float32)
+                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
+                                                  + col, Float32, vec), more)
+                    acc.store(acc.load() + more.load())
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))

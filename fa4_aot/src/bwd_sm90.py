@@ -43,6 +43,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from ..variants import dq_chains
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
@@ -81,18 +82,25 @@ def first_query_tile(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, caus
     return 0
 
 
+def dq_chain(n_block, chains: int):
+    """The accumulator copy (and semaphore) key tile n_block adds its dQ into."""
+    return n_block % chains
+
+
 def dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m: int, tile_n: int,
-            causal: bool):
+            causal: bool, chains: int = 1):
     """Key tile n_block's place in the order of the dQ reduces into query tiles
-    [run * run_tiles, (run + 1) * run_tiles). Not causal: ascending key tile. Causal:
+    [run * run_tiles, (run + 1) * run_tiles) of its chain (dq_chain). Not causal:
+    ascending key tile within the chain. Causal (one chain):
     from the highest key tile touching the run (every one that touches it touches its
     last query tile) downward. Either way each CTA waits only for CTAs launched before it
     (key_tile_of_launch), so the order cannot deadlock however few CTAs are resident."""
     if causal:
+        assert chains == 1
         run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
         last_key = cutlass.max((run_last + 1) * tile_m + seqlen_k - seqlen_q, 0)
         return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1 - n_block
-    return n_block
+    return n_block // chains
 
 
 class FlashBwdSm90:
@@ -152,7 +160,8 @@ class FlashBwdSm90:
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
         self.rotate = not causal and not deterministic
-        self.rows = BwdRowsSm90(dtype, head_dim, tile_m)  # pre/postprocess
+        self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
+        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains)  # pre/postprocess
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -195,8 +204,8 @@ class FlashBwdSm90:
         mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous, from the forward
         mLSE2: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: LSE * log2(e)
         mDsum: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # (b, s_q, h_q, d) float32 workspace
-        mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m)) int32 workspace
+        mdQacc: cute.Tensor,  # (b * chains, s_q, h_q, d) float32 workspace
+        mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m) * chains) int32 workspace
         scale: Float32,  # softmax_scale
         scale_log2: Float32,  # softmax_scale * log2(e)
         turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
@@ -724,14 +733,16 @@ class FlashBwdSm90:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
+            chain = 0
             if const_expr(self.deterministic):
                 run = m_block // turn_tiles
-                sem = sem_ptr + (batch * heads_q + head_q) * m_blocks + run
+                chain = dq_chain(n_block, self.chains)
+                sem = sem_ptr + ((batch * heads_q + head_q) * m_blocks + run) * self.chains + chain
                 # this CTA's last tile of the run: the run's last, or the head's
                 run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
                 if m_block % turn_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
                     turn = dq_turn(n_block, run, turn_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
-                                   self.tile_m, self.tile_n, self.causal)
+                                   self.tile_m, self.tile_n, self.causal, self.chains)
                     if lane == 0:
                         # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
                         while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
@@ -742,12 +753,21 @@ class FlashBwdSm90:
             for w in cutlass.range_constexpr(self.dq_buffers):
                 buffer = self._dq_buffer(w, step)
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch], (self.tile_m, self.dq_cols), (m_block, w))
+                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain],
+                                       (self.tile_m, self.dq_cols), (m_block, w))
                 part_s, part_g = cpasync.tma_partition(
                     tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
                     cute.group_modes(tile, 0, 2))
                 cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
+            # The staging buffers go back as soon as the reduces have read them; a turn ends
+            # only once its run's reduces are complete (deterministic: measured faster than
+            # returning the buffers after completion, with two-tile runs; docs/perf-notes.md).
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if step + self.dq_stages < steps:  # waited for only by a later step's staging
+                for w in cutlass.range_constexpr(self.dq_buffers):
+                    cute.arch.barrier_arrive(
+                        barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(w, step), number_of_threads=WARPGROUP + 32)
             if const_expr(self.deterministic):
                 if run_ends:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -755,12 +775,4 @@ class FlashBwdSm90:
                     if lane == 0:
                         cute.arch.fence_acq_rel_gpu()
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            else:
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if step + self.dq_stages < steps:  # waited for only by a later step's staging
-                for w in cutlass.range_constexpr(self.dq_buffers):
-                    cute.arch.barrier_arrive(
-                        barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(w, step), number_of_threads=WARPGROUP + 32)
         cute.arch.cp_async_bulk_wait_group(0, read=False)

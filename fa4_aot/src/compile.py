@@ -166,7 +166,7 @@ def compile_bwd(variant: Variant) -> dict:
         raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
     launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
-            "tensormaps": _recipes(kernel, variant)}
+            "tensormaps": _recipes(kernel, variant), "dq_chains": kernel.chains}
 
 
 def compile_variant(variant: Variant) -> dict:

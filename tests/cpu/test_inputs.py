@@ -121,6 +121,27 @@ def test_workspace_is_carved_aligned_and_checked():
         _carve(DeviceArray(BASE + 16, (need,), (1,), "u8"), p)
 
 
+def test_deterministic_non_causal_workspace_holds_every_dq_copy():
+    """The deterministic non-causal backward adds dQ into dq_chains copies (batch-major in
+    one tensor) with as many semaphores; a workspace sized for another mode is refused."""
+    from fa4_aot.api import _carve, backward_workspace_bytes
+    from fa4_aot.checks import check_forward
+    from fa4_aot.variants import dq_chains
+
+    p = check_forward(**problem())
+    chains = dq_chains(False, True)
+    assert chains > 1 and dq_chains(True, True) == dq_chains(False, False) == 1
+    plain = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    assert backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=True, deterministic=True) == plain
+    need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, deterministic=True)
+    assert need > plain
+    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, chains)
+    assert regions["dq_accum"]["shape"] == (2 * chains, 100, 8, 128)
+    assert regions["dq_semaphore"]["ptr"] - regions["dq_accum"]["ptr"] >= chains * 2 * 100 * 8 * 128 * 4
+    with pytest.raises(ShapeError, match="same causal and deterministic"):
+        _carve(DeviceArray(BASE, (plain,), (1,), "u8"), p, chains)
+
+
 def test_workspace_statistics_rows_are_padded_to_whole_query_tiles():
     """The kernel copies each 64-row tile's LSE2 / D values with one 256-byte bulk copy:
     every (batch, head) row of them must be a whole number of tiles, 16-byte aligned."""

@@ -194,3 +194,17 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
             else:
                 assert slot["tensor"] in tensors, (launch["symbol"], slot)
     assert values["turn_tiles"] == api.deterministic_turn_tiles(True, d, sk) == 2
+    assert values["dq_batch"] == b  # one accumulator copy when causal
+
+    # not causal: the accumulator's copies are the dQ reduce's batch axis (that variant is
+    # not built here; its plan is the same, so the causal row stands in for it)
+    chains = api.dq_chains(False, True)
+    stand_in = {**captured["row"]}
+    monkeypatch.setattr(Manifest, "find", lambda self, **axes: stand_in)
+    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, deterministic=True),), (1,), "u8")
+    with pytest.raises(ManifestError, match="accumulator copies"):  # a row built for another count
+        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=FakeLibrary())
+    stand_in["dq_chains"] = chains
+    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=FakeLibrary())
+    assert captured["values"]["dq_batch"] == b * chains
+    assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)

@@ -23,15 +23,21 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal,chains", [(False, None), (False, 1), (False, 3), (True, None)],
+                         ids=["full-built", "full-1chain", "full-3chains", "causal"])
 @pytest.mark.parametrize("run_tiles", [1, 2])
 @pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"q{s[0]}_k{s[1]}")
-def test_turns_are_a_permutation_that_only_waits_for_earlier_launches(shape, tiles, run_tiles, causal):
+def test_turns_are_a_permutation_that_only_waits_for_earlier_launches(shape, tiles, run_tiles, causal, chains):
+    """Per run and per accumulator copy (chain): the built number of chains (causal keeps
+    one), and other counts."""
+    from fa4_aot.variants import dq_chains
+
+    chains = dq_chains(causal, True) if chains is None else chains
     seqlen_q, seqlen_k = shape
     tile_m, tile_n = tiles
     m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
-    by_run = {}  # run -> [(turn, launch index)]
+    by_run = {}  # (run, chain) -> [(turn, launch index)]
     for launch in range(n_blocks):
         n_block = bwd.key_tile_of_launch(launch, n_blocks, causal, True)
         first = bwd.first_query_tile(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal)
@@ -41,8 +47,8 @@ def test_turns_are_a_permutation_that_only_waits_for_earlier_launches(shape, til
                 "a key tile is given a query tile none of whose rows sees it"
         for run in sorted({m // run_tiles for m in tiles_seen}):
             turn = bwd.dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n,
-                               causal)
-            by_run.setdefault(run, []).append((turn, launch))
+                               causal, chains)
+            by_run.setdefault((run, bwd.dq_chain(n_block, chains)), []).append((turn, launch))
     for run, entries in by_run.items():
         turns = sorted(t for t, _ in entries)
         assert turns == list(range(len(entries))), f"run {run}: turns {turns}"
