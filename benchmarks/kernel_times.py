@@ -52,6 +52,7 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--seqlen", type=int, nargs="+", default=[1024, 16384])
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--deterministic", action="store_true", help="the deterministic backward")
     p.add_argument("--calls", type=int, default=30)
     p.add_argument("--kernels", type=Path, help="time the cubins of this build folder (default: the package's)")
     args = p.parse_args()
@@ -68,7 +69,7 @@ def main():
         grads = [torch.empty_like(x) for x in (q, k, v)]
         fwd = lambda: flash_attn_fwd(q, k, v, causal=args.causal, out=out, lse=lse)  # noqa: E731
         bwd = lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=args.causal,  # noqa: E731
-                                     dq=grads[0], dk=grads[1], dv=grads[2])
+                                     deterministic=args.deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
         for _ in range(3):
             fwd()
             bwd()
