@@ -13,6 +13,7 @@ caller's stream, so it can be captured into a CUDA graph once ``preload`` has ru
 
 from __future__ import annotations
 
+import struct
 import threading
 from pathlib import Path
 
@@ -204,25 +205,31 @@ def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:
 
 
 def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
-    """The parameter buffer and the array of per-slot pointers cuLaunchKernelEx takes."""
+    """The parameter buffer (uint8 array) and the array of per-slot pointers
+    cuLaunchKernelEx takes. Filled with struct.pack_into: a launch packs some 30 slots,
+    and numpy slice assignments cost microseconds each (host time per call,
+    benchmarks/launch_overhead.py)."""
     slots = launch["params"]
-    buffer = np.zeros(abi.buffer_size(slots), dtype=np.uint8)
+    raw = bytearray(abi.buffer_size(slots))
     for slot in slots:
         at, kind = slot["offset"], slot["kind"]
         if kind == "tensormap":
             t = tensors[slot["tensor"]]
-            data = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"], t["itemsize"])
-            buffer[at:at + 128] = np.frombuffer(data, dtype=np.uint8)
+            raw[at:at + 128] = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"],
+                                          t["itemsize"])
         elif kind == "i32":
-            buffer[at:at + slot["size"]].view(np.int32)[:] = [values[f] for f in slot["fields"]]
+            fields = slot["fields"]
+            struct.pack_into(f"<{len(fields)}i", raw, at, *[values[f] for f in fields])
         elif kind == "i64":
-            buffer[at:at + slot["size"]].view(np.int64)[:] = [values[f] for f in slot["fields"]]
+            fields = slot["fields"]
+            struct.pack_into(f"<{len(fields)}q", raw, at, *[values[f] for f in fields])
         elif kind == "ptr":
-            buffer[at:at + 8].view(np.uint64)[0] = tensors[slot["tensor"]]["ptr"]
+            struct.pack_into("<Q", raw, at, tensors[slot["tensor"]]["ptr"])
         elif kind == "f32":
-            buffer[at:at + 4].view(np.float32)[0] = values[slot["value"]]
+            struct.pack_into("<f", raw, at, values[slot["value"]])
         else:
             raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
+    buffer = np.frombuffer(raw, dtype=np.uint8)
     base = buffer.ctypes.data
     pointers = np.array([base + s["offset"] for s in slots], dtype=np.uint64)
     return buffer, pointers

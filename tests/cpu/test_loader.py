@@ -208,3 +208,34 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=FakeLibrary())
     assert captured["values"]["dq_batch"] == b * chains
     assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)
+
+
+def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):
+    """tma.encode keeps each descriptor (a pure function of recipe, pointer, shape and
+    strides): the driver is asked again only for a tensor it has not seen."""
+    import ctypes
+
+    calls = []
+    storage = ctypes.create_string_buffer(b"\x07" * 128, 128)
+
+    class FakeMap:
+        def getPtr(self):
+            return ctypes.addressof(storage)
+
+    def fake_call(fn, *args):
+        calls.append(args)
+        return FakeMap()
+
+    monkeypatch.setattr(tma, "call", fake_call)
+    tma._encode.cache_clear()
+    recipe = {"dtype": "bf16", "dims": ["d", "s", "h", "b"], "box": [64, 64, 1, 1], "element_strides": [1, 1, 1, 1],
+              "interleave": "NONE", "swizzle": "128B", "l2_promotion": "128B", "oob_fill": "NONE", "tensor": "q"}
+    shape, strides = (2, 100, 8, 64), (100 * 8 * 64, 8 * 64, 64, 1)
+    first = tma.encode(recipe, 0x10000, shape, strides, 2)
+    assert first == b"\x07" * 128 and len(calls) == 1
+    assert tma.encode(dict(recipe), 0x10000, list(shape), list(strides), 2) == first and len(calls) == 1
+    tma.encode(recipe, 0x20000, shape, strides, 2)  # another tensor
+    assert len(calls) == 2
+    dims, byte_strides = calls[1][3], calls[1][4]
+    assert [int(n) for n in dims] == [64, 100, 8, 2] and [int(n) for n in byte_strides] == [8 * 64 * 2, 64 * 2, 100 * 8 * 64 * 2]
+    tma._encode.cache_clear()
