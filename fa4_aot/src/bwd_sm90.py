@@ -15,11 +15,13 @@
        dQ_tile = dS K                      (dS through shared memory)
    and stage dQ_tile in shared memory for warp 1, the dQ writer, which adds it into the
    fp32 accumulator by TMA reduce-add: in any order by default or, when deterministic, in
-   a fixed key-tile order per query tile, serialized by a per-(run of query tiles, head)
-   semaphore (shortest-processing-time order for causal; see ``dq_writer``).
+   a fixed key-tile order per query tile and accumulator copy, serialized by a
+   per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
+   causal; two copies when not causal, variants.dq_chains; see ``dq_writer``).
    Per head dim:
    - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
-     the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is split along head_dim: warpgroup w computes
+     the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is
+     split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
      (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96).
      Non-deterministic, the dQ staging is double-buffered, and at 64 and 96 the
@@ -142,9 +144,10 @@ class FlashBwdSm90:
         # GEMMs, which the other CTAs' turns wait for (measured faster, docs/perf-notes.md).
         self.dq_stages = 1 if self.wide or deterministic else 2
         # head_dim 64: K and V read once into registers as the A operands of S^T and dP^T
-        # (32 registers), so those GEMMs read only Q and dO from shared memory, whose
-        # bandwidth bounds the backward (ncu: its pipe 76% busy, 1796 wavefronts a step for
-        # 1280 tensor cycles; this takes 252 off). Wider heads have no registers to spare.
+        # (32 registers), so those GEMMs read only Q and dO from shared memory (ncu: its
+        # pipe 76% busy, 1796 wavefronts a step for 1280 tensor cycles; this takes 252
+        # off): +0-5% non-deterministic, +4-9% deterministic. Wider heads have no
+        # registers to spare (at 128 ptxas serializes every wgmma).
         self.kv_in_registers = head_dim == 64
         # Staggered warpgroups (64, 96): a warpgroup issues the dQ GEMM of a query tile at
         # the start of the next tile, once the other warpgroup has put its half of that
@@ -718,7 +721,9 @@ class FlashBwdSm90:
 
         Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
         tiles add into it in a fixed order, one turn per CTA per run, counted by a
-        per-(batch, head, run) semaphore. Non-causal: ascending key tile. Causal: shortest
+        per-(batch, head, run, copy) semaphore. Non-causal: key tile n adds into
+        accumulator copy n % chains, in ascending n within the copy (the postprocess sums
+        the copies in order), so each turn passes through half the CTAs. Causal: shortest
         processing time first: the CTAs are launched highest key tile first, and a run's
         turns go from the highest key tile touching it downward, so a CTA only ever waits
         for CTAs launched before it. A turn is held over the run's reduces and ends once
