@@ -46,6 +46,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..variants import dq_chains
+from .bwd_order import dq_chain, dq_turn, first_query_tile, key_tile_of_launch
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
@@ -66,43 +67,6 @@ READY_BARRIER = 12  # .. 15, 2 w + step parity (staggered): warpgroup w's dS of 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
 ROTATION_TILES = 2
-
-
-# ---- the deterministic dQ order, as integer functions: Int32 values in the kernel, Python
-# ints in the CPU tests that check it (tests/cpu/test_order.py).
-def key_tile_of_launch(x, n_blocks, causal: bool, deterministic: bool):
-    """The key tile of the CTA launched x-th (block x) among the n_blocks of its head:
-    causal deterministic ones highest key tile first (the fewest query tiles first)."""
-    return n_blocks - 1 - x if causal and deterministic else x
-
-
-def first_query_tile(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
-    """The first query tile key tile n_block touches (query q sees key j iff
-    j <= q + seqlen_k - seqlen_q when causal)."""
-    if causal:
-        return cutlass.max(n_block * tile_n - (seqlen_k - seqlen_q), 0) // tile_m
-    return 0
-
-
-def dq_chain(n_block, chains: int):
-    """The accumulator copy (and semaphore) key tile n_block adds its dQ into."""
-    return n_block % chains
-
-
-def dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m: int, tile_n: int,
-            causal: bool, chains: int = 1):
-    """Key tile n_block's place in the order of the dQ reduces into query tiles
-    [run * run_tiles, (run + 1) * run_tiles) of its chain (dq_chain). Not causal:
-    ascending key tile within the chain. Causal (one chain):
-    from the highest key tile touching the run (every one that touches it touches its
-    last query tile) downward. Either way each CTA waits only for CTAs launched before it
-    (key_tile_of_launch), so the order cannot deadlock however few CTAs are resident."""
-    if causal:
-        assert chains == 1
-        run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
-        last_key = cutlass.max((run_last + 1) * tile_m + seqlen_k - seqlen_q, 0)
-        return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1 - n_block
-    return n_block // chains
 
 
 class FlashBwdSm90:

@@ -11,7 +11,7 @@ session 6); these checks run on every shape class without a GPU.
 
 import pytest
 
-bwd = pytest.importorskip("fa4_aot.src.bwd_sm90", reason="the CuTe DSL is needed to import the kernel source")
+bwd = pytest.importorskip("fa4_aot.src.bwd_order", reason="the CuTe DSL is needed to import the kernel source")
 
 SHAPES = [  # (seqlen_q, seqlen_k)
     (1, 1), (17, 17), (1000, 1000), (128, 700), (700, 128), (257, 513), (4096, 4096), (1300, 1300), (64, 8192),

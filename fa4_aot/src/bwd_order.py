@@ -1,0 +1,45 @@
+"""Which query tiles a backward CTA visits, and the deterministic order of the dQ reduces.
+
+Integer functions of the CTA's key tile and the problem's sizes: the kernel
+(``bwd_sm90``) calls them on Int32 values, the CPU tests (tests/cpu/test_order.py) on
+Python ints, so the order that keeps the deterministic backward deadlock-free is checked
+without a GPU.
+"""
+
+import cutlass
+import cutlass.cute as cute
+
+
+def key_tile_of_launch(x, n_blocks, causal: bool, deterministic: bool):
+    """The key tile of the CTA launched x-th (block x) among the n_blocks of its head:
+    causal deterministic ones highest key tile first (the fewest query tiles first)."""
+    return n_blocks - 1 - x if causal and deterministic else x
+
+
+def first_query_tile(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    """The first query tile key tile n_block touches (query q sees key j iff
+    j <= q + seqlen_k - seqlen_q when causal)."""
+    if causal:
+        return cutlass.max(n_block * tile_n - (seqlen_k - seqlen_q), 0) // tile_m
+    return 0
+
+
+def dq_chain(n_block, chains: int):
+    """The accumulator copy (and semaphore) key tile n_block adds its dQ into."""
+    return n_block % chains
+
+
+def dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m: int, tile_n: int,
+            causal: bool, chains: int = 1):
+    """Key tile n_block's place in the order of the dQ reduces into query tiles
+    [run * run_tiles, (run + 1) * run_tiles) of its chain (dq_chain). Not causal:
+    ascending key tile within the chain. Causal (one chain):
+    from the highest key tile touching the run (every one that touches it touches its
+    last query tile) downward. Either way each CTA waits only for CTAs launched before it
+    (key_tile_of_launch), so the order cannot deadlock however few CTAs are resident."""
+    if causal:
+        assert chains == 1
+        run_last = cutlass.min((run + 1) * run_tiles, m_blocks) - 1
+        last_key = cutlass.max((run_last + 1) * tile_m + seqlen_k - seqlen_q, 0)
+        return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1 - n_block
+    return n_block // chains
