@@ -54,7 +54,8 @@ def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None)
 
 
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-            q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
+            q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None,
+            _device: int | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
     q, out: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -71,7 +72,7 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
               (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))}
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     library = library or default_library()
-    device = device_of(arrays)
+    device = device_of(arrays) if _device is None else _device
     axes = dict(kind="fwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=bool(causal))
     row = forward_row(library.manifest, axes, problem.sizes["seqlen_k"], q_tiles)
@@ -130,7 +131,7 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
              softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
-             library: KernelLibrary | None = None) -> None:
+             library: KernelLibrary | None = None, _device: int | None = None) -> None:
     """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
 
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
@@ -148,7 +149,7 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     chains = dq_chains(bool(causal), bool(deterministic))
     regions = _carve(arrays["workspace"], problem, chains)
     library = library or default_library()
-    device = device_of(arrays)
+    device = device_of(arrays) if _device is None else _device
     row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
                                 head_dim=problem.head_dim, causal=bool(causal),
                                 deterministic=bool(deterministic))

@@ -34,6 +34,20 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _device(*tensors: torch.Tensor) -> int:
+    """The one CUDA device of ``tensors``, from torch's metadata: the driver's pointer
+    queries (fa4_aot.checks.device_of, about 8 us an array) are skipped for torch callers."""
+    from .errors import DeviceError
+
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise DeviceError(f"tensors are on different devices: {sorted(str(d) for d in devices)}")
+    (device,) = devices
+    if device.type != "cuda":
+        raise DeviceError(f"tensors are on {device}; move them to a CUDA device")
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                    softmax_scale: float | None = None, out: torch.Tensor | None = None,
                    lse: torch.Tensor | None = None, q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,8 +57,10 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if lse is None:
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
-    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q))
+    tensors = (q, k, v, out, lse)
+    arrays = [as_device_array(t) for t in tensors]
+    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q),
+            _device=_device(*tensors))
     return out, lse
 
 
@@ -57,9 +73,10 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
     b, s_q, h_q, d = q.shape
     workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
                             dtype=torch.uint8, device=q.device)
-    arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
+    tensors = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
+    arrays = [as_device_array(t) for t in tensors]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-             stream=_stream(q))
+             stream=_stream(q), _device=_device(*tensors))
     return dq, dk, dv
 
 

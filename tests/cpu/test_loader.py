@@ -239,3 +239,52 @@ def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):
     dims, byte_strides = calls[1][3], calls[1][4]
     assert [int(n) for n in dims] == [64, 100, 8, 2] and [int(n) for n in byte_strides] == [8 * 64 * 2, 64 * 2, 100 * 8 * 64 * 2]
     tma._encode.cache_clear()
+
+
+def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
+    """The torch adapter passes the device torch already knows (_device); the api then
+    asks the driver nothing about the arrays' memory before the launch."""
+    import fa4_aot.api as api
+
+    from fa4_aot.arrays import DeviceArray
+
+    from .test_inputs import BASE, bshd
+
+    launched = []
+
+    class FakeLibrary:
+        manifest = Manifest(built[0])
+
+        def arch(self, device):
+            return "sm90a"
+
+        def launch(self, row, device, stream, values, tensors):
+            launched.append((row["name"], device))
+
+    def no_queries(arrays):
+        raise AssertionError("device_of called")
+
+    monkeypatch.setattr(api, "device_of", no_queries)
+    b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
+    q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
+    k, v, dk, dv = (bshd(b, sk, hkv, d) for _ in range(4))
+    lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
+    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True),),
+                            (1,), "u8")
+    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
+                 library=FakeLibrary(), _device=3)
+    assert launched == [("bwd.sm90a.bf16.d128.causal.det", 3)]
+    with pytest.raises(AssertionError, match="device_of"):  # no hint: the driver is asked
+        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
+                     library=FakeLibrary())
+
+
+def test_the_torch_adapter_takes_one_cuda_device_from_torch():
+    torch = pytest.importorskip("torch")
+    from fa4_aot.errors import DeviceError
+    from fa4_aot.torch import _device
+
+    with pytest.raises(DeviceError, match="different devices"):
+        _device(torch.empty(1), torch.empty(1, device="meta"))
+    with pytest.raises(DeviceError, match="CUDA"):
+        _device(torch.empty(1), torch.empty(2))
