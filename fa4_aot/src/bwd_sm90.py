@@ -46,7 +46,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..variants import dq_chains
-from .bwd_order import dq_chain, dq_turn, first_query_tile, key_tile_of_launch
+from .bwd_order import CAUSAL_HEAD_GROUP, dq_chain, dq_turn, first_query_tile, key_tile_of_launch, launch_in_head_groups
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
@@ -103,10 +103,11 @@ class FlashBwdSm90:
         self.dq_cols = head_dim // 2
         self.dq_buffers = self.num_consumers  # staging buffers per step, one reduce each
         # Double-buffered staging, so a warpgroup waits for the writer only when the writer
-        # is two steps behind. Not wide (its shared memory is full), and not deterministic:
-        # there the single buffer's back-pressure keeps each CTA's reduces close behind its
-        # GEMMs, which the other CTAs' turns wait for (measured faster, docs/perf-notes.md).
-        self.dq_stages = 1 if self.wide or deterministic else 2
+        # is two steps behind. Not wide: its shared memory is full. Deterministic variants
+        # too since their writer returns a buffer once read and accumulates into two
+        # copies (one staging buffer measured faster before that; session 8: d64 det
+        # +2-4%, d128 +0.5-1%, docs/perf-notes.md).
+        self.dq_stages = 1 if self.wide else 2
         # head_dim 64: K and V read once into registers as the A operands of S^T and dP^T
         # (32 registers), so those GEMMs read only Q and dO from shared memory (ncu: its
         # pipe 76% busy, 1796 wavefronts a step for 1280 tensor cycles; this takes 252
@@ -270,6 +271,9 @@ class FlashBwdSm90:
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
         launch, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.causal and not self.deterministic):
+            launch, head_kv = launch_in_head_groups(launch, head_kv, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
+                                                    CAUSAL_HEAD_GROUP)
         n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]

@@ -66,3 +66,20 @@ def test_causal_key_tiles_skip_no_visible_query_tile(causal):
             if first > 0:
                 last_row_before = first * tile_m - 1
                 assert last_row_before + seqlen_k - seqlen_q < n_block * tile_n, (seqlen_q, seqlen_k, n_block)
+
+
+@pytest.mark.parametrize("heads", [1, 3, 4, 9])
+def test_head_groups_map_the_grid_one_to_one_keeping_each_heads_order(heads):
+    """The causal backward's block -> (launch, KV head) map is a bijection, and each head's
+    CTAs keep their launch order."""
+    n_blocks, group = 5, 4
+    seen = {}
+    for y in range(heads):
+        for x in range(n_blocks):
+            launch, head = bwd.launch_in_head_groups(x, y, n_blocks, heads, group)
+            assert 0 <= launch < n_blocks and 0 <= head < heads
+            seen.setdefault(head, []).append((x + n_blocks * y, launch))
+    assert sorted(seen) == list(range(heads))
+    for head, order in seen.items():
+        launches = [launch for _, launch in sorted(order)]
+        assert launches == list(range(n_blocks)), (head, launches)
