@@ -80,9 +80,17 @@ class OnlineSoftmax:
 
     @cute.jit
     def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
-        """Exponentiate one score tile in place; write each row's O correction factor."""
+        """Exponentiate one score tile in place; write each row's O correction factor.
+
+        The correction exp2(m_prev - m_new) is 1 unless a row's maximum moved (rare once
+        the first tiles are seen: conditional rescaling keeps the stale maximum), so a warp
+        takes those exponentials only when one of its rows moved: two MUFU.EX2 of the
+        66 a thread issues per 64-column tile at head_dim 64, where that unit is busiest."""
         s = acc_as_rows_cols(acc_s)
         ncols = cute.size(s, mode=[1])
+        offsets = cute.make_rmem_tensor((self.num_rows,), Float32)
+        prevs = cute.make_rmem_tensor((self.num_rows,), Float32)
+        moved = Float32(0.0)
         for r in cutlass.range_constexpr(self.num_rows):
             m_prev = self.row_max[r]
             m_cur = _tree_reduce([m_prev] + [s[r, c] for c in range(ncols)], cute.arch.fmax)
@@ -90,15 +98,23 @@ class OnlineSoftmax:
             # Keep the stale maximum unless it grew past the threshold (or was -inf: the
             # difference is then +inf; both -inf gives NaN, which compares false).
             m_cur = select_f32((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
-            offset = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
-            prev_offset = select_f32(m_prev == -Float32.inf, offset, m_prev * self.scale_log2)
-            correction = exp2_mufu(prev_offset - offset)
-            for c in cutlass.range_constexpr(ncols):
-                s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offset)
-            total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
-            self.row_sum[r] = self.row_sum[r] * correction + total
+            offsets[r] = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
+            # moved: some row's kept maximum changed (from -inf too: its correction is 1,
+            # computed below as exp2(0))
+            moved = select_f32(m_cur != m_prev, Float32(1.0), moved)
+            row_scale[r] = Float32(1.0)
             self.row_max[r] = m_cur
-            row_scale[r] = correction
+            prevs[r] = m_prev
+        if cute.arch.vote_any_sync(moved > Float32(0.0)):
+            for r in cutlass.range_constexpr(self.num_rows):
+                m_prev = prevs[r]
+                prev_offset = select_f32(m_prev == -Float32.inf, offsets[r], m_prev * self.scale_log2)
+                row_scale[r] = exp2_mufu(prev_offset - offsets[r])
+        for r in cutlass.range_constexpr(self.num_rows):
+            for c in cutlass.range_constexpr(ncols):
+                s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offsets[r])
+            total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
 
     @cute.jit
     def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor):
