@@ -16,28 +16,6 @@ def key_tile_of_launch(x, n_blocks, causal: bool, deterministic: bool):
     return n_blocks - 1 - x if causal and deterministic else x
 
 
-# Causal, not deterministic: CTAs are handed out in groups of this many KV heads (below).
-CAUSAL_HEAD_GROUP = 4
-
-
-def launch_in_head_groups(x, y, n_blocks, heads, group: int):
-    """(launch index within its head, KV head) of block (x, y) of a batch entry.
-
-    Blocks start in launch order, x fastest: with (x, y) read as (launch, head) a head's
-    heaviest causal CTAs (key tile 0 sees every query tile) start only after every
-    earlier head's, and the last heads' end the kernel in a tail. Read in groups of
-    ``group`` heads instead, the group's first CTAs of each head start, then their second
-    ones, and so on: the heavy CTAs spread over the run while a group's K/V stay in L2.
-    Within a head the launch order is unchanged (session 8: d128 4k causal +4%, d64 +2%;
-    16k equal)."""
-    linear = x + n_blocks * y
-    g = linear // (n_blocks * group)
-    first = g * group
-    size = cutlass.min(group, heads - first)
-    r = linear - g * n_blocks * group
-    return r // size, first + r % size
-
-
 def first_query_tile(n_block, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
     """The first query tile key tile n_block touches (query q sees key j iff
     j <= q + seqlen_k - seqlen_q when causal)."""

@@ -46,8 +46,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..variants import dq_chains
-from .bwd_order import CAUSAL_HEAD_GROUP, dq_chain, dq_turn, first_query_tile, key_tile_of_launch, launch_in_head_groups
+from .bwd_order import dq_chain, dq_turn, first_query_tile, key_tile_of_launch
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
+from .launch_order import BWD_CAUSAL_HEAD_GROUP, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
     WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline,
@@ -273,7 +274,7 @@ class FlashBwdSm90:
         launch, head_kv, batch = cute.arch.block_idx()
         if const_expr(self.causal and not self.deterministic):
             launch, head_kv = launch_in_head_groups(launch, head_kv, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
-                                                    CAUSAL_HEAD_GROUP)
+                                                    BWD_CAUSAL_HEAD_GROUP)
         n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]

@@ -12,6 +12,7 @@ session 6); these checks run on every shape class without a GPU.
 import pytest
 
 bwd = pytest.importorskip("fa4_aot.src.bwd_order", reason="the CuTe DSL is needed to import the kernel source")
+order = pytest.importorskip("fa4_aot.src.launch_order", reason="the CuTe DSL is needed to import the kernel source")
 
 SHAPES = [  # (seqlen_q, seqlen_k)
     (1, 1), (17, 17), (1000, 1000), (128, 700), (700, 128), (257, 513), (4096, 4096), (1300, 1300), (64, 8192),
@@ -70,16 +71,26 @@ def test_causal_key_tiles_skip_no_visible_query_tile(causal):
 
 @pytest.mark.parametrize("heads", [1, 3, 4, 9])
 def test_head_groups_map_the_grid_one_to_one_keeping_each_heads_order(heads):
-    """The causal backward's block -> (launch, KV head) map is a bijection, and each head's
-    CTAs keep their launch order."""
+    """The causal block -> (launch, head) map is a bijection, and each head's CTAs keep
+    their launch order."""
     n_blocks, group = 5, 4
     seen = {}
     for y in range(heads):
         for x in range(n_blocks):
-            launch, head = bwd.launch_in_head_groups(x, y, n_blocks, heads, group)
+            launch, head = order.launch_in_head_groups(x, y, n_blocks, heads, group)
             assert 0 <= launch < n_blocks and 0 <= head < heads
             seen.setdefault(head, []).append((x + n_blocks * y, launch))
     assert sorted(seen) == list(range(heads))
-    for head, order in seen.items():
-        launches = [launch for _, launch in sorted(order)]
+    for head, launched in seen.items():
+        launches = [launch for _, launch in sorted(launched)]
         assert launches == list(range(n_blocks)), (head, launches)
+
+
+def test_forward_head_groups_keep_the_groups_k_and_v_within_the_l2_budget():
+    for head_dim in (64, 96, 128, 192, 256):
+        for seqlen_k in (1, 100, 1024, 4096, 16384, 65536, 1 << 20):
+            group = order.forward_head_group(seqlen_k, head_dim)
+            assert group & (group - 1) == 0 and 1 <= group <= order.FWD_MAX_HEAD_GROUP
+            assert group == 1 or group * seqlen_k * 4 * head_dim <= order.FWD_L2_BYTES
+            bigger = 2 * group
+            assert bigger > order.FWD_MAX_HEAD_GROUP or bigger * seqlen_k * 4 * head_dim > order.FWD_L2_BYTES

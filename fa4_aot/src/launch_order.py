@@ -1,0 +1,46 @@
+"""The order in which a kernel's CTAs take their work: integer functions of the block
+index, used by the kernels on Int32 values and by the CPU tests (tests/cpu/test_order.py)
+on Python ints.
+
+Blocks start in launch order, x fastest. With a grid of (tiles, heads, batch) a head's
+tiles start together and share its K/V (forward) or Q/dO (backward) in L2, but the heads
+run one after another: causal tiles differ in length, and the heaviest tiles of the last
+heads start in the last wave and end the kernel in a tail. Read in groups of heads, a
+wave holds the heaviest tiles of several heads, then their next ones, and so on.
+"""
+
+import cutlass
+
+# Backward, causal, not deterministic: CTAs handed out in groups of this many KV heads.
+BWD_CAUSAL_HEAD_GROUP = 4
+# Forward, causal: as many heads per group as keep their K and V in this much of L2 (the
+# H200 has 50 MB), in powers of two up to FWD_MAX_HEAD_GROUP.
+FWD_L2_BYTES = 40 * 1024 * 1024
+FWD_MAX_HEAD_GROUP = 32
+
+
+def launch_in_head_groups(x, y, n_blocks, heads, group):
+    """(launch index within its head, head) of block (x, y) of a batch entry, when the
+    blocks go to groups of ``group`` heads: the group's first CTA of each head, then the
+    second of each, and so on. Within a head the launch order is unchanged (the
+    deterministic backward's launched-before rule holds). Backward (session 8): d128 4k
+    causal +4%, d64 +2%, 16k equal."""
+    linear = x + n_blocks * y
+    g = linear // (n_blocks * group)
+    first = g * group
+    size = cutlass.min(group, heads - first)
+    r = linear - g * n_blocks * group
+    return r // size, first + r % size
+
+
+def forward_head_group(seqlen_k, head_dim: int):
+    """Heads per launch group of the causal forward: the largest power of two whose K
+    and V (seqlen_k x head_dim each, 16-bit) fit FWD_L2_BYTES, at least 1. The bounds are
+    compile-time constants, so nothing here can overflow."""
+    group = 1
+    g = 2
+    while g <= FWD_MAX_HEAD_GROUP:
+        if seqlen_k <= FWD_L2_BYTES // (g * 4 * head_dim):
+            group = g
+        g *= 2
+    return group
