@@ -36,11 +36,11 @@ def launch_in_head_groups(x, y, n_blocks, heads, group):
 def forward_head_group(seqlen_k, head_dim: int):
     """Heads per launch group of the causal forward: the largest power of two whose K
     and V (seqlen_k x head_dim each, 16-bit) fit FWD_L2_BYTES, at least 1. The bounds are
-    compile-time constants, so nothing here can overflow."""
+    compile-time constants, so nothing here can overflow (and no branch: the
+    kernel calls it on a run-time seqlen_k)."""
     group = 1
-    g = 2
-    while g <= FWD_MAX_HEAD_GROUP:
-        if seqlen_k <= FWD_L2_BYTES // (g * 4 * head_dim):
-            group = g
-        g *= 2
+    for k in range(1, FWD_MAX_HEAD_GROUP.bit_length()):  # unrolled: 2, 4, .., the cap
+        g = 1 << k
+        fits = cutlass.min(FWD_L2_BYTES // (g * 4 * head_dim) // cutlass.max(seqlen_k, 1), 1)  # 1 or 0
+        group = cutlass.max(group, g * fits)
     return group
