@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from importlib.metadata import version
 from pathlib import Path
 
@@ -52,8 +53,17 @@ def _compile_one(variant: Variant) -> tuple[Variant, dict, float]:
     from fa4_aot.src.compile import compile_variant
 
     start = time.perf_counter()
-    result = compile_variant(variant)
+    try:
+        result = compile_variant(variant)
+    except Exception as exc:
+        # The DSL's errors do not survive the trip back from a worker process (they do not
+        # unpickle), and the pool then waits forever: send the traceback as text instead.
+        raise BuildError(f"{variant.name}: {type(exc).__name__}\n{traceback.format_exc()}") from None
     return variant, result, time.perf_counter() - start
+
+
+class BuildError(RuntimeError):
+    """A variant failed to compile; the message carries the worker's traceback."""
 
 
 def _row(variant: Variant, result: dict, key: str, cubin_dir: Path) -> dict:

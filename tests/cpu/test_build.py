@@ -193,3 +193,29 @@ def test_each_wgmma_chain_is_one_group(built, name):
         else:
             closed.discard(dest)
     assert not split, f"{len(split)} wgmmas continue a chain after a gsb0 with no wait: {split[:3]}"
+
+
+def test_a_variant_that_fails_to_compile_fails_the_build_with_its_traceback(tmp_path):
+    """A worker's exception that cannot be unpickled (the DSL's errors are such) used to
+    leave the process pool waiting forever; the build must stop with the traceback."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to compile")
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+import build_kernels
+import fa4_aot.src.compile as compile_module
+
+class DSLLikeError(Exception):
+    def __init__(self, code, detail):  # two arguments: unpickling it fails
+        super().__init__(f"{{code}}: {{detail}}")
+
+def broken(variant):
+    raise DSLLikeError("E42", "staged value used as a Python bool")
+
+compile_module.compile_variant = broken
+build_kernels.main(["--out", {str(tmp_path)!r}, "--only", {SUBSET[0]!r}, "--jobs", "1"])
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode != 0
+    assert "BuildError" in proc.stderr and "DSLLikeError" in proc.stderr and "E42" in proc.stderr
+    assert not (tmp_path / "manifest.json").exists()
