@@ -31,6 +31,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .launch_order import forward_head_group, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .mask import TileMask
 from .sm90_common import (
@@ -156,7 +157,12 @@ class FlashFwdSm90:
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         if const_expr(self.q_tiles == 1):
-            m_blocks = (cute.arch.grid_dim()[0] - 1 - bidx,)  # longest causal tiles first
+            launch = bidx
+            if const_expr(self.causal):
+                # heads in L2-sized groups, heaviest tiles of the group's heads first
+                launch, head = launch_in_head_groups(bidx, head, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
+                                                     forward_head_group(gK.shape[0], self.head_dim))
+            m_blocks = (cute.arch.grid_dim()[0] - 1 - launch,)  # longest causal tiles first
         else:
             # the middle tile of an odd count is computed twice (same values, same writes)
             m_blocks = (cute.ceil_div(seqlen_q, self.tile_m) - 1 - bidx, bidx)
