@@ -32,6 +32,8 @@ def host_us(fn, calls):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also print the N functions with the most cumulative host time (cProfile)")
     args = p.parse_args()
     q, k, v, dout = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = flash_attn_fwd(q, k, v)
@@ -41,6 +43,17 @@ def main():
     empty = host_us(lambda: torch.empty(1, device="cuda"), args.calls)
     print(f"host time per call, us: forward {fwd:.1f} | backward (3 kernels, workspace from torch) {bwd:.1f} | "
           f"torch.empty for scale {empty:.1f}")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        for name, fn in (("forward", lambda: flash_attn_fwd(q, k, v, out=out, lse=lse)),
+                         ("backward", lambda: flash_attn_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1],
+                                                             dv=grads[2]))):
+            profile = cProfile.Profile()
+            profile.runcall(host_us, fn, args.calls)
+            print(f"--- {name}: cumulative host time over {args.calls} calls")
+            pstats.Stats(profile).sort_stats("cumulative").print_stats(args.profile)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,18 @@ of the kernel's parameters (cuFuncGetParamInfo) is the manifest's plan.
 
 The launch path allocates no device memory and never synchronizes: it encodes the TMA
 descriptors on the host, packs the parameter buffer, and calls cuLaunchKernelEx on the
-caller's stream, so it can be captured into a CUDA graph once ``preload`` has run.
+caller's stream, so it can be captured into a CUDA graph once ``preload`` has run. A call
+the caller keys (``launch(..., key=)``; fa4_aot.api keys every call by its arrays and
+options) keeps its packed launches, and ``launch_again(key)`` repeats them: the same
+arrays, options and stream give the same parameters, so the checks and the packing are
+not done twice (PLANS_KEPT calls kept, least recently used dropped).
 """
 
 from __future__ import annotations
 
 import struct
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -56,6 +61,9 @@ class _Context:
             call(cu.cuCtxPopCurrent)
 
 
+PLANS_KEPT = 256  # launch plans (packed calls) kept per library
+
+
 class KernelLibrary:
     """The kernels of one manifest folder (default: the cubins shipped in the package)."""
 
@@ -65,6 +73,8 @@ class KernelLibrary:
         self._functions: dict[tuple[int, str], object] = {}
         self._archs: dict[int, str] = {}
         self._lock = threading.RLock()
+        # key -> (device, context, [(function, launch config, pointer array, buffer)])
+        self._plans: OrderedDict = OrderedDict()
 
     @property
     def manifest(self) -> Manifest:
@@ -169,12 +179,15 @@ class KernelLibrary:
                 self.functions(row, device, int(context.handle))
 
     # ------------------------------------------------------------------ launching
-    def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict):
+    def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None):
         """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
-        and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name."""
+        and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
+        ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
+        options of a call): the packed launches are kept under it for ``launch_again``."""
         with _Context(device) as context:
             fns = self.functions(row, device, int(context.handle))
             handle = cu.CUstream(stream)
+            plan = []
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
                 config = cu.CUlaunchConfig()
@@ -190,6 +203,30 @@ class KernelLibrary:
                     config.numAttrs = 1
                 # `buffer` stays referenced until the call returns; the driver copies it.
                 call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
+                plan.append((fn, config, pointers, buffer))
+            if key is not None:
+                with self._lock:
+                    self._plans[key] = (device, int(context.handle), plan)
+                    self._plans.move_to_end(key)
+                    while len(self._plans) > PLANS_KEPT:
+                        self._plans.popitem(last=False)
+
+    def launch_again(self, key) -> bool:
+        """Repeat the launches kept under ``key`` (same kernels, parameters and stream) and
+        return True; False when none are kept, or they were made in another context."""
+        entry = self._plans.get(key)
+        if entry is None:
+            return False
+        device, context_handle, plan = entry
+        with _Context(device) as context:
+            if int(context.handle) != context_handle:
+                return False
+            for fn, config, pointers, _buffer in plan:
+                call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
+        with self._lock:
+            if key in self._plans:
+                self._plans.move_to_end(key)
+        return True
 
 
 def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:

@@ -15,7 +15,11 @@ from fa4_aot.variants import Variant
 
 from ..conftest import ROOT, SUBSET
 
-H100_SMEM_LIMIT = 227 * 1024
+# sm_90: a block may opt in to 227 KB of dynamic shared memory; an SM has 228 KB, and
+# every DSL kernel also carries a 1 KB static section (.nv.shared.<kernel>), which the
+# H200 launches beside a full 227 KB (the d128 backward, GPU-tested).
+H100_DYNAMIC_SMEM_LIMIT = 227 * 1024
+H100_SM_SMEM = 228 * 1024
 
 
 def rows(folder):
@@ -72,7 +76,8 @@ def test_launch_contract_is_complete(built, name):
     main = max(row["launches"], key=lambda launch: launch["block"][0])
     consumers = row["tiling"]["tile_m"] // 64 if v.kind == "fwd" else 2
     assert main["block"] == [128 * (1 + consumers), 1, 1] and main["cluster"] == [1, 1, 1]
-    assert main["smem_bytes"] + main["static_smem_bytes"] <= H100_SMEM_LIMIT
+    assert main["smem_bytes"] <= H100_DYNAMIC_SMEM_LIMIT
+    assert main["smem_bytes"] + main["static_smem_bytes"] <= H100_SM_SMEM
     tensors = {p["tensor"] for launch in row["launches"] for p in launch["params"] if p["kind"] == "tensormap"}
     expected = {"q", "k", "v", "o"} if v.kind == "fwd" else {"q", "do", "k", "v", "dk", "dv", "dq_accum"}
     assert tensors == set(row["tensormaps"]) == expected

@@ -172,7 +172,10 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
         def arch(self, device):
             return "sm90a"
 
-        def launch(self, row, device, stream, values, tensors):
+        def launch_again(self, key):
+            return False
+
+        def launch(self, row, device, stream, values, tensors, key=None):
             captured.update(row=row, values=values, tensors=tensors)
 
     monkeypatch.setattr(api, "device_of", lambda arrays: 0)
@@ -258,7 +261,10 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
         def arch(self, device):
             return "sm90a"
 
-        def launch(self, row, device, stream, values, tensors):
+        def launch_again(self, key):
+            return False
+
+        def launch(self, row, device, stream, values, tensors, key=None):
             launched.append((row["name"], device))
 
     def no_queries(arrays):
@@ -288,3 +294,63 @@ def test_the_torch_adapter_takes_one_cuda_device_from_torch():
         _device(torch.empty(1), torch.empty(1, device="meta"))
     with pytest.raises(DeviceError, match="CUDA"):
         _device(torch.empty(1), torch.empty(2))
+
+
+class _FakeContext:
+    def __init__(self, device):
+        self.handle = 7
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_again(built, monkeypatch):
+    """fa4_aot.api keys each call by its arrays and options; the library keeps the packed
+    launches of the last PLANS_KEPT keys and repeats them for the same key."""
+    import fa4_aot.api as api
+
+    from fa4_aot.arrays import DeviceArray
+
+    from .test_inputs import BASE, bshd
+
+    library = KernelLibrary(built[0])
+    launches, packs, checks = [], [], []
+    monkeypatch.setattr(loader, "_Context", _FakeContext)
+    monkeypatch.setattr(library, "arch", lambda device: "sm90a")
+    monkeypatch.setattr(library, "functions", lambda row, device, context=None: [f"fn{i}" for i in range(len(row["launches"]))])
+    monkeypatch.setattr(loader, "call", lambda fn, *args: launches.append(args) if fn is loader.cu.cuLaunchKernelEx else None)
+    monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes(128))
+    real_pack, real_check = loader.pack_params, api.check_forward
+    monkeypatch.setattr(loader, "pack_params", lambda *a: packs.append(1) or real_pack(*a))
+    monkeypatch.setattr(api, "check_forward", lambda *a: checks.append(1) or real_check(*a))
+    monkeypatch.setattr(api, "device_of", lambda arrays: 0)
+    b, s, h, d = 2, 300, 4, 64
+    q, k, v = (bshd(b, s, h, d, ptr=BASE + i * (1 << 24)) for i in range(3))
+    lse = DeviceArray(BASE + (3 << 24), (b, h, s), (h * s, s, 1), "fp32")
+
+    def run(out, **options):
+        api.forward(q, k, v, out, lse, library=library, **options)
+        return len(launches), len(packs), len(checks)
+
+    first = bshd(b, s, h, d, ptr=BASE + (4 << 24))
+    assert run(first) == (1, 1, 1)
+    assert run(first) == (2, 1, 1)  # kept: launched as packed, nothing checked or packed
+    assert launches[1] == launches[0]  # the same config, function and parameter pointers
+    assert run(bshd(b, s, h, d, ptr=BASE + (5 << 24))) == (3, 2, 2)  # another output array
+    assert run(first, softmax_scale=0.1) == (4, 3, 3)  # another option
+    assert run(first, stream=5) == (5, 4, 4)
+    with pytest.raises(Fa4AotError):  # a bad call is never kept: checked every time
+        api.forward(q, k, v, bshd(b, s, h, d, ptr=BASE + 2), lse, library=library)
+    with pytest.raises(Fa4AotError):
+        api.forward(q, k, v, bshd(b, s, h, d, ptr=BASE + 2), lse, library=library)
+    assert len(launches) == 5
+
+    monkeypatch.setattr(loader, "PLANS_KEPT", 2)
+    run(bshd(b, s, h, d, ptr=BASE + (6 << 24)))  # the least recently used keys are dropped
+    assert len(library._plans) == 2
+    packed = len(packs)
+    assert run(first)[1] == packed + 1  # its plan was dropped: checked and packed again
+    assert run(first)[1] == packed + 1
