@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
+from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd
 
 
 def host_us(fn, calls):
@@ -43,6 +43,26 @@ def main():
     empty = host_us(lambda: torch.empty(1, device="cuda"), args.calls)
     print(f"host time per call, us: forward {fwd:.1f} | backward (3 kernels, workspace from torch) {bwd:.1f} | "
           f"torch.empty for scale {empty:.1f}")
+    # the autograd entry point: torch's custom-op dispatch and the allocations of out/lse
+    # (and, with grad, the saved tensors and the backward's dq, dk, dv, workspace)
+    q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+
+    def step():
+        flash_attn_func(q_, k_, v_).backward(dout)
+
+    op_fwd = host_us(lambda: flash_attn_func(q, k, v), args.calls)
+    op_step = host_us(step, max(args.calls // 4, 50))
+    print(f"flash_attn_func (custom op), us: forward without grad {op_fwd:.1f} | forward + backward {op_step:.1f}")
+    # the same through torch SDPA's cuDNN backend ((b, h, s, d) layout), for scale
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    dout_t = dout.transpose(1, 2)
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        ref_fwd = host_us(lambda: sdpa(qt.detach(), kt.detach(), vt.detach()), args.calls)
+        ref_step = host_us(lambda: sdpa(qt, kt, vt).backward(dout_t), max(args.calls // 4, 50))
+    print(f"torch SDPA (cuDNN), us: forward without grad {ref_fwd:.1f} | forward + backward {ref_step:.1f}")
     if args.profile:
         import cProfile
         import pstats

@@ -80,6 +80,39 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
     return dq, dk, dv
 
 
+def _kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
+    """dout as the backward takes it: last dim contiguous, 16-byte-aligned strides."""
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
+        return dout.contiguous()
+    return dout
+
+
+class _FlashAttention(torch.autograd.Function):
+    """Eager autograd over the kernels: the custom ops below are what torch.compile traces,
+    but torch.library's per-call dispatch and aliasing checks cost about 100 us a forward
+    and 400 a backward on the H200's host (benchmarks/launch_overhead.py), several times
+    the launches themselves; eager calls take this path instead. Same kernels, same
+    results."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
+        out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return None, None, None, None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
+                                    ctx.deterministic)
+        return dq, dk, dv, None, None, None
+
+
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,9 +129,7 @@ def _(q, k, v, causal, softmax_scale, deterministic):
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
             lse: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
-        dout = dout.contiguous()
-    return flash_attn_bwd(dout, q, k, v, out, lse, causal, softmax_scale, deterministic)
+    return flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, causal, softmax_scale, deterministic)
 
 
 @_bwd_op.register_fake
@@ -132,5 +163,8 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     The gradient flows to q, k and v through the backward kernels (not through lse).
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _fwd_op(q, k, v, bool(causal), scale, bool(deterministic))
+    if torch.compiler.is_compiling():  # traced: the registered custom ops
+        out, lse = _fwd_op(q, k, v, bool(causal), scale, bool(deterministic))
+    else:
+        out, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -115,6 +115,27 @@ def test_torch_entry_point_gradients_and_compile():
         torch.testing.assert_close(x.grad, g, atol=2e-2, rtol=2e-2)
 
 
+def test_torch_entry_point_eager_path_and_lse():
+    """Eager calls take the plain autograd.Function (not the custom ops, whose dispatch
+    costs more host time than the kernels): lse carries no gradient, inputs without grad
+    build no graph, and the gradients match the custom-op path's bit for bit."""
+    q, k, v = (torch.randn(1, 200, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(1, 200, 2, 64, device="cuda", dtype=torch.bfloat16)
+    out, lse = flash_attn_func(q, k, v, causal=True, deterministic=True, return_lse=True)
+    assert out.grad_fn is not None and not lse.requires_grad
+    out.backward(dout)
+    from fa4_aot.torch import _fwd_op
+
+    out2, lse2 = _fwd_op(q, k, v, True, 1.0 / 8, True)
+    grads = torch.autograd.grad(out2, (q, k, v), dout)
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+    for g, x in zip(grads, (q, k, v)):
+        assert torch.equal(g, x.grad)
+    with torch.no_grad():
+        assert flash_attn_func(q, k, v).grad_fn is None
+    assert flash_attn_func(q.detach(), k.detach(), v.detach()).grad_fn is None
+
+
 def test_forward_and_backward_in_one_cuda_graph():
     q, k, v, dout, _, _ = _case((2, 500, 600, 4, 2), 96, torch.float16, True)
     import fa4_aot
