@@ -154,6 +154,25 @@ def test_wrong_architecture_is_refused_before_loading(built, monkeypatch):
     assert lib.arch(0) == "sm90a"
 
 
+class _RecordingLibrary:
+    """A KernelLibrary stand-in that records launches instead of making them (and keeps
+    no plans, so every call is checked and packed)."""
+
+    def __init__(self, folder):
+        self.manifest = Manifest(folder)
+        self.last, self.launched = {}, []
+
+    def arch(self, device):
+        return "sm90a"
+
+    def launch_again(self, key):
+        return False
+
+    def launch(self, row, device, stream, values, tensors, key=None):
+        self.last.update(row=row, values=values, tensors=tensors)
+        self.launched.append((row["name"], device))
+
+
 def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkeypatch):
     """fa4_aot.backward up to the driver call: every run-time value and tensor the three
     kernels' parameter plans name is provided (a missing one would only fail on a GPU), and
@@ -164,20 +183,8 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
 
     from .test_inputs import BASE, bshd
 
-    captured = {}
-
-    class FakeLibrary:
-        manifest = Manifest(built[0])
-
-        def arch(self, device):
-            return "sm90a"
-
-        def launch_again(self, key):
-            return False
-
-        def launch(self, row, device, stream, values, tensors, key=None):
-            captured.update(row=row, values=values, tensors=tensors)
-
+    library = _RecordingLibrary(built[0])
+    captured = library.last
     monkeypatch.setattr(api, "device_of", lambda arrays: 0)
     b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
     q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
@@ -185,7 +192,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
     workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d),), (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
-                 library=FakeLibrary())
+                 library=library)
     values, tensors = captured["values"], captured["tensors"]
     assert captured["row"]["name"] == "bwd.sm90a.bf16.d128.causal.det"
     for launch in captured["row"]["launches"]:
@@ -206,9 +213,9 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     monkeypatch.setattr(Manifest, "find", lambda self, **axes: stand_in)
     workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, deterministic=True),), (1,), "u8")
     with pytest.raises(ManifestError, match="accumulator copies"):  # a row built for another count
-        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=FakeLibrary())
+        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     stand_in["dq_chains"] = chains
-    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=FakeLibrary())
+    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     assert captured["values"]["dq_batch"] == b * chains
     assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)
 
@@ -253,20 +260,8 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
 
     from .test_inputs import BASE, bshd
 
-    launched = []
-
-    class FakeLibrary:
-        manifest = Manifest(built[0])
-
-        def arch(self, device):
-            return "sm90a"
-
-        def launch_again(self, key):
-            return False
-
-        def launch(self, row, device, stream, values, tensors, key=None):
-            launched.append((row["name"], device))
-
+    library = _RecordingLibrary(built[0])
+    launched = library.launched
     def no_queries(arrays):
         raise AssertionError("device_of called")
 
@@ -278,11 +273,11 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
     workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True),),
                             (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
-                 library=FakeLibrary(), _device=3)
+                 library=library, _device=3)
     assert launched == [("bwd.sm90a.bf16.d128.causal.det", 3)]
     with pytest.raises(AssertionError, match="device_of"):  # no hint: the driver is asked
         api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
-                     library=FakeLibrary())
+                     library=library)
 
 
 def test_the_torch_adapter_takes_one_cuda_device_from_torch():
