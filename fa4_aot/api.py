@@ -54,8 +54,7 @@ def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None)
 
 
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
-            q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None,
-            _device: int | None = None) -> None:
+            q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
     q, out: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
@@ -77,7 +76,7 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
     if library.launch_again(key):
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
-    device = device_of(arrays) if _device is None else _device
+    device = device_of(arrays)
     axes = dict(kind="fwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
                 causal=bool(causal))
     row = forward_row(library.manifest, axes, problem.sizes["seqlen_k"], q_tiles)
@@ -136,7 +135,7 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
              softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
-             library: KernelLibrary | None = None, _device: int | None = None) -> None:
+             library: KernelLibrary | None = None) -> None:
     """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
 
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
@@ -157,7 +156,7 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
     chains = dq_chains(bool(causal), bool(deterministic))
     regions = _carve(arrays["workspace"], problem, chains)
-    device = device_of(arrays) if _device is None else _device
+    device = device_of(arrays)
     row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
                                 head_dim=problem.head_dim, causal=bool(causal),
                                 deterministic=bool(deterministic))

@@ -22,6 +22,9 @@ class DeviceArray:
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
     dtype: str  # "bf16", "fp16", "fp32" or "u8"
+    # The CUDA device ordinal, where the array's producer says it (torch, DLPack); None:
+    # fa4_aot.checks.device_of asks the driver about the pointer.
+    device: int | None = None
 
     def __post_init__(self):
         if self.dtype not in ITEMSIZE:
@@ -126,7 +129,8 @@ def _from_dlpack(obj) -> DeviceArray:
             strides.append(acc)
             acc *= n
         strides = tuple(reversed(strides))
-    return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, dtype)
+    device = t.device.device_id if t.device.device_type == _DL_CUDA else None  # managed: ask the driver
+    return DeviceArray((t.data or 0) + t.byte_offset, shape, strides, dtype, device)
 
 
 def as_device_array(obj) -> DeviceArray:

@@ -23,29 +23,17 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 def as_device_array(t: torch.Tensor) -> DeviceArray:
     from .errors import DeviceError, DTypeError
 
-    if t.device.type != "cuda":
-        raise DeviceError(f"tensor is on {t.device}; move it to a CUDA device")
+    device = t.device
+    if device.type != "cuda":
+        raise DeviceError(f"tensor is on {device}; move it to a CUDA device")
     if t.dtype not in _DTYPES:
         raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16 or fp32")
-    return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype])
+    # the device torch knows: fa4_aot then asks the driver nothing about the pointer
+    return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype], device.index)
 
 
 def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
-
-
-def _device(*tensors: torch.Tensor) -> int:
-    """The one CUDA device of ``tensors``, from torch's metadata: the driver's pointer
-    queries (fa4_aot.checks.device_of, about 8 us an array) are skipped for torch callers."""
-    from .errors import DeviceError
-
-    devices = {t.device for t in tensors}
-    if len(devices) != 1:
-        raise DeviceError(f"tensors are on different devices: {sorted(str(d) for d in devices)}")
-    (device,) = devices
-    if device.type != "cuda":
-        raise DeviceError(f"tensors are on {device}; move them to a CUDA device")
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -57,10 +45,8 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     if lse is None:
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
-    tensors = (q, k, v, out, lse)
-    arrays = [as_device_array(t) for t in tensors]
-    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q),
-            _device=_device(*tensors))
+    arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
+    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q))
     return out, lse
 
 
@@ -73,10 +59,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
     b, s_q, h_q, d = q.shape
     workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
                             dtype=torch.uint8, device=q.device)
-    tensors = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
-    arrays = [as_device_array(t) for t in tensors]
+    arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
-             stream=_stream(q), _device=_device(*tensors))
+             stream=_stream(q))
     return dq, dk, dv
 
 
@@ -97,8 +82,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
         out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+        _setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
         return out, lse

@@ -252,43 +252,54 @@ def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):
 
 
 def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
-    """The torch adapter passes the device torch already knows (_device); the api then
-    asks the driver nothing about the arrays' memory before the launch."""
+    """Arrays whose producer gave their device (the torch adapter, DLPack) are taken at its
+    word: the api asks the driver nothing about their memory before the launch. Arrays on
+    different devices are refused either way."""
     import fa4_aot.api as api
+    import fa4_aot.checks as checks
 
     from fa4_aot.arrays import DeviceArray
+    from fa4_aot.errors import DeviceError
 
-    from .test_inputs import BASE, bshd
+    from .test_inputs import BASE
 
     library = _RecordingLibrary(built[0])
     launched = library.launched
-    def no_queries(arrays):
-        raise AssertionError("device_of called")
 
-    monkeypatch.setattr(api, "device_of", no_queries)
+    def no_queries(fn, *args):
+        raise AssertionError("the driver was asked about a pointer")
+
+    monkeypatch.setattr(checks, "call", no_queries)
     b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
-    q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
-    k, v, dk, dv = (bshd(b, sk, hkv, d) for _ in range(4))
-    lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
-    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True),),
-                            (1,), "u8")
-    api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
-                 library=library, _device=3)
+
+    def arrays(device):
+        def bshd(s, h):
+            return DeviceArray(BASE, (b, s, h, d), (s * h * d, h * d, d, 1), "bf16", device)
+
+        q, out, dout, dq = (bshd(sq, hq) for _ in range(4))
+        k, v, dk, dv = (bshd(sk, hkv) for _ in range(4))
+        lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32", device)
+        size = api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True)
+        workspace = DeviceArray(BASE, (size,), (1,), "u8", device)
+        return q, k, v, out, dout, lse, dq, dk, dv, workspace
+
+    api.backward(*arrays(3), causal=True, deterministic=True, library=library)
     assert launched == [("bwd.sm90a.bf16.d128.causal.det", 3)]
-    with pytest.raises(AssertionError, match="device_of"):  # no hint: the driver is asked
-        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
-                     library=library)
+    with pytest.raises(DeviceError, match="asked about a pointer"):  # no device given: the driver is asked
+        api.backward(*arrays(None), causal=True, deterministic=True, library=library)
+    with pytest.raises(DeviceError, match="different devices"):
+        checks.device_of({"q": DeviceArray(BASE, (1,), (1,), "u8", 0), "k": DeviceArray(BASE, (1,), (1,), "u8", 1)})
 
 
-def test_the_torch_adapter_takes_one_cuda_device_from_torch():
+def test_the_torch_adapter_takes_the_device_from_torch():
     torch = pytest.importorskip("torch")
     from fa4_aot.errors import DeviceError
-    from fa4_aot.torch import _device
+    from fa4_aot.torch import as_device_array
 
-    with pytest.raises(DeviceError, match="different devices"):
-        _device(torch.empty(1), torch.empty(1, device="meta"))
     with pytest.raises(DeviceError, match="CUDA"):
-        _device(torch.empty(1), torch.empty(2))
+        as_device_array(torch.empty(2))
+    if torch.cuda.is_available():
+        assert as_device_array(torch.empty(2, device="cuda")).device == torch.cuda.current_device()
 
 
 class _FakeContext:
