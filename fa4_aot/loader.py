@@ -195,12 +195,10 @@ class KernelLibrary:
                 config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
                 config.sharedMemBytes = launch["smem_bytes"]
                 config.hStream = handle
-                if launch["cluster"] != [1, 1, 1]:
-                    attr = cu.CUlaunchAttribute()
-                    attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                    attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch["cluster"]
-                    config.attrs = [attr]
-                    config.numAttrs = 1
+                attrs = launch_attributes(launch)
+                if attrs:
+                    config.attrs = attrs
+                    config.numAttrs = len(attrs)
                 # `buffer` stays referenced until the call returns; the driver copies it.
                 call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
                 plan.append((fn, config, pointers, buffer))
@@ -227,6 +225,24 @@ class KernelLibrary:
             if key in self._plans:
                 self._plans.move_to_end(key)
         return True
+
+
+def launch_attributes(launch: dict) -> list:
+    """The CUlaunchAttributes of a manifest launch: its cluster shape where it has one, and
+    programmatic stream serialization where it may overlap the launch before it (the
+    kernel waits with griddepcontrol.wait for what that launch writes)."""
+    attrs = []
+    if launch["cluster"] != [1, 1, 1]:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch["cluster"]
+        attrs.append(attr)
+    if launch["programmatic"]:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        attrs.append(attr)
+    return attrs
 
 
 def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:

@@ -15,11 +15,11 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 3  # 3: the q_tiles axis (forward query tiles per CTA)
+SCHEMA = 4  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
-LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "params")
+LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent
 

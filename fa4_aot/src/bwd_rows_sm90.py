@@ -51,7 +51,11 @@ class BwdRowsSm90:
         dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
-        64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses."""
+        64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
+
+        Launched as usual (after all earlier work on the stream), so the main kernel may be
+        placed as soon as every block here has started: see FlashBwdSm90.kernel."""
+        cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
@@ -117,7 +121,9 @@ class BwdRowsSm90:
         self, dqacc_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64, dq_sh: Int64,
         seqlen_q: Int32, heads_q: Int32, scale: Float32,
     ):
-        """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row."""
+        """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
+        Launched programmatically after the main kernel: waits for it to end first."""
+        cute.arch.griddepcontrol_wait()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW

@@ -34,6 +34,10 @@
    dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
 
+Kernels 2 and 3 are launched with programmatic stream serialization (PDL; the manifest's
+``programmatic``): each may be placed on the GPU once every block of the one before has
+started, and waits with griddepcontrol.wait before it reads what that one writes.
+
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
 every query head's contribution in registers, in a fixed order.
 Constraints: head_dim in {64, 96, 128, 192, 256}; see fwd_sm90 for the rest.
@@ -129,6 +133,11 @@ class FlashBwdSm90:
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
         self.rotate = not causal and not deterministic
+        # The producer issues a step's LSE2 and D after both its tiles (so D waits for Q's
+        # stage to free) instead of each right after its tile: deterministic at head_dim
+        # 64, +2-5% causal, equal not causal; slower elsewhere (not deterministic d64
+        # causal -5 to -7%, deterministic d96 -1 to -3%): docs/perf-notes.md, session 9.
+        self.late_stats = deterministic and head_dim == 64
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains)  # pre/postprocess
         self.tma_boxes = {}
@@ -247,6 +256,14 @@ class FlashBwdSm90:
         sds_layout: cute.ComposedLayout,
         sdq_layout: cute.ComposedLayout,
     ):
+        # Launched programmatically after the preprocess (manifest: "programmatic"): the
+        # CTAs may start while the preprocess's last ones run. Until griddepcontrol.wait
+        # returns, only its inputs, written before the preprocess started, are read (K, V,
+        # the first Q and dO tiles: ``load``); the statistics, the accumulator and the
+        # semaphores wait (``load``, ``dq_writer``). The consumers touch global memory only
+        # for dK and dV, which the preprocess does not. The postprocess may be placed as
+        # soon as every CTA here has started; it waits for this grid to end.
+        cute.arch.griddepcontrol_launch_dependents()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
@@ -338,19 +355,36 @@ class FlashBwdSm90:
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
             stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
-            # dO first: the consumers release it before Q.
-            for atom, g_all, s_all, pipe, stats_ptr, s_stats in (
-                (tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2),
-            ):
+            # dO first: the consumers release it before Q. The statistics follow both tiles
+            # at the first step (K, V and the first Q and dO tiles are put in flight before
+            # the wait for the preprocess, whose output they are: see kernel, programmatic
+            # launch) and, with late_stats, at every step; otherwise each follows its tile
+            # at once.
+            loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
+            for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
                 pipe.producer_acquire(state)
                 q_tile = cute.local_tile(g_all[None, None, head_q, batch], (self.tile_m, self.head_dim), (m_block, 0))
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
-                barrier = pipe.producer_get_barrier(state)
-                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=barrier)
-                with cute.arch.elect_one():
-                    bulk_copy_g2s(s_stats[None, state.index].iterator, stats_ptr + stats_at, barrier, 4 * self.tile_m)
+                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+                if const_expr(not self.late_stats):
+                    if step > 0:
+                        self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
+            if step == 0:
+                cute.arch.griddepcontrol_wait()
+            if const_expr(self.late_stats):
+                for _, _, _, pipe, stats_ptr, s_stats in loads:
+                    self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
+            else:
+                if step == 0:
+                    for _, _, _, pipe, stats_ptr, s_stats in loads:
+                        self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             state.advance()
+
+    def _load_stats(self, s_stats, src, pipe, state):
+        """A tile's tile_m statistics (LSE2 or D) onto its stage's mbarrier."""
+        with cute.arch.elect_one():
+            bulk_copy_g2s(s_stats[None, state.index].iterator, src, pipe.producer_get_barrier(state), 4 * self.tile_m)
 
     @cute.jit
     def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
@@ -704,6 +738,7 @@ class FlashBwdSm90:
         lane = tidx % 32
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)

@@ -93,8 +93,12 @@ def _compile(kernel, args, variant: Variant):
     return cubin, ptx, list(compiled.kernel_info)
 
 
-def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid, smem_bytes: int) -> dict:
-    """One kernel's launch contract, its parameter plan checked against PTX and cubin."""
+def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid, smem_bytes: int,
+            programmatic: bool = False) -> dict:
+    """One kernel's launch contract, its parameter plan checked against PTX and cubin.
+    ``programmatic``: launched with programmatic stream serialization, so it may start
+    before the launch before it on the stream ends (the kernel then calls
+    griddepcontrol.wait before it reads what that launch writes)."""
     abi.check_against_ptx(params, ptx, symbol)
     info = kernel_info(cubin, symbol)
     check_against_cubin(params, info)
@@ -104,6 +108,7 @@ def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid
         "cluster": [1, 1, 1],
         "grid": grid,
         "smem_bytes": int(smem_bytes),
+        "programmatic": programmatic,
         "static_smem_bytes": info.static_smem_bytes,
         "registers": info.registers,  # at entry; setmaxnreg moves them between roles
         "local_bytes": info.frame_bytes,  # stack frame: spills and local arrays
@@ -155,11 +160,12 @@ def compile_bwd(variant: Variant) -> dict:
     cubin, ptx, symbols = _compile(kernel, args, variant)
     rows = [["ceil_div", "seqlen_q", bwd_rows_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
     plans = {
-        "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
+        # the first launch waits for everything before it; the other two are programmatic
+        "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, False),
         "kernel": (abi.bwd_main_plan(), [kernel.threads, 1, 1],
                    [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
-                   kernel.smem_bytes),
-        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0),
+                   kernel.smem_bytes, True),
+        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, True),
     }
     order = ["preprocess", "kernel", "postprocess"]
     if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):

@@ -87,6 +87,12 @@ def test_launch_contract_is_complete(built, name):
         assert recipe["swizzle"] in ("64B", "128B")
     assert row["tensormaps"]["q"]["box"][1] == row["tiling"]["tile_m"]
     assert row["tensormaps"]["k"]["box"][1] == row["tiling"]["tile_n"]
+    # Only launches that wait on griddepcontrol may overlap the one before them: the
+    # backward's main kernel and postprocess, never a call's first launch.
+    programmatic = [launch["programmatic"] for launch in row["launches"]]
+    assert programmatic == ([False] if v.kind == "fwd" else [False, True, True])
+    ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
+    assert ("griddepcontrol.wait" in ptx) == (v.kind == "bwd")
 
 
 def test_rebuild_is_incremental(built):

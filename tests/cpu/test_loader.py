@@ -360,3 +360,16 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     packed = len(packs)
     assert run(first)[1] == packed + 1  # its plan was dropped: checked and packed again
     assert run(first)[1] == packed + 1
+
+
+def test_launch_attributes_follow_the_manifest():
+    from fa4_aot.driver import cu
+    from fa4_aot.loader import launch_attributes
+
+    assert launch_attributes({"cluster": [1, 1, 1], "programmatic": False}) == []
+    (attr,) = launch_attributes({"cluster": [1, 1, 1], "programmatic": True})
+    assert attr.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert attr.value.programmaticStreamSerializationAllowed == 1
+    cluster, _ = launch_attributes({"cluster": [2, 1, 1], "programmatic": True})
+    assert cluster.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert cluster.value.clusterDim.x == 2

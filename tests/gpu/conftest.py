@@ -27,3 +27,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if not READY:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def gen():
+    """A CUDA generator with a fresh seed for each test, printed so that a failure (pytest
+    shows the captured output of failed tests) can be rerun on the same inputs."""
+    import random
+
+    import torch
+
+    seed = random.randrange(2**31)
+    print(f"random inputs from seed {seed}")
+    return torch.Generator(device="cuda").manual_seed(seed)
