@@ -23,10 +23,12 @@
      the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is
      split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
-     (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96).
-     Non-deterministic, the dQ staging is double-buffered, and at 64 and 96 the
-     warpgroups are staggered: the dQ GEMM of a query tile is issued at the start of the
-     next one, once the other warpgroup has said its dS half is ready (``compute``).
+     (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96);
+     at 64 it is split along queries instead, as dQ^T = K^T dS^T with K^T in registers
+     (warpgroup w: query rows [32 w, 32 w + 32)). The dQ staging is double-buffered, and
+     at 96 (not deterministic) the warpgroups are staggered: the dQ GEMM of a query tile
+     is issued at the start of the next one, once the other warpgroup has said its dS
+     half is ready (``compute``).
    - 192, 256 (``compute_wide``): 64 keys per CTA, both warpgroups on every key; dV, dK
      and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so P and dS go
      through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
@@ -106,6 +108,14 @@ class FlashBwdSm90:
         # the 128-byte one (64-column halves or chunks).
         self.col_parts = 1 if head_dim == 128 else 2
         self.dq_cols = head_dim // 2
+        # head_dim 64: dQ^T = K^T dS^T instead, warpgroup w computing query rows
+        # [32 w, 32 w + 32) of the tile over all head dims, with K^T (64 x 128 keys) read once
+        # into registers as the A operand: the GEMM then reads only its 32 rows of dS from
+        # shared memory (8 KB per warpgroup, where dQ = dS K read the whole dS tile and a
+        # K^T half: 24 KB), on a kernel bound by shared-memory bandwidth.
+        self.dq_transposed = head_dim == 64
+        # the (rows, cols) of dQ one warpgroup stages per step, and their place in the tile
+        self.dq_tile = (tile_m // 2, head_dim) if self.dq_transposed else (tile_m, self.dq_cols)
         self.dq_buffers = self.num_consumers  # staging buffers per step, one reduce each
         # Double-buffered staging, so a warpgroup waits for the writer only when the writer
         # is two steps behind. Not wide: its shared memory is full. Deterministic variants
@@ -125,7 +135,9 @@ class FlashBwdSm90:
         # the faster one waits with its next GEMMs already queued. dQ's accumulator is
         # then live next to S^T and dP^T, which does not fit at 128. Not deterministic:
         # the later dQ delays the ordered reduces other CTAs wait for (measured slower).
-        self.stagger = not self.wide and head_dim <= 96 and not deterministic
+        # Not at 64 either: with K^T in registers (dq_transposed) the staggered loop spills
+        # (152 bytes); unstaggered and transposed measured +1-4% over staggered.
+        self.stagger = not self.wide and head_dim <= 96 and not deterministic and not self.dq_transposed
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
         self.ds_stages = 1 if self.wide else 2
@@ -164,7 +176,7 @@ class FlashBwdSm90:
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
             if wide:
                 sP: buf(s_ds)  # (tile_m, tile_n)
-            sdQ: buf(s_dq, Float32)  # (tile_m, dq_cols, dq_buffers * dq_stages) fp32 staging
+            sdQ: buf(s_dq, Float32)  # (*dq_tile, dq_buffers * dq_stages) fp32 staging
 
         return Storage
 
@@ -201,7 +213,7 @@ class FlashBwdSm90:
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
         s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
-        s_dq = smem_layout(Float32, self.tile_m, self.dq_cols, self.dq_buffers * self.dq_stages)
+        s_dq = smem_layout(Float32, *self.dq_tile, self.dq_buffers * self.dq_stages)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
@@ -211,7 +223,7 @@ class FlashBwdSm90:
         tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.tile_n, self.head_dim))
         tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
         tma_dq, gdq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, (self.tile_m, self.dq_cols))
+            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.dq_tile)
         self.tma_boxes = {
             name: (str(atom.type), str(layout.inner))
             for name, atom, layout in (
@@ -398,7 +410,10 @@ class FlashBwdSm90:
         m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
-        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)  # (queries, dq_cols), k = keys
+        if const_expr(self.dq_transposed):
+            mma_dq = tiled_mma(self.dtype, "K", "K", (1, 1, 1), tm // 2, a_in_registers=True)  # (d, queries), k = keys
+        else:
+            mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)  # (queries, dq_cols), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_first = wg * WARPGROUP
         wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
@@ -418,13 +433,19 @@ class FlashBwdSm90:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        # dQ: dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
-            cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
+        if const_expr(self.dq_transposed):
+            # dQ^T: K^T (all head dims, all keys; registers, loaded below) x dS^T (this
+            # warpgroup's query rows of dS, keys contiguous: the B operand, K-major)
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sdS, (tm // 2, tn), (wg, 0, None))))
+            tQrKt = wg_dq.make_fragment_A(wg_dq.partition_shape_A((d, tn)))
+        else:
+            # dQ: dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(
+                cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
         (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col,
          dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ)  # (..., buffer)
+        tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ) if self.dq_transposed else sdQ)  # (..., buffer)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -434,6 +455,12 @@ class FlashBwdSm90:
             cute.copy(load_a, thr_load_a.partition_S(sV), thr_load_a.retile(tPrV_r))
             _, _, tSrQ, _, tPrdO = score_operands
             score_operands = (mma_rs, tSrK_r, tSrQ, tPrV_r, tPrdO)
+        if const_expr(self.dq_transposed):
+            load_kt = cute.make_tiled_copy_A(
+                cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+                mma_dq)
+            thr_load_kt = load_kt.get_slice(tidx % WARPGROUP)
+            cute.copy(load_kt, thr_load_kt.partition_S(transpose_smem(sK)), thr_load_kt.retile(tQrKt))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         other = 1 - wg
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
@@ -452,11 +479,10 @@ class FlashBwdSm90:
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 self._issue_scores(acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
                                    s_coords, sLSE2, sDsum, lse2_col, dsum_col)
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
                 if const_expr(late_dq):
                     self._ready_wait(other, step - 1)
-                    wgmma(mma_dq, acc_dq, tQrdS[None, None, None, (step - 1) % self.ds_stages], tQrKt, False,
-                          wait=False)
+                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, (step - 1) % self.ds_stages], tQrKt)
                     warpgroup.wait_group(2)
                 else:
                     warpgroup.wait_group(1)
@@ -487,7 +513,7 @@ class FlashBwdSm90:
                     pipe_do.consumer_release(state)
                 else:
                     cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-                    wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
+                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt)
                     wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
                     warpgroup.wait_group(1)  # dV and dQ done; dK in flight
                     pipe_do.consumer_release(state)
@@ -499,8 +525,9 @@ class FlashBwdSm90:
         if const_expr(self.stagger):
             if steps > 0:  # the last tile's dQ
                 self._ready_wait(other, steps - 1)
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, self.dq_cols)), Float32)
-                wgmma(mma_dq, acc_dq, tQrdS[None, None, None, (steps - 1) % self.ds_stages], tQrKt, False, wait=True)
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
+                self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, (steps - 1) % self.ds_stages], tQrKt)
+                warpgroup.wait_group(0)
                 self._stage_dq(wg, steps - 1, acc_dq, dq_copy, thr_dq_copy,
                                tdQ_smem[None, None, None, self._dq_buffer(wg, steps - 1)])
 
@@ -600,6 +627,20 @@ class FlashBwdSm90:
                 m_block = m_block - m_blocks
         return m_block
 
+    def _dq_acc_shape(self):
+        """The dQ GEMM's output tile: (queries, head-dim half), or transposed (d, queries)."""
+        if self.dq_transposed:
+            return (self.head_dim, self.tile_m // 2)
+        return (self.tile_m, self.dq_cols)
+
+    def _dq_gemm(self, mma_dq, acc_dq, frag_ds, frag_kt):
+        """Issue dQ = dS K (dS from shared memory, K^T half too), or dQ^T = K^T dS^T (K^T
+        in registers); not waited for."""
+        if const_expr(self.dq_transposed):
+            wgmma(mma_dq, acc_dq, frag_kt, frag_ds, False, wait=False)
+        else:
+            wgmma(mma_dq, acc_dq, frag_ds, frag_kt, False, wait=False)
+
     @cute.jit
     def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
         """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer."""
@@ -643,7 +684,9 @@ class FlashBwdSm90:
         acc_dk.fill(0.0)
         s_shape = thr_sdp.partition_shape_C((tn, tm))
         s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tn, tm))))
-        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=64)
+        # transposed, a thread's adjacent accumulator columns are staged in different rows
+        dq_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32,
+                                      num_bits_per_copy=32 if self.dq_transposed else 64)
         dq_copy = cute.make_tiled_copy_C(dq_atom, mma_dq)
         ds_atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         ds_copy = cute.make_tiled_copy_C(ds_atom, mma_sdp)
@@ -762,8 +805,8 @@ class FlashBwdSm90:
             for w in cutlass.range_constexpr(self.dq_buffers):
                 buffer = self._dq_buffer(w, step)
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain],
-                                       (self.tile_m, self.dq_cols), (m_block, w))
+                at = (2 * m_block + w, 0) if const_expr(self.dq_transposed) else (m_block, w)
+                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile, at)
                 part_s, part_g = cpasync.tma_partition(
                     tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
                     cute.group_modes(tile, 0, 2))
