@@ -150,6 +150,10 @@ class FlashBwdSm90:
         # 64, +2-5% causal, equal not causal; slower elsewhere (not deterministic d64
         # causal -5 to -7%, deterministic d96 -1 to -3%): docs/perf-notes.md, session 9.
         self.late_stats = deterministic and head_dim == 64
+        # head_dim 64: a tile's S^T is issued behind the previous tile's dK GEMM (see
+        # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for one
+        # spilled register (8 bytes, reloaded once a step); wider heads lack the registers.
+        self.overlap_scores = head_dim == 64
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains)  # pre/postprocess
         self.tma_boxes = {}
@@ -405,7 +409,9 @@ class FlashBwdSm90:
         """tidx: 0..255 over the consumer warpgroups. Per query tile, in issue order:
         S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
         memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
-        stage it for the writer warp while dK runs."""
+        stage it for the writer warp while dK runs. At head_dim 64 (overlap_scores) the
+        next tile's S^T is issued behind dK (``_overlapped_step``); at 96 the warpgroups
+        are staggered (see __init__)."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
@@ -463,9 +469,30 @@ class FlashBwdSm90:
             cute.copy(load_kt, thr_load_kt.partition_S(transpose_smem(sK)), thr_load_kt.retile(tQrKt))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         other = 1 - wg
+        if const_expr(self.overlap_scores):
+            s_tile = cute.make_rmem_tensor(s_shape, Float32)
+            dp_tile = cute.make_rmem_tensor(s_shape, Float32)
+            if steps > 0:
+                self._issue_s_gemm(s_tile, score_operands, pipe_q, state)
+                warpgroup.wait_group(0)  # none in flight into the loop (see _overlapped_step)
+            # the last step issues no next scores: the loop runs steps - 1 times, no branch
+            # around a wgmma inside it
+            for overlapped in cutlass.range(steps - 1, unroll=1):
+                self._overlapped_step(
+                    overlapped, True, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state, s_coords, sLSE2,
+                    sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks, seqlen_q,
+                    seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
+                    tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
+                state.advance()
+            if steps > 0:
+                self._overlapped_step(
+                    steps - 1, False, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state, s_coords, sLSE2,
+                    sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks, seqlen_q,
+                    seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
+                    tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
         # around a wgmma inside the loop.
-        for phase in cutlass.range_constexpr(2 if self.stagger else 1):
+        for phase in cutlass.range_constexpr(0 if self.overlap_scores else (2 if self.stagger else 1)):
             count = steps
             if const_expr(self.stagger):
                 count = cutlass.min(steps, 1) if phase == 0 else steps - 1
@@ -626,6 +653,61 @@ class FlashBwdSm90:
             if m_block >= m_blocks:
                 m_block = m_block - m_blocks
         return m_block
+
+    @cute.jit
+    def _overlapped_step(self, step, issue_next: cutlass.Constexpr[bool], wg, acc_s, acc_dp, score_operands,
+                         pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv,
+                         group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS,
+                         tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt,
+                         dq_copy, thr_dq_copy, tdQ_smem):
+        """One query tile (overlap_scores) whose S^T the step before issued: dP^T issued,
+        then as ``compute``; the next tile's S^T is issued right behind this tile's dK GEMM,
+        once the registers of P^T and the dQ accumulator are free, so the tensor pipe has
+        it queued while dK runs and the step's bookkeeping is done. (Issuing dP^T there
+        too, or before staging dQ, runs out of registers: ptxas serializes every wgmma,
+        C7512.)"""
+        m_block = self._m_block(step, m_first, span, m_blocks)
+        ds_stage = step % self.ds_stages
+        mma, _, _, tPrV, tPrdO = score_operands
+        pipe_do.consumer_wait(state)
+        wgmma(mma, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+        warpgroup.wait_group(1)  # S^T done
+        for j in cutlass.range_constexpr(cute.size(lse2_col)):
+            lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
+            dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
+        self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+        tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+        warpgroup.wait_group(0)  # dP^T done
+        self._grads(acc_s, acc_dp, dsum_col)
+        wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+        ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+        ds.store(acc_dp.load().to(self.dtype))
+        tKrdS.store(acc_as_operand_a(ds).load())
+        cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+        acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
+        self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt)
+        wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
+        warpgroup.wait_group(1)  # dV and dQ done; dK in flight
+        pipe_do.consumer_release(state)
+        self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
+        if const_expr(issue_next):
+            # behind dK, once P^T and the dQ accumulator are spent (registers)
+            following = state.clone()
+            following.advance()
+            self._issue_s_gemm(acc_s, score_operands, pipe_q, following)
+        # dK (and the next S^T) done: a wgmma left in flight across the loop's back edge
+        # makes ptxas serialize every wgmma of the kernel (C7514, measured at compile)
+        warpgroup.wait_group(0)
+        pipe_q.consumer_release(state)
+
+    @cute.jit
+    def _issue_s_gemm(self, acc_s, operands, pipe_q, state):
+        """S^T of one query tile issued as its Q lands."""
+        mma, tSrK, tSrQ, _, _ = operands
+        pipe_q.consumer_wait(state)
+        wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
 
     def _dq_acc_shape(self):
         """The dQ GEMM's output tile: (queries, head-dim half), or transposed (d, queries)."""
