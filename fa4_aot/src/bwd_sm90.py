@@ -17,7 +17,7 @@
    fp32 accumulator by TMA reduce-add: in any order by default or, when deterministic, in
    a fixed key-tile order per query tile and accumulator copy, serialized by a
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
-   causal; two copies when not causal, variants.dq_chains; see ``dq_writer``).
+   causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
    Per head dim:
    - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
      the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is
@@ -52,7 +52,8 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..variants import dq_chains
-from .bwd_order import dq_chain, dq_turn, first_query_tile, key_tile_of_launch
+from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
+from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .launch_order import BWD_CAUSAL_HEAD_GROUP, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
@@ -66,17 +67,14 @@ CONSUMER_REGS = 240
 EPILOGUE_BARRIER = 1
 DS_BARRIER = 2  # both consumer warpgroups: dS (and P) written before the GEMMs read them
 # (staggered: 2 + w, warpgroup w alone, before it tells the other one through READY)
-# Per dQ staging buffer b = w + 2 * stage (warpgroup w; stage: step % dq_stages):
-DQ_FULL_BARRIER = 4  # .. 7: warpgroup w has staged its dQ tile in buffer b for the writer
-DQ_EMPTY_BARRIER = 8  # .. 11: the writer's reduce has read buffer b
+# 4 .. 11: the dQ staging buffers' barriers (bwd_dq_handoff)
 READY_BARRIER = 12  # .. 15, 2 w + step parity (staggered): warpgroup w's dS of that step is in
 # shared memory and its dQ GEMM of the step before is done
-DQ_WRITER_WARP = 1  # of the producer warpgroup
 # Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
 ROTATION_TILES = 2
 
 
-class FlashBwdSm90:
+class FlashBwdSm90(DqHandoff):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
@@ -723,34 +721,9 @@ class FlashBwdSm90:
         else:
             wgmma(mma_dq, acc_dq, frag_ds, frag_kt, False, wait=False)
 
-    @cute.jit
-    def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
-        """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer."""
-        buffer = self._claim_dq(wg, step)
-        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
-        self._hand_dq(buffer)
-
-    @cute.jit
-    def _claim_dq(self, wg, step):
-        """This step's staging buffer of warpgroup ``wg``, once the writer's reduce from
-        dq_stages steps ago has read it."""
-        buffer = self._dq_buffer(wg, step)
-        if step >= self.dq_stages:
-            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-        return buffer
-
-    def _hand_dq(self, buffer):
-        """The staged buffer (written by this warpgroup) to the writer warp."""
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-
     def _ready_wait(self, wg, step):
         """Wait until warpgroup ``wg`` has said READY for ``step`` (staggered)."""
         cute.arch.barrier(barrier_id=READY_BARRIER + 2 * wg + step % 2, number_of_threads=2 * WARPGROUP)
-
-    def _dq_buffer(self, wg, step):
-        """The staging buffer of warpgroup ``wg`` at ``step``."""
-        return wg + self.dq_buffers * (step % self.dq_stages)
 
     # ------------------------------------------------------------------ shared steps
     def _step_tensors(self, tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq):
@@ -839,74 +812,3 @@ class FlashBwdSm90:
                         EPILOGUE_BARRIER, 2 * WARPGROUP)
         stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv, cute.local_tile(gdV, tile, (n_block, 0)),
                         EPILOGUE_BARRIER, 2 * WARPGROUP)
-
-    # ------------------------------------------------------------------ dQ writer warp
-    @cute.jit
-    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
-                  m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles):
-        """Add each staged dQ tile into the fp32 accumulator by TMA reduce-add, off the
-        consumers' critical path: they only wait for the buffer to be read.
-
-        Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
-        tiles add into it in a fixed order, one turn per CTA per run, counted by a
-        per-(batch, head, run, copy) semaphore. Non-causal: key tile n adds into
-        accumulator copy n % chains, in ascending n within the copy (the postprocess sums
-        the copies in order), so each turn passes through half the CTAs. Causal: shortest
-        processing time first: the CTAs are launched highest key tile first, and a run's
-        turns go from the highest key tile touching it downward, so a CTA only ever waits
-        for CTAs launched before it. A turn is held over the run's reduces and ends once
-        they are complete, so its latency (the reduces' completion, the release, the next
-        CTA's poll) is paid once per run; holding it longer delays the CTAs behind. Each
-        query tile's order of key tiles is the same for every ``turn_tiles``, and so are
-        the results' bits.
-        """
-        lane = tidx % 32
-        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
-        for step in cutlass.range(steps, unroll=1):
-            head_q = head_kv * group + step // span
-            m_block = self._m_block(step, m_first, span, m_blocks)
-            chain = 0
-            if const_expr(self.deterministic):
-                run = m_block // turn_tiles
-                chain = dq_chain(n_block, self.chains)
-                sem = sem_ptr + ((batch * heads_q + head_q) * m_blocks + run) * self.chains + chain
-                # this CTA's last tile of the run: the run's last, or the head's
-                run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
-                if m_block % turn_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
-                    turn = dq_turn(n_block, run, turn_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
-                                   self.tile_m, self.tile_n, self.causal, self.chains)
-                    if lane == 0:
-                        # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
-                        while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
-                            pass
-                    cute.arch.sync_warp()
-            # The turn is taken before the staged tile is waited for: waiting for the tile
-            # first put the turn's poll on every step's critical path (measured slower).
-            for w in cutlass.range_constexpr(self.dq_buffers):
-                buffer = self._dq_buffer(w, step)
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-                at = (2 * m_block + w, 0) if const_expr(self.dq_transposed) else (m_block, w)
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile, at)
-                part_s, part_g = cpasync.tma_partition(
-                    tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
-                    cute.group_modes(tile, 0, 2))
-                cute.copy(tma_dq, part_s, part_g)
-                cute.arch.cp_async_bulk_commit_group()
-            # The staging buffers go back as soon as the reduces have read them; a turn ends
-            # only once its run's reduces are complete (deterministic: measured faster than
-            # returning the buffers after completion, with two-tile runs; docs/perf-notes.md).
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if step + self.dq_stages < steps:  # waited for only by a later step's staging
-                for w in cutlass.range_constexpr(self.dq_buffers):
-                    cute.arch.barrier_arrive(
-                        barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(w, step), number_of_threads=WARPGROUP + 32)
-            if const_expr(self.deterministic):
-                if run_ends:
-                    cute.arch.cp_async_bulk_wait_group(0, read=False)
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.fence_acq_rel_gpu()
-                        cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=False)
