@@ -148,10 +148,11 @@ class FlashBwdSm90(DqHandoff):
         # 64, +2-5% causal, equal not causal; slower elsewhere (not deterministic d64
         # causal -5 to -7%, deterministic d96 -1 to -3%): docs/perf-notes.md, session 9.
         self.late_stats = deterministic and head_dim == 64
-        # head_dim 64: a tile's S^T is issued behind the previous tile's dK GEMM (see
+        # head_dim 64, bf16: a tile's S^T is issued behind the previous tile's dK GEMM (see
         # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for one
-        # spilled register (8 bytes, reloaded once a step); wider heads lack the registers.
-        self.overlap_scores = head_dim == 64
+        # spilled register (8 bytes, reloaded once a step). The same code in fp16 runs out
+        # of registers (ptxas serializes every wgmma, C7512); wider heads too.
+        self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains)  # pre/postprocess
         self.tma_boxes = {}

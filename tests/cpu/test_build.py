@@ -206,6 +206,18 @@ def test_each_wgmma_chain_is_one_group(built, name):
     assert not split, f"{len(split)} wgmmas continue a chain after a gsb0 with no wait: {split[:3]}"
 
 
+@pytest.mark.parametrize("name", SUBSET)
+def test_no_wgmma_is_serialized(built, name):
+    """Every GEMM's k-blocks share one commit group (every GEMM here has at least four),
+    so a kernel has well under one WARPGROUP.ARRIVE per HGMMA. ptxas serializes all of a
+    kernel's wgmmas, an arrive and a wait around each, when their registers do not fit
+    (C7512) or one stays in flight across a loop's back edge (C7514): the d64 fp16
+    backward once did, silently, where bf16 did not (perf notes, session 9)."""
+    sass = _sass(built, name)
+    hgmma, arrive = sass.count("HGMMA."), sass.count("WARPGROUP.ARRIVE")
+    assert hgmma and 2 * arrive <= hgmma, f"{arrive} arrives for {hgmma} HGMMA: serialized wgmmas"
+
+
 def test_a_variant_that_fails_to_compile_fails_the_build_with_its_traceback(tmp_path):
     """A worker's exception that cannot be unpickled (the DSL's errors are such) used to
     leave the process pool waiting forever; the build must stop with the traceback."""
