@@ -14,11 +14,10 @@ import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
+from .bwd_barriers import DQ_EMPTY_BARRIER, DQ_FULL_BARRIER
 from .bwd_order import dq_chain, dq_turn
 from .sm90_common import WARPGROUP
 
-DQ_FULL_BARRIER = 4  # .. 7: warpgroup w has staged its dQ tile in buffer b for the writer
-DQ_EMPTY_BARRIER = 8  # .. 11: the writer's reduce has read buffer b
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 
 
