@@ -75,15 +75,16 @@ FWD_SM90_TILING = {
 # Backward: 128 keys per CTA (64 per consumer warpgroup), 64 query rows per step, Q/dO
 # double-buffered; four stages at head_dim 64 (three: +1-2% not causal, session 7; four:
 # +2-4% deterministic, equal otherwise, session 9; three at 96 measured 0-2% slower:
-# docs/perf-notes.md). head_dim 192/256: 64 keys per CTA, both warpgroups on
-# every key and each on half of the head dims (dK, dV fp32 64 x d/2 per warpgroup); 256 has
-# room for one Q/dO buffer only (208 KB of smem, as 192 with two).
+# docs/perf-notes.md). head_dim 192: 64 keys per CTA, both warpgroups on every key and
+# each on half of the head dims (dK, dV fp32 64 x 96 per warpgroup; 208 KB of smem).
+# head_dim 256: 80 keys per CTA, dK, dV and dQ computed with the head dim on the GEMMs' M
+# side (dK^T, dV^T fp32 128 x 80 per warpgroup); room for one Q/dO buffer (214 KB).
 BWD_SM90_TILING = {
     64: Tiling(64, 128, 4),
     96: Tiling(64, 128, 2),
     128: Tiling(64, 128, 2),
     192: Tiling(64, 64, 2),
-    256: Tiling(64, 64, 1),
+    256: Tiling(64, 80, 1),
 }
 
 

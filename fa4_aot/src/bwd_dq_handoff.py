@@ -3,10 +3,13 @@ dQ share in shared memory, and the dQ writer warp adds it into the fp32 accumula
 global memory by TMA reduce-add, in a fixed order when deterministic.
 
 ``DqHandoff`` is a mixin of ``bwd_sm90.FlashBwdSm90``: it reads that class's knobs
-(tile_m, tile_n, dq_tile, dq_transposed, dq_buffers, dq_stages, chains, causal,
-deterministic) and its ``_m_block``. Staging buffers: b = w + dq_buffers * (step %
-dq_stages) for warpgroup w, each with a FULL barrier (staged, for the writer) and an
-EMPTY one (read by the writer's reduce, for the warpgroup's next use).
+(tile_m, tile_n, dq_tile, dq_parts, dq_slots, dq_stages, head_on_m, dq_transposed,
+chains, causal, deterministic) and its ``_m_block``. Each step stages ``dq_parts`` tiles
+(part p: warpgroup p, or at head_dim 256 warpgroup p // 2's head-dim chunk p % 2) in
+``dq_slots`` buffers: b = p + dq_parts * (step % dq_stages) where every part has
+dq_stages buffers of its own, else the parts take the buffers in turn (step * dq_parts +
+p) % dq_slots. Each buffer has a FULL barrier (staged, for the writer) and an EMPTY one
+(read by the writer's reduce, for the buffer's next use).
 """
 
 import cutlass
@@ -26,19 +29,24 @@ class DqHandoff:
     (``dq_writer``) of the dQ staging buffers."""
 
     @cute.jit
-    def _stage_dq(self, wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
-        """Hand this warpgroup's dQ half to the writer warp in this step's staging buffer."""
-        buffer = self._claim_dq(wg, step)
-        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem)
+    def _stage_dq(self, part, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem):
+        """Hand dQ part ``part`` of ``step`` to the writer warp in its staging buffer
+        (``tdQ_smem``: this thread's view of every buffer)."""
+        buffer = self._claim_dq(part, step)
+        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[None, None, None, buffer])
         self._hand_dq(buffer)
 
     @cute.jit
-    def _claim_dq(self, wg, step):
-        """This step's staging buffer of warpgroup ``wg``, once the writer's reduce from
-        dq_stages steps ago has read it."""
-        buffer = self._dq_buffer(wg, step)
-        if step >= self.dq_stages:
-            cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+    def _claim_dq(self, part, step):
+        """The staging buffer of dQ part ``part`` of ``step``, once the writer's reduce of
+        the buffer's previous tile has read it."""
+        buffer = self._dq_buffer(part, step)
+        if const_expr(self._dq_own_buffers()):
+            if step >= self.dq_stages:
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+        else:
+            if step * self.dq_parts + part >= self.dq_slots:
+                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
         return buffer
 
     def _hand_dq(self, buffer):
@@ -46,9 +54,21 @@ class DqHandoff:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
 
-    def _dq_buffer(self, wg, step):
-        """The staging buffer of warpgroup ``wg`` at ``step``."""
-        return wg + self.dq_buffers * (step % self.dq_stages)
+    def _dq_own_buffers(self):
+        """Every part has dq_stages buffers of its own (else the parts share them in turn)."""
+        return self.dq_slots == self.dq_parts * self.dq_stages
+
+    def _dq_buffer(self, part, step):
+        """The staging buffer of dQ part ``part`` at ``step``."""
+        if const_expr(self._dq_own_buffers()):
+            return part + self.dq_parts * (step % self.dq_stages)
+        return (step * self.dq_parts + part) % self.dq_slots
+
+    def _dq_at(self, part, m_block):
+        """Where part ``part`` of query tile m_block lies in the accumulator, in dq_tile units."""
+        if const_expr(self.dq_transposed):
+            return (2 * m_block + part, 0)  # query rows [32 part, 32 part + 32) of the tile
+        return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 
     @cute.jit
     def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
@@ -93,24 +113,32 @@ class DqHandoff:
                     cute.arch.sync_warp()
             # The turn is taken before the staged tile is waited for: waiting for the tile
             # first put the turn's poll on every step's critical path (measured slower).
-            for w in cutlass.range_constexpr(self.dq_buffers):
-                buffer = self._dq_buffer(w, step)
+            for part in cutlass.range_constexpr(self.dq_parts):
+                buffer = self._dq_buffer(part, step)
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-                at = (2 * m_block + w, 0) if const_expr(self.dq_transposed) else (m_block, w)
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile, at)
+                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile,
+                                       self._dq_at(part, m_block))
                 part_s, part_g = cpasync.tma_partition(
                     tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
                     cute.group_modes(tile, 0, 2))
                 cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
-            # The staging buffers go back as soon as the reduces have read them; a turn ends
-            # only once its run's reduces are complete (deterministic: measured faster than
-            # returning the buffers after completion, with two-tile runs; docs/perf-notes.md).
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if step + self.dq_stages < steps:  # waited for only by a later step's staging
-                for w in cutlass.range_constexpr(self.dq_buffers):
-                    cute.arch.barrier_arrive(
-                        barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(w, step), number_of_threads=WARPGROUP + 32)
+                if const_expr(not self._dq_own_buffers()):
+                    # shared buffers: a later part of this very step may be waiting for this one
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    if step * self.dq_parts + part + self.dq_slots < steps * self.dq_parts:  # a later use waits
+                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+            if const_expr(self._dq_own_buffers()):
+                # The staging buffers go back as soon as the reduces have read them; a turn
+                # ends only once its run's reduces are complete (deterministic: measured
+                # faster than returning the buffers after completion, with two-tile runs;
+                # docs/perf-notes.md).
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if step + self.dq_stages < steps:  # waited for only by a later step's staging
+                    for part in cutlass.range_constexpr(self.dq_parts):
+                        cute.arch.barrier_arrive(
+                            barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(part, step),
+                            number_of_threads=WARPGROUP + 32)
             if const_expr(self.deterministic):
                 if run_ends:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -55,6 +55,7 @@ from ..variants import dq_chains
 from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
 from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
 from .bwd_order import first_query_tile, key_tile_of_launch
+from .bwd_head_on_m_sm90 import HeadOnMCompute
 from .bwd_wide_sm90 import WideCompute
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .launch_order import BWD_CAUSAL_HEAD_GROUP, launch_in_head_groups
@@ -70,16 +71,21 @@ CONSUMER_REGS = 240
 ROTATION_TILES = 2
 
 
-class FlashBwdSm90(WideCompute, DqHandoff):
+class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
                  tile_m: int, tile_n: int, stages: int):
-        # wide (head_dim 192, 256): dK, dV and dQ split along head_dim between the
-        # warpgroups, both on all 64 keys; P and dS then go through shared memory.
-        self.wide = head_dim > 128
+        # wide (head_dim 192): dK, dV and dQ split along head_dim between the warpgroups,
+        # both on all 64 keys; P and dS then go through shared memory.
+        self.wide = head_dim == 192
+        # head_on_m (head_dim 256): 80 keys per CTA; dK, dV and dQ computed transposed, the
+        # head dim on the M side of the GEMMs (bwd_head_on_m_sm90); P and dS go through
+        # shared memory too.
+        self.head_on_m = head_dim == 256
+        self.p_in_smem = self.wide or self.head_on_m
         assert head_dim in (64, 96, 128, 192, 256) and tile_m == ROWS_PER_BLOCK == 64
-        assert tile_n == (64 if self.wide else 128)
+        assert tile_n == (80 if self.head_on_m else 64 if self.wide else 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -109,14 +115,21 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         # K^T half: 24 KB), on a kernel bound by shared-memory bandwidth.
         self.dq_transposed = head_dim == 64
         # the (rows, cols) of dQ one warpgroup stages per step, and their place in the tile
-        self.dq_tile = (tile_m // 2, head_dim) if self.dq_transposed else (tile_m, self.dq_cols)
-        self.dq_buffers = self.num_consumers  # staging buffers per step, one reduce each
+        # (head_on_m: a warpgroup's 128 head dims in two 64-column chunks, one tile each)
+        if self.dq_transposed:
+            self.dq_tile = (tile_m // 2, head_dim)
+        else:
+            self.dq_tile = (tile_m, self.dq_chunk if self.head_on_m else self.dq_cols)
+        self.dq_parts = 4 if self.head_on_m else self.num_consumers  # staged tiles per step, one reduce each
         # Double-buffered staging, so a warpgroup waits for the writer only when the writer
         # is two steps behind. Not wide: its shared memory is full. Deterministic variants
         # too since their writer returns a buffer once read and accumulates into two
         # copies (one staging buffer measured faster before that; session 8: d64 det
         # +2-4%, d128 +0.5-1%, docs/perf-notes.md).
-        self.dq_stages = 1 if self.wide else 2
+        self.dq_stages = 1 if self.p_in_smem else 2
+        # head_on_m: three 16 KB buffers that the four parts of a step take in turn (four
+        # do not fit next to 80-key K and V)
+        self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
         # head_dim 64: K and V read once into registers as the A operands of S^T and dP^T
         # (32 registers), so those GEMMs read only Q and dO from shared memory (ncu: its
         # pipe 76% busy, 1796 wavefronts a step for 1280 tensor cycles; this takes 252
@@ -134,7 +147,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         self.stagger = not self.wide and head_dim <= 96 and not deterministic and not self.dq_transposed
         # dS double-buffered: one barrier per step orders its reuse. wide: single P and
         # dS buffers (shared memory is full), a second barrier orders their reuse.
-        self.ds_stages = 1 if self.wide else 2
+        self.ds_stages = 1 if self.p_in_smem else 2
         # Rotated query loops (not causal, not deterministic: see kernel). Deterministic
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
@@ -158,7 +171,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         def buf(layout, dtype=self.dtype):
             return smem_buffer(layout, dtype)
 
-        stages, wide = self.stages, self.wide
+        stages, p_in_smem = self.stages, self.p_in_smem
         stats = cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
 
         @cute.struct
@@ -172,10 +185,10 @@ class FlashBwdSm90(WideCompute, DqHandoff):
             sV: buf(s_kv)
             sQ: buf(s_q)  # also dK's staging tile
             sdO: buf(s_q)  # also dV's staging tile
-            sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages)
-            if wide:
+            sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages); head_on_m: (tile_n, tile_m)
+            if p_in_smem:
                 sP: buf(s_ds)  # (tile_m, tile_n)
-            sdQ: buf(s_dq, Float32)  # (*dq_tile, dq_buffers * dq_stages) fp32 staging
+            sdQ: buf(s_dq, Float32)  # (*dq_tile, dq_slots) fp32 staging
 
         return Storage
 
@@ -211,8 +224,11 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
-        s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.wide else self.ds_stages)
-        s_dq = smem_layout(Float32, *self.dq_tile, self.dq_buffers * self.dq_stages)
+        if const_expr(self.head_on_m):
+            s_ds = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries)
+        else:
+            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.p_in_smem else self.ds_stages)
+        s_dq = smem_layout(Float32, *self.dq_tile, self.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.tile_m, self.head_dim))
@@ -333,7 +349,15 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            if const_expr(self.wide):
+            if const_expr(self.head_on_m):
+                # dK and dV staged over the spent K and V (80 x 256 each, as the tiles)
+                sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
+                self.compute_head_on_m(
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
+                    group, m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
+                    tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
+                )
+            elif const_expr(self.wide):
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.compute_wide(
                     tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
@@ -518,8 +542,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
                 tKrdS.store(acc_as_operand_a(ds).load())
                 if const_expr(late_dq):
                     warpgroup.wait_group(1)  # the previous tile's dQ done; dV in flight
-                    self._stage_dq(wg, step - 1, acc_dq, dq_copy, thr_dq_copy,
-                                   tdQ_smem[None, None, None, self._dq_buffer(wg, step - 1)])
+                    self._stage_dq(wg, step - 1, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
                 # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
                 # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
                 # ago, which both warpgroups waited for before they last said READY
@@ -539,8 +562,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
                     wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
                     warpgroup.wait_group(1)  # dV and dQ done; dK in flight
                     pipe_do.consumer_release(state)
-                    self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy,
-                                   tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
+                    self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state)
                 state.advance()
@@ -550,8 +572,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
                 self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, (steps - 1) % self.ds_stages], tQrKt)
                 warpgroup.wait_group(0)
-                self._stage_dq(wg, steps - 1, acc_dq, dq_copy, thr_dq_copy,
-                               tdQ_smem[None, None, None, self._dq_buffer(wg, steps - 1)])
+                self._stage_dq(wg, steps - 1, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
 
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
 
@@ -602,7 +623,7 @@ class FlashBwdSm90(WideCompute, DqHandoff):
         wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
         warpgroup.wait_group(1)  # dV and dQ done; dK in flight
         pipe_do.consumer_release(state)
-        self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem[None, None, None, self._dq_buffer(wg, step)])
+        self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
         if const_expr(issue_next):
             # behind dK, once P^T and the dQ accumulator are spent (registers)
             following = state.clone()

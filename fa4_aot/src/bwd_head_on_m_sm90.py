@@ -1,0 +1,194 @@
+"""The backward's consumer role at head_dim 256 (sm_90a): ``compute_head_on_m``, a mixin of
+``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block`` and the dQ hand-off of
+``bwd_dq_handoff``).
+
+80 keys per CTA. Per query tile of 64 rows, warpgroup w:
+    S = Q K_w^T, dP = dO V_w^T          (queries x its 40 keys; SS-wgmma)
+    P, dS = P (dP - D)                  (to shared memory, (queries, keys), both halves)
+    dV_w^T += dO_w^T P, dK_w^T += Q_w^T dS    (its 128 head dims x 80 keys)
+    dQ_w^T = K_w^T dS^T                 (its 128 head dims x 64 queries, two 64-row chunks)
+The head dim is the M side of the last three GEMMs (which is what lets a CTA take 80 keys:
+wgmma's M is a multiple of 64 per warpgroup, its N only of 8). Against 64 keys with the
+keys on M (``bwd_wide_sm90``), a step moves about 17% fewer shared-memory bytes per FLOP
+(K and V are read by both warpgroups, but Q and dO are amortized over 80 keys) and the dQ
+reduces carry 20% fewer bytes per FLOP.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
+from .layout import acc_as_rows_cols, transpose_smem
+from .sm90_common import WARPGROUP, select_f32, tiled_mma, wgmma
+
+
+class HeadOnMCompute:
+    """Consumer warpgroups of the head_dim 256 backward."""
+
+    @cute.jit
+    def compute_head_on_m(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
+                          group, m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
+                          tma_dk, gdK, tma_dv, gdV):
+        """tidx: 0..255 over the consumer warpgroups. sQ, sdO: (queries, d, stages); sK, sV:
+        (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.
+        Per query tile: S, dP (async) -> P, dS -> shared, barrier -> dQ chunk 0, dV, dK
+        (async) -> stage dQ chunk 0 -> dQ chunk 1 (async) -> once dV and dK are done,
+        release dO and Q -> stage dQ chunk 1."""
+        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        half, chunk = d // 2, self.dq_chunk
+        chunks = half // chunk
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tn // 2)  # (queries, keys), k = d
+        mma_dkv = tiled_mma(self.dtype, "MN", "K", (1, 1, 1), tn)  # (d, keys) of one warpgroup, k = queries
+        mma_dq = tiled_mma(self.dtype, "MN", "MN", (1, 1, 1), tm)  # (d chunk, queries), k = keys
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        local = tidx % WARPGROUP
+        wg_sdp, thr_sdp = mma_sdp.get_slice(wg * WARPGROUP), mma_sdp.get_slice(tidx)
+        wg_dkv, thr_dkv = mma_dkv.get_slice(0), mma_dkv.get_slice(local)
+        wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(local)
+        # S and dP: A = Q, dO (queries, d; staged), B = this warpgroup's keys of K, V
+        tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sQ))
+        tSrK = wg_sdp.make_fragment_B(wg_sdp.partition_B(sK))
+        tPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sdO))
+        tPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
+        # dV^T, dK^T: A = dO^T, Q^T (this warpgroup's head dims, queries), B = P, dS
+        # (keys, queries)
+        mine = (half, tm)
+        tVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sdO), mine, (wg, 0, None))))
+        tKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sQ), mine, (wg, 0, None))))
+        tVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(sP))
+        tKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdS))
+        # dQ^T chunk c: A = K^T (head dims [(2w + c) 64, ...), keys), B = dS^T (queries, keys)
+        sKt = transpose_smem(sK)
+        tQrKt = [wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sKt, (chunk, tn), (wg * chunks + c, 0))))
+                 for c in range(chunks)]
+        tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sdS)))
+
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((half, tn)), Float32)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((half, tn)), Float32)
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        s_shape = thr_sdp.partition_shape_C((tm, tn))
+        s_coords = acc_as_rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((tm, tn))))  # (query, key)
+        nrows = cute.size(s_coords, mode=[0])
+        lse2_row = cute.make_rmem_tensor((nrows,), Float32)
+        dsum_row = cute.make_rmem_tensor((nrows,), Float32)
+        # P and dS to shared memory as (keys, queries) tiles (queries contiguous, in the
+        # 128-byte swizzle: rows of 80 keys would take the 32-byte one, whose 16-key atoms
+        # a warpgroup's 40 keys do not divide), by transposing stmatrix, two 8x8 blocks at
+        # a time (a warp's 16 x 40 fragment is ten)
+        pds_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=2), self.dtype),
+            mma_sdp)
+        thr_pds = pds_copy.get_slice(tidx)
+        tP_smem, tdS_smem = thr_pds.partition_D(transpose_smem(sP)), thr_pds.partition_D(transpose_smem(sdS))
+        # dQ^T (d, queries) staged as (queries, d): a thread's adjacent accumulator
+        # columns are different query rows, so 32 bits at a time
+        dq_copy = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=32), mma_dq)
+        thr_dq_copy = dq_copy.get_slice(local)
+        tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ))  # (..., buffer)
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for step in cutlass.range(steps, unroll=1):
+            m_block = self._m_block(step, m_first, span, m_blocks)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_q.consumer_wait(state)
+            wgmma(mma_sdp, acc_s, tSrQ[None, None, None, state.index], tSrK, False, wait=False)
+            pipe_do.consumer_wait(state)
+            wgmma(mma_sdp, acc_dp, tPrdO[None, None, None, state.index], tPrV, False, wait=False)
+            for r in cutlass.range_constexpr(nrows):
+                lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
+                dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
+            warpgroup.wait_group(1)
+            self._probs_by_rows(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            p16.store(acc_s.load().to(self.dtype))
+            warpgroup.wait_group(0)
+            p, dp = acc_as_rows_cols(acc_s), acc_as_rows_cols(acc_dp)
+            for r in cutlass.range_constexpr(nrows):
+                for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                    dp[r, j] = p[r, j] * (dp[r, j] - dsum_row[r])
+            ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            ds16.store(acc_dp.load().to(self.dtype))
+            # sP and sdS are single buffers: both warpgroups' GEMMs of the previous step
+            # (waited for at its end) must be done before they are overwritten.
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
+            cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+            wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
+            wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
+            wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
+            warpgroup.wait_group(2)  # dQ chunk 0 done; dV, dK in flight
+            self._stage_dq(wg * chunks, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            for c in cutlass.range_constexpr(1, chunks):
+                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+                wgmma(mma_dq, acc_dq, tQrKt[c], tQrdS, False, wait=False)
+                if const_expr(c == 1):
+                    warpgroup.wait_group(1)  # dV and dK done: the producer may load the next dO, Q
+                    pipe_do.consumer_release(state)
+                    pipe_q.consumer_release(state)
+                warpgroup.wait_group(0)
+                self._stage_dq(wg * chunks + c, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            state.advance()
+        self._store_dkv_transposed(tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
+                                   n_block, scale)
+
+    @cute.jit
+    def _probs_by_rows(self, acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
+        """S -> P in place, rows = queries: exp2(S * scale * log2(e) - LSE2), 0 where masked.
+        Only the last key tile (padding) and, causal, tiles that cross the diagonal are masked."""
+        s = acc_as_rows_cols(acc_s)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2_row[r], fastmath=True)
+        visible = seqlen_k  # the keys the tile's first query may see (a count)
+        if const_expr(self.causal):
+            visible = cutlass.min(visible, m_block * self.tile_m + 1 + seqlen_k - seqlen_q)
+        if (n_block + 1) * self.tile_n > visible:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                limit = seqlen_k
+                if const_expr(self.causal):
+                    limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, 0][0] + 1 + seqlen_k - seqlen_q)
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    key = n_block * self.tile_n + s_coords[r, j][1]
+                    s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
+
+    @cute.jit
+    def _store_dkv_transposed(self, tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
+                              n_block, scale):
+        """dK (times the softmax scale) and dV, each warpgroup's (head dims, keys) fragment
+        written transposed (stmatrix) into the spent K and V tiles, then one TMA store each."""
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)  # K, V no longer read
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        for i in cutlass.range_constexpr(cute.size(acc_dk)):
+            acc_dk[i] = acc_dk[i] * scale
+        store = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
+            mma_dkv)
+        thr = store.get_slice(tidx % WARPGROUP)
+        mine = (self.head_dim // 2, self.tile_n)
+        for acc, s_tile in ((acc_dk, sK), (acc_dv, sV)):
+            staged = cute.make_rmem_tensor_like(acc, self.dtype)
+            staged.store(acc.load().to(self.dtype))
+            cute.copy(store, thr.retile(staged), thr.partition_D(cute.local_tile(transpose_smem(s_tile), mine, (wg, 0))))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
+        if cute.arch.make_warp_uniform(tidx // 32) == 0:
+            tile = (self.tile_n, self.head_dim)
+            for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):
+                s_part, g_part = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
+                    cute.group_modes(cute.local_tile(g, tile, (n_block, 0)), 0, 2))
+                cute.copy(atom, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
