@@ -9,9 +9,9 @@
     dQ_w^T = K_w^T dS^T                 (its 128 head dims x 64 queries, two 64-row chunks)
 The head dim is the M side of the last three GEMMs (which is what lets a CTA take 80 keys:
 wgmma's M is a multiple of 64 per warpgroup, its N only of 8). Against 64 keys with the
-keys on M (``bwd_wide_sm90``), a step moves about 17% fewer shared-memory bytes per FLOP
-(K and V are read by both warpgroups, but Q and dO are amortized over 80 keys) and the dQ
-reduces carry 20% fewer bytes per FLOP.
+keys on M (as at head_dim 192, ``bwd_wide_sm90``), a step moves about 17% fewer
+shared-memory bytes per FLOP (K and V are read by both warpgroups, but Q and dO are
+amortized over 80 keys) and the dQ reduces carry 20% fewer bytes per FLOP.
 """
 
 import cutlass
@@ -34,9 +34,9 @@ class HeadOnMCompute:
                           tma_dk, gdK, tma_dv, gdV):
         """tidx: 0..255 over the consumer warpgroups. sQ, sdO: (queries, d, stages); sK, sV:
         (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.
-        Per query tile: S, dP (async) -> P, dS -> shared, barrier -> dQ chunk 0, dV, dK
-        (async) -> stage dQ chunk 0 -> dQ chunk 1 (async) -> once dV and dK are done,
-        release dO and Q -> stage dQ chunk 1."""
+        Per query tile: S, dP (async) -> P, dS -> shared, barrier -> dV, dK, dQ chunk 0
+        (async) -> release dO once dV is done, Q once dK is -> stage dQ chunk 0 -> dQ chunk
+        1 -> stage it."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         half, chunk = d // 2, self.dq_chunk
         chunks = half // chunk
@@ -124,19 +124,22 @@ class HeadOnMCompute:
             cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-            wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
+            # dV, then dK, then the dQ chunks: Q and dO have one buffer each, so the next
+            # tile's loads start only once the GEMMs reading them are done; releasing dO
+            # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0
+            # issued first (docs/perf-notes.md, session 10).
             wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
             wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
-            warpgroup.wait_group(2)  # dQ chunk 0 done; dV, dK in flight
-            self._stage_dq(wg * chunks, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
-            for c in cutlass.range_constexpr(1, chunks):
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-                wgmma(mma_dq, acc_dq, tQrKt[c], tQrdS, False, wait=False)
-                if const_expr(c == 1):
-                    warpgroup.wait_group(1)  # dV and dK done: the producer may load the next dO, Q
-                    pipe_do.consumer_release(state)
-                    pipe_q.consumer_release(state)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+            wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
+            warpgroup.wait_group(2)  # dV done: the producer may load the next dO
+            pipe_do.consumer_release(state)
+            warpgroup.wait_group(1)  # dK done: the producer may load the next Q
+            pipe_q.consumer_release(state)
+            for c in cutlass.range_constexpr(chunks):
+                if const_expr(c > 0):
+                    acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+                    wgmma(mma_dq, acc_dq, tQrKt[c], tQrdS, False, wait=False)
                 warpgroup.wait_group(0)
                 self._stage_dq(wg * chunks + c, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
             state.advance()

@@ -29,10 +29,14 @@
      at 96 (not deterministic) the warpgroups are staggered: the dQ GEMM of a query tile
      is issued at the start of the next one, once the other warpgroup has said its dS
      half is ready (``compute``).
-   - 192, 256 (``compute_wide``, in bwd_wide_sm90): 64 keys per CTA, both warpgroups on
-     every key; dV, dK and dQ split along head_dim (64 x d/2 fp32 each per warpgroup), so
-     P and dS go through shared memory; Q, dO and K in the 64-byte swizzle at 192 (96-column halves);
-     Q/dO double-buffered at 192, single at 256 (about 210 KB of shared memory each).
+   - 192 (``compute_wide``, in bwd_wide_sm90): 64 keys per CTA, both warpgroups on every
+     key; dV, dK and dQ split along head_dim (64 x 96 fp32 each per warpgroup), so P and
+     dS go through shared memory; Q, dO and K in the 64-byte swizzle (96-column halves);
+     Q/dO double-buffered (about 210 KB of shared memory).
+   - 256 (``compute_head_on_m``, in bwd_head_on_m_sm90): 80 keys per CTA; S and dP split
+     by keys between the warpgroups, dV^T, dK^T and dQ^T by head dims (the head dim on the
+     GEMMs' M side); P and dS through shared memory; Q/dO single-buffered, dQ staged in
+     three 16 KB buffers the step's four parts take in turn (214 KB).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
 
@@ -100,9 +104,9 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         # two reduces cover disjoint halves. (Each warpgroup computing all columns from its
         # own 64 keys, warpgroup 1 adding into warpgroup 0's staging buffer, measured 5-10%
         # slower at head_dim 64 and 96: docs/perf-notes.md, session 3.)
-        # wide: each warpgroup's dQ half is computed in chunks of dq_chunk columns (256: two
-        # of 64, the second issued behind dK; 192: one of 96).
-        self.dq_chunk = 64 if head_dim == 256 else head_dim // 2
+        # head_on_m: each warpgroup's 128 head dims of dQ^T in two GEMMs of dq_chunk rows,
+        # each staged as one part.
+        self.dq_chunk = 64
         # Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must divide
         # d/2: the 64-byte swizzle at 64 and 192, the 32-byte one at 96; 128 and 256 keep
         # the 128-byte one (64-column halves or chunks).

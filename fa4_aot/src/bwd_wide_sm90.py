@@ -1,4 +1,4 @@
-"""The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_wide``, a
+"""The backward's consumer role at head_dim 192 (sm_90a): ``compute_wide``, a
 mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, shared-memory tensors, pipelines and step
 helpers: ``_score_operands``, ``_step_tensors``, ``_issue_scores``, ``_probs``,
 ``_grads``, ``_store_dkv``; the dQ hand-off of ``bwd_dq_handoff``).
@@ -10,7 +10,7 @@ dK and dQ split along head_dim, so P and dS go through shared memory.
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, const_expr
+from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
 from .bwd_barriers import DS_BARRIER
@@ -25,18 +25,17 @@ class WideCompute:
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
                      batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
                      scale, scale_log2, tma_dk, gdK, tma_dv, gdV, sP):
-        """head_dim 192, 256: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of
-        S^T and dP^T, and head dims [w d/2, (w+1) d/2) of dV, dK and dQ. dV and dK need every
+        """head_dim 192: 64 keys per CTA, warpgroup w takes queries [32w, 32w + 32) of S^T
+        and dP^T, and head dims [w d/2, (w+1) d/2) of dV, dK and dQ. dV and dK need every
         query of P^T and dS^T, so both go through shared memory (sP, sdS: (queries, keys)):
-        S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dV, dQ chunk 0, dK (async) ->
-        stage dQ chunk 0 -> (256: dQ chunk 1 -> stage) -> hand the half to the writer warp."""
+        S^T, dP^T (async) -> P^T, dS^T -> shared, barrier -> dV, dQ, dK (async) -> stage dQ
+        -> hand it to the writer warp."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
         m_blocks = cute.ceil_div(seqlen_q, tm)
-        half, chunk = d // 2, self.dq_chunk
-        chunks = half // chunk
+        half = d // 2
         mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tm // 2)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "MN", "MN", (1, 2, 1), half)  # (keys, d), k = queries
-        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), chunk)  # (queries, chunk of d), k = keys
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), half)  # (queries, half of d), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_sdp, wg_dkv = (m.get_slice(wg * WARPGROUP) for m in (mma_sdp, mma_dkv))
         thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
@@ -48,12 +47,10 @@ class WideCompute:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         sKt = transpose_smem(sK)  # (d, keys)
-        tQrKt = [wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (chunk, tn), (wg * chunks + c, 0))))
-                 for c in range(chunks)]
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sKt, (half, tn), (wg, 0))))
         (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, pds_copy, thr_pds, lse2_col,
          dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
-        tdQ_smem = [thr_dq_copy.partition_D(cute.local_tile(sdQ[None, None, wg], (tm, chunk), (0, c)))
-                    for c in range(chunks)]
+        tdQ_smem = thr_dq_copy.partition_D(sdQ)  # (..., buffer)
         tP_smem = thr_pds.partition_D(transpose_smem(sP))  # P^T view: (keys, queries)
         tdS_smem = thr_pds.partition_D(transpose_smem(sdS))
 
@@ -82,25 +79,17 @@ class WideCompute:
             cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, half)), Float32)
             wgmma(mma_dkv, acc_dv, tVrPt, tVrdOt[None, None, None, state.index], True, wait=False)
-            wgmma(mma_dq, acc_dq, tQrdS, tQrKt[0], False, wait=False)
+            wgmma(mma_dq, acc_dq, tQrdS, tQrKt, False, wait=False)
             wgmma(mma_dkv, acc_dk, tKrdSt, tKrQt[None, None, None, state.index], True, wait=False)
             warpgroup.wait_group(2)  # dV done: the producer may load the next dO
             pipe_do.consumer_release(state)
-            warpgroup.wait_group(1)  # dQ chunk 0 done; dK in flight
-            buffer = self._claim_dq(wg, step)  # wide: one stage, buffer wg
-            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[0])
-            if const_expr(chunks == 2):  # 256: one more chunk, issued behind dK
-                acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, chunk)), Float32)
-                wgmma(mma_dq, acc_dq, tQrdS, tQrKt[1], False, wait=False)
-                warpgroup.wait_group(1)  # dK done: the producer may load the next Q
-                pipe_q.consumer_release(state)
-                warpgroup.wait_group(0)
-                cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[1])
-            else:
-                warpgroup.wait_group(0)  # dK done: the producer may load the next Q
-                pipe_q.consumer_release(state)
+            warpgroup.wait_group(1)  # dQ done; dK in flight
+            buffer = self._claim_dq(wg, step)  # one stage: buffer wg
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[None, None, None, buffer])
+            warpgroup.wait_group(0)  # dK done: the producer may load the next Q
+            pipe_q.consumer_release(state)
             self._hand_dq(buffer)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
