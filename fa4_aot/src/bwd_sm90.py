@@ -62,7 +62,7 @@ from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
 from .bwd_wide_sm90 import WideCompute
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
-from .launch_order import BWD_CAUSAL_HEAD_GROUP, launch_in_head_groups
+from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
     WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline,
@@ -319,14 +319,14 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
-        launch, head_kv, batch = cute.arch.block_idx()
-        if const_expr(self.causal and not self.deterministic):
-            launch, head_kv = launch_in_head_groups(launch, head_kv, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
-                                                    BWD_CAUSAL_HEAD_GROUP)
-        n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]
         group = heads_q // gK.shape[2]
+        launch, head_kv, batch = cute.arch.block_idx()
+        if const_expr(self.causal and not self.deterministic):
+            launch, head_kv = launch_in_head_groups(launch, head_kv, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
+                                                    backward_head_group(seqlen_q, self.head_dim, group))
+        n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal))
         span = cutlass.max(m_blocks - m_first, 0)

@@ -11,8 +11,12 @@ wave holds the heaviest tiles of several heads, then their next ones, and so on.
 
 import cutlass
 
-# Backward, causal, not deterministic: CTAs handed out in groups of this many KV heads.
-BWD_CAUSAL_HEAD_GROUP = 4
+# Backward, causal, not deterministic: CTAs handed out in groups of KV heads whose Q, dO
+# (16-bit) and fp32 dQ accumulator fit this much of L2, in powers of two up to
+# BWD_MAX_HEAD_GROUP (a fixed 4 measured best at 4k, session 8; sized to L2, 16k causal
+# d256 +3% with 1, d128 equal with 2: session 10).
+BWD_L2_BYTES = 40 * 1024 * 1024
+BWD_MAX_HEAD_GROUP = 4
 # Forward, causal: as many heads per group as keep their K and V in this much of L2 (the
 # H200 has 50 MB), in powers of two up to FWD_MAX_HEAD_GROUP.
 FWD_L2_BYTES = 40 * 1024 * 1024
@@ -35,12 +39,24 @@ def launch_in_head_groups(x, y, n_blocks, heads, group):
 
 def forward_head_group(seqlen_k, head_dim: int):
     """Heads per launch group of the causal forward: the largest power of two whose K
-    and V (seqlen_k x head_dim each, 16-bit) fit FWD_L2_BYTES, at least 1. The bounds are
-    compile-time constants, so nothing here can overflow (and no branch: the
-    kernel calls it on a run-time seqlen_k)."""
+    and V (seqlen_k x head_dim each, 16-bit) fit FWD_L2_BYTES, at least 1."""
+    return _l2_head_group(seqlen_k, 4 * head_dim, FWD_L2_BYTES, FWD_MAX_HEAD_GROUP)
+
+
+def backward_head_group(seqlen_q, head_dim: int, q_heads_per_kv):
+    """KV heads per launch group of the causal backward: the largest power of two whose
+    query side (Q and dO, 16-bit, and the fp32 dQ accumulator: 8 bytes per element, for
+    each query head of the group's KV heads) fits BWD_L2_BYTES, at least 1."""
+    return _l2_head_group(seqlen_q * q_heads_per_kv, 8 * head_dim, BWD_L2_BYTES, BWD_MAX_HEAD_GROUP)
+
+
+def _l2_head_group(rows, bytes_per_row: int, budget: int, cap: int):
+    """The largest power of two g <= cap with g * rows * bytes_per_row <= budget, at least
+    1. The bounds are compile-time constants, so nothing here can overflow (and no branch:
+    the kernels call it on run-time sizes)."""
     group = 1
-    for k in range(1, FWD_MAX_HEAD_GROUP.bit_length()):  # unrolled: 2, 4, .., the cap
+    for k in range(1, cap.bit_length()):  # unrolled: 2, 4, .., the cap
         g = 1 << k
-        fits = cutlass.min(FWD_L2_BYTES // (g * 4 * head_dim) // cutlass.max(seqlen_k, 1), 1)  # 1 or 0
+        fits = cutlass.min(budget // (g * bytes_per_row) // cutlass.max(rows, 1), 1)  # 1 or 0
         group = cutlass.max(group, g * fits)
     return group

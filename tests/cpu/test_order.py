@@ -86,6 +86,17 @@ def test_head_groups_map_the_grid_one_to_one_keeping_each_heads_order(heads):
         assert launches == list(range(n_blocks)), (head, launches)
 
 
+def test_backward_head_groups_keep_the_groups_query_side_within_the_l2_budget():
+    for head_dim in (64, 96, 128, 192, 256):
+        for seqlen_q in (1, 100, 1024, 4096, 16384, 65536, 1 << 20):
+            for per_kv in (1, 4, 32):
+                group = order.backward_head_group(seqlen_q, head_dim, per_kv)
+                need = seqlen_q * per_kv * 8 * head_dim
+                assert group & (group - 1) == 0 and 1 <= group <= order.BWD_MAX_HEAD_GROUP
+                assert group == 1 or group * need <= order.BWD_L2_BYTES
+                assert 2 * group > order.BWD_MAX_HEAD_GROUP or 2 * group * need > order.BWD_L2_BYTES
+
+
 def test_forward_head_groups_keep_the_groups_k_and_v_within_the_l2_budget():
     for head_dim in (64, 96, 128, 192, 256):
         for seqlen_k in (1, 100, 1024, 4096, 16384, 65536, 1 << 20):
