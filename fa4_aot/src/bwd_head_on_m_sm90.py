@@ -29,8 +29,8 @@ class HeadOnMCompute:
     """Consumer warpgroups of the head_dim 256 backward."""
 
     @cute.jit
-    def compute_head_on_m(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                          group, m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
+    def compute_head_on_m(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
+                          m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
                           tma_dk, gdK, tma_dv, gdV):
         """tidx: 0..255 over the consumer warpgroups. sQ, sdO: (queries, d, stages); sK, sV:
         (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.

@@ -357,8 +357,8 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
                 # dK and dV staged over the spent K and V (80 x 256 each, as the tiles)
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.compute_head_on_m(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                    group, m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
+                    m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
                     tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
                 )
             elif const_expr(self.wide):
