@@ -9,7 +9,7 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ManifestError, ShapeError
 from .loader import KernelLibrary
-from .variants import dq_chains
+from .variants import BWD_QUERY_ROWS, dq_chains
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -97,9 +97,9 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     return sum(size for _, size in _workspace_regions(batch, seqlen_q, heads_q, head_dim, chains))
 
 
-def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m: int = 64):
+def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m: int = BWD_QUERY_ROWS):
     # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
-    # 64 values into shared memory with one 256-byte bulk copy, 16-byte aligned.
+    # values into shared memory with one bulk copy (4 * tile_m bytes), 16-byte aligned.
     m_blocks = -(-sq // tile_m)
     rows = b * hq * m_blocks * tile_m * 4
     return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * sq * hq * d * 4),

@@ -79,12 +79,16 @@ FWD_SM90_TILING = {
 # each on half of the head dims (dK, dV fp32 64 x 96 per warpgroup; 208 KB of smem).
 # head_dim 256: 80 keys per CTA, dK, dV and dQ computed with the head dim on the GEMMs' M
 # side (dK^T, dV^T fp32 128 x 80 per warpgroup); room for one Q/dO buffer (214 KB).
+# Query rows per backward step, for every head dim: also the unit of the LSE2 / D padding,
+# of the dQ semaphores and of the row kernels' blocks, which the runtime sizes the
+# workspace by (fa4_aot.api.backward_workspace_bytes).
+BWD_QUERY_ROWS = 64
 BWD_SM90_TILING = {
-    64: Tiling(64, 128, 4),
-    96: Tiling(64, 128, 2),
-    128: Tiling(64, 128, 2),
-    192: Tiling(64, 64, 2),
-    256: Tiling(64, 80, 1),
+    64: Tiling(BWD_QUERY_ROWS, 128, 4),
+    96: Tiling(BWD_QUERY_ROWS, 128, 2),
+    128: Tiling(BWD_QUERY_ROWS, 128, 2),
+    192: Tiling(BWD_QUERY_ROWS, 64, 2),
+    256: Tiling(BWD_QUERY_ROWS, 80, 1),
 }
 
 

@@ -15,11 +15,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ..variants import BWD_QUERY_ROWS
+
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
 # one 64-row query tile (its padding included).
 THREADS_PER_ROW = 4
-ROWS_PER_BLOCK = 64
+ROWS_PER_BLOCK = BWD_QUERY_ROWS
 ROW_BLOCK_THREADS = THREADS_PER_ROW * ROWS_PER_BLOCK
 LOG2E = 1.4426950408889634
 
