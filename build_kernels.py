@@ -91,9 +91,14 @@ def _row(variant: Variant, result: dict, key: str, cubin_dir: Path) -> dict:
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Output folder (cubins/ and manifest.json). Default: the fa4_aot package.")
 @click.option("--force", is_flag=True, help="Recompile even when the build key is unchanged.")
-def main(only, archs, jobs, out, force):
+@click.option("--base", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="A built folder whose other variants (rows and cubins) complete this build's, so "
+                   "--out holds a whole library: an A/B build of a few variants for the benchmarks.")
+def main(only, archs, jobs, out, force, base):
     """Build cubins for the selected variants and write their manifest."""
     out = out or PACKAGE
+    if base is not None and base.resolve() == out.resolve():
+        raise click.UsageError("--base must be another folder than --out")
     cubin_dir = out / "cubins"
     cubin_dir.mkdir(parents=True, exist_ok=True)
     (ROOT / "build" / "ptx").mkdir(parents=True, exist_ok=True)
@@ -136,7 +141,15 @@ def main(only, archs, jobs, out, force):
                 toolchain = toolchain or _toolchain(result["ptx"])
                 rows[variant.name] = _row(variant, result, keys[variant.name], cubin_dir)
                 bar.update(1)
-    keep = {v.cubin_file for v in wanted}
+    names = [v.name for v in wanted]
+    if base is not None:
+        for row in json.loads((base / "manifest.json").read_text())["kernels"]:
+            if row["name"] not in rows:
+                shutil.copyfile(base / row["file"], out / row["file"])
+                rows[row["name"]] = row
+                names.append(row["name"])
+        names.sort(key=Variant.from_name)
+    keep = {Path(rows[n]["file"]).name for n in names}
     for stale in cubin_dir.glob("*.cubin"):
         if stale.name not in keep:
             stale.unlink()
@@ -149,7 +162,7 @@ def main(only, archs, jobs, out, force):
         "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "axes": {k: {"declared": list(s["declared"]), "built": list(s["built"])} for k, s in AXES.items()},
         "not_built": NOT_BUILT_REASONS,
-        "kernels": [rows[v.name] for v in wanted],
+        "kernels": [rows[n] for n in names],
     }
     text = json.dumps(manifest, indent=1) + "\n"
     (out / "manifest.json").write_text(text)
@@ -157,7 +170,8 @@ def main(only, archs, jobs, out, force):
         (ROOT / "manifest.json").write_text(text)
     total = sum(r["size"] for r in manifest["kernels"])
     click.echo(
-        f"{len(wanted)} variants ({len(todo)} compiled, {len(wanted) - len(todo)} unchanged), "
+        f"{len(wanted)} variants ({len(todo)} compiled, {len(wanted) - len(todo)} unchanged)"
+        + (f" and {len(names) - len(wanted)} from {base}" if base is not None else "") + ", "
         f"{total / 1e6:.2f} MB of cubins, {time.perf_counter() - start:.1f} s -> {out / 'manifest.json'}"
     )
 

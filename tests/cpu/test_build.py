@@ -3,6 +3,7 @@
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -103,6 +104,26 @@ def test_rebuild_is_incremental(built):
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert f"(0 compiled, {len(SUBSET)} unchanged)" in proc.stdout
+
+
+def test_base_completes_a_partial_build_into_a_whole_library(built, tmp_path):
+    """--base: an A/B build of one variant next to another folder's others (its row here
+    is reused, so nothing compiles); the result lists every variant, each file verified."""
+    folder, _ = built
+    name = SUBSET[0]
+    (tmp_path / "cubins").mkdir()
+    shutil.copyfile(folder / "manifest.json", tmp_path / "manifest.json")
+    shutil.copyfile(folder / row_of(folder, name)["file"], tmp_path / row_of(folder, name)["file"])
+    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(tmp_path), "--only", name,
+            "--base", str(folder)]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"1 variants (0 compiled, 1 unchanged) and {len(SUBSET) - 1} from" in proc.stdout
+    assert rows(tmp_path) == rows(folder)
+    for r in rows(tmp_path):
+        assert hashlib.sha256((tmp_path / r["file"]).read_bytes()).hexdigest() == r["sha256"]
+    same = subprocess.run(args[:-1] + [str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
+    assert same.returncode != 0 and "--base must be another folder" in same.stderr
 
 
 def test_sm100a_is_declared_but_says_plainly_that_nothing_is_built(tmp_path):
