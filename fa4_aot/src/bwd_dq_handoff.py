@@ -3,7 +3,7 @@ dQ share in shared memory, and the dQ writer warp adds it into the fp32 accumula
 global memory by TMA reduce-add, in a fixed order when deterministic.
 
 ``DqHandoff`` is a mixin of ``bwd_sm90.FlashBwdSm90``: it reads that class's knobs
-(tile_m, tile_n, dq_tile, dq_parts, dq_slots, dq_stages, head_on_m, dq_transposed,
+(tile_m, tile_n, dq_tile, dq_parts, dq_slots, dq_stages, dq_transposed,
 chains, causal, deterministic) and its ``_m_block``. Each step stages ``dq_parts`` tiles
 (part p: warpgroup p, or at head_dim 256 warpgroup p // 2's head-dim chunk p % 2) in
 ``dq_slots`` buffers: b = p + dq_parts * (step % dq_stages) where every part has
