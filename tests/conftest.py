@@ -11,6 +11,12 @@ SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d256.causal", "fwd.sm90a.fp16.d9
           "bwd.sm90a.bf16.d128.causal.det", "bwd.sm90a.fp16.d256", "bwd.sm90a.bf16.d64.causal", "bwd.sm90a.fp16.d64")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--kernels", default=None,
+                     help="GPU tests: the build folder whose cubins to test (a whole library, e.g. "
+                          "build_kernels.py --out DIR --base fa4_aot); default: the package's")
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """(folder, completed process) of build_kernels.py over SUBSET."""

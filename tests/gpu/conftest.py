@@ -1,7 +1,10 @@
 import pytest
 
 
-def _gpu_ready():
+from pathlib import Path
+
+
+def _gpu_ready(kernels):
     try:
         import torch
     except ImportError:
@@ -12,21 +15,32 @@ def _gpu_ready():
         return False, "the built cubins are sm_90a; this GPU is not"
     from fa4_aot.manifest import PACKAGE_DIR
 
-    if not (PACKAGE_DIR / "manifest.json").exists():
-        return False, "no built kernels: run build_kernels.py"
+    if not ((Path(kernels) if kernels else PACKAGE_DIR) / "manifest.json").exists():
+        return False, f"no built kernels in {kernels or PACKAGE_DIR}: run build_kernels.py"
     return True, ""
 
 
-READY, WHY = _gpu_ready()
-
-
 def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason=f"GPU tests: {WHY}")
+    ready, why = _gpu_ready(config.getoption("--kernels"))
+    skip = pytest.mark.skip(reason=f"GPU tests: {why}")
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(pytest.mark.gpu)
-            if not READY:
+            if not ready:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernel_library(request):
+    """With --kernels DIR, every launch of the session (the adapters' default library)
+    takes DIR's cubins; the folder, or None for the package's."""
+    kernels = request.config.getoption("--kernels")
+    if kernels:
+        import fa4_aot.api as api
+        from fa4_aot.loader import KernelLibrary
+
+        api._default_library = KernelLibrary(Path(kernels))
+    return kernels
 
 
 @pytest.fixture

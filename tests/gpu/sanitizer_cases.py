@@ -1,6 +1,11 @@
 """Launches for compute-sanitizer (tests/gpu/test_sanitizer.py runs this file under it):
 the forward and both backward modes of every bf16 head dim, causal and not, on shapes
-with partial tiles each way, MQA/GQA and seqlen_q != seqlen_k."""
+with partial tiles each way, MQA/GQA and seqlen_q != seqlen_k.
+
+python -m tests.gpu.sanitizer_cases [KERNELS_DIR]  (default: the package's cubins)"""
+
+import sys
+from pathlib import Path
 
 import torch
 
@@ -25,4 +30,9 @@ def main():
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        import fa4_aot.api as api
+        from fa4_aot.loader import KernelLibrary
+
+        api._default_library = KernelLibrary(Path(sys.argv[1]))
     main()

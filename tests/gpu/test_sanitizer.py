@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(SANITIZER is None, reason="compute-sanitizer is not on PATH")
 @pytest.mark.parametrize("tool", ["memcheck", "synccheck"])
-def test_kernels_are_clean_under_compute_sanitizer(tool):
+def test_kernels_are_clean_under_compute_sanitizer(tool, kernel_library):
     cmd = [SANITIZER, "--tool", tool, "--report-api-errors", "no", "--error-exitcode", "3", "--print-limit", "20",
-           sys.executable, "-m", "tests.gpu.sanitizer_cases"]
+           sys.executable, "-m", "tests.gpu.sanitizer_cases", *([str(kernel_library)] if kernel_library else [])]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     report = run.stdout + run.stderr
