@@ -1,6 +1,6 @@
 """The backward's consumer role at head_dim 256 (sm_90a): ``compute_head_on_m``, a mixin of
-``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block`` and the dQ hand-off of
-``bwd_dq_handoff``).
+``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_share_p_ds`` and the dQ
+hand-off of ``bwd_dq_handoff``).
 
 80 keys per CTA. Per query tile of 64 rows, warpgroup w:
     S = Q K_w^T, dP = dO V_w^T          (queries x its 40 keys; SS-wgmma)
@@ -20,7 +20,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
+from .bwd_barriers import EPILOGUE_BARRIER
 from .layout import acc_as_rows_cols, transpose_smem
 from .sm90_common import WARPGROUP, select_f32, tiled_mma, wgmma
 
@@ -117,13 +117,7 @@ class HeadOnMCompute:
                     dp[r, j] = p[r, j] * (dp[r, j] - dsum_row[r])
             ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             ds16.store(acc_dp.load().to(self.dtype))
-            # sP and sdS are single buffers: both warpgroups' GEMMs of the previous step
-            # (waited for at its end) must be done before they are overwritten.
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
-            cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)
             # dV, then dK, then the dQ chunks: Q and dO have one buffer each, so the next
             # tile's loads start only once the GEMMs reading them are done; releasing dO
             # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0

@@ -730,6 +730,17 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
                         limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, j][1] + 1 + seqlen_k - seqlen_q)
                     s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
 
+    def _share_p_ds(self, pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem):
+        """P and dS (16-bit fragments) to their single shared buffers, between the consumer
+        warpgroups' barriers: the first orders the write after every warpgroup's GEMMs of
+        the previous step (waited for at its end), the second the GEMMs after the write."""
+        threads = self.num_consumers * WARPGROUP
+        cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
+        cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
+        cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
+
     @cute.jit
     def _grads(self, acc_p, acc_dp, dsum_col):
         """dP^T -> dS^T in place: P (dP - D)."""

@@ -1,7 +1,7 @@
 """The backward's consumer role at head_dim 192 (sm_90a): ``compute_wide``, a
 mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, shared-memory tensors, pipelines and step
 helpers: ``_score_operands``, ``_step_tensors``, ``_issue_scores``, ``_probs``,
-``_grads``, ``_store_dkv``; the dQ hand-off of ``bwd_dq_handoff``).
+``_grads``, ``_share_p_ds``, ``_store_dkv``; the dQ hand-off of ``bwd_dq_handoff``).
 
 64 keys per CTA, both warpgroups on every key: S^T and dP^T split by query columns, dV,
 dK and dQ split along head_dim, so P and dS go through shared memory.
@@ -13,7 +13,6 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd_barriers import DS_BARRIER
 from .layout import transpose_smem
 from .sm90_common import WARPGROUP, tiled_mma, wgmma
 
@@ -72,13 +71,7 @@ class WideCompute:
             self._grads(acc_s, acc_dp, dsum_col)
             ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             ds16.store(acc_dp.load().to(self.dtype))
-            # sP and sdS are single buffers: both warpgroups' GEMMs of the previous step
-            # (waited for at its end) must be done before they are overwritten.
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
-            cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
-            cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, half)), Float32)
             wgmma(mma_dkv, acc_dv, tVrPt, tVrdOt[None, None, None, state.index], True, wait=False)
             wgmma(mma_dq, acc_dq, tQrdS, tQrKt, False, wait=False)
