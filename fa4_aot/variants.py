@@ -75,10 +75,9 @@ FWD_SM90_TILING = {
 # Backward: 128 keys per CTA (64 per consumer warpgroup), 64 query rows per step, Q/dO
 # double-buffered; four stages at head_dim 64 (three: +1-2% not causal, session 7; four:
 # +2-4% deterministic, equal otherwise, session 9; three at 96 measured 0-2% slower:
-# docs/perf-notes.md). head_dim 192: 64 keys per CTA, both warpgroups on every key and
-# each on half of the head dims (dK, dV fp32 64 x 96 per warpgroup; 208 KB of smem).
-# head_dim 256: 80 keys per CTA, dK, dV and dQ computed with the head dim on the GEMMs' M
-# side (dK^T, dV^T fp32 128 x 80 per warpgroup); room for one Q/dO buffer (214 KB).
+# docs/perf-notes.md). head_dim 192 and 256: dK, dV and dQ computed with the head dim on
+# the GEMMs' M side; 192: 96 keys per CTA, three consumer warpgroups (dK^T, dV^T fp32 64 x
+# 96 each; 194 KB of smem); 256: 80 keys, two (128 x 80 each; 214 KB); one Q/dO buffer.
 # Query rows per backward step, for every head dim: also the unit of the LSE2 / D padding,
 # of the dQ semaphores and of the row kernels' blocks, which the runtime sizes the
 # workspace by (fa4_aot.api.backward_workspace_bytes).
@@ -87,7 +86,7 @@ BWD_SM90_TILING = {
     64: Tiling(BWD_QUERY_ROWS, 128, 4),
     96: Tiling(BWD_QUERY_ROWS, 128, 2),
     128: Tiling(BWD_QUERY_ROWS, 128, 2),
-    192: Tiling(BWD_QUERY_ROWS, 64, 2),
+    192: Tiling(BWD_QUERY_ROWS, 96, 1),
     256: Tiling(BWD_QUERY_ROWS, 80, 1),
 }
 

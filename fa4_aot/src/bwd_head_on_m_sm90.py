@@ -1,19 +1,19 @@
-"""The backward's consumer role at head_dim 256 (sm_90a): ``compute_head_on_m``, a mixin of
-``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_share_p_ds`` and the dQ
-hand-off of ``bwd_dq_handoff``).
+"""The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
+mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_share_p_ds`` and
+the dQ hand-off of ``bwd_dq_handoff``).
 
-80 keys per CTA. Per query tile of 64 rows, warpgroup w:
-    S = Q K_w^T, dP = dO V_w^T          (queries x its 40 keys; SS-wgmma)
-    P, dS = P (dP - D)                  (to shared memory, (queries, keys), both halves)
-    dV_w^T += dO_w^T P, dK_w^T += Q_w^T dS    (its 128 head dims x 80 keys)
-    dQ_w^T = K_w^T dS^T                 (its 128 head dims x 64 queries, two 64-row chunks)
-The head dim is the M side of the last three GEMMs (which is what lets a CTA take 80 keys:
-wgmma's M is a multiple of 64 per warpgroup, its N only of 8). Against 64 keys with the
-keys on M (as at head_dim 192, ``bwd_wide_sm90``), a step moves about 17% fewer
-shared-memory bytes per FLOP (K and V are read by both warpgroups, but Q and dO are
-amortized over 80 keys) and the dQ reduces carry 20% fewer bytes per FLOP.
+n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
+and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
+    S = Q K_w^T, dP = dO V_w^T          (queries x its tn/n keys; SS-wgmma)
+    P, dS = P (dP - D)                  (to shared memory, (keys, queries), every warpgroup's keys)
+    dV_w^T += dO_w^T P, dK_w^T += Q_w^T dS    (its head dims x all keys)
+    dQ_w^T = K_w^T dS^T                 (its head dims x 64 queries, in 64-row chunks)
+The head dim is the M side of the last three GEMMs (which is what lets a CTA take 80 or 96
+keys: wgmma's M is a multiple of 64 per warpgroup, its N only of 8). Against 64 keys with
+the keys on M (the layout of the other head dims), a step moves fewer shared-memory bytes
+per FLOP (K and V are read by every warpgroup, but Q and dO are amortized over more keys)
+and the dQ reduces carry fewer bytes per FLOP (20% at 256, 33% at 192).
 """
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -26,22 +26,22 @@ from .sm90_common import WARPGROUP, select_f32, tiled_mma, wgmma
 
 
 class HeadOnMCompute:
-    """Consumer warpgroups of the head_dim 256 backward."""
+    """Consumer warpgroups of the head_dim 192 and 256 backward."""
 
     @cute.jit
     def compute_head_on_m(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
                           m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
                           tma_dk, gdK, tma_dv, gdV):
-        """tidx: 0..255 over the consumer warpgroups. sQ, sdO: (queries, d, stages); sK, sV:
-        (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.
+        """tidx: over the consumer warpgroups (0..128 n). sQ, sdO: (queries, d, stages); sK,
+        sV: (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.
         Per query tile: S, dP (async) -> P, dS -> shared, barrier -> dV, dK, dQ chunk 0
-        (async) -> release dO once dV is done, Q once dK is -> stage dQ chunk 0 -> dQ chunk
-        1 -> stage it."""
-        d, tm, tn = self.head_dim, self.tile_m, self.tile_n
-        half, chunk = d // 2, self.dq_chunk
-        chunks = half // chunk
+        (async) -> release dO once dV is done, Q once dK is -> stage dQ chunk 0 -> the
+        warpgroup's other chunks (one at 256, none at 192), each staged."""
+        d, tm, tn, nc = self.head_dim, self.tile_m, self.tile_n, self.num_consumers
+        own, chunk = d // nc, self.dq_chunk  # own: the head dims of one warpgroup
+        chunks = own // chunk
         m_blocks = cute.ceil_div(seqlen_q, tm)
-        mma_sdp = tiled_mma(self.dtype, "K", "K", (1, 2, 1), tn // 2)  # (queries, keys), k = d
+        mma_sdp = tiled_mma(self.dtype, "K", "K", (1, nc, 1), tn // nc)  # (queries, keys), k = d
         mma_dkv = tiled_mma(self.dtype, "MN", "K", (1, 1, 1), tn)  # (d, keys) of one warpgroup, k = queries
         mma_dq = tiled_mma(self.dtype, "MN", "MN", (1, 1, 1), tm)  # (d chunk, queries), k = keys
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
@@ -56,19 +56,19 @@ class HeadOnMCompute:
         tPrV = wg_sdp.make_fragment_B(wg_sdp.partition_B(sV))
         # dV^T, dK^T: A = dO^T, Q^T (this warpgroup's head dims, queries), B = P, dS
         # (keys, queries)
-        mine = (half, tm)
+        mine = (own, tm)
         tVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sdO), mine, (wg, 0, None))))
         tKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sQ), mine, (wg, 0, None))))
         tVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(sP))
         tKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdS))
-        # dQ^T chunk c: A = K^T (head dims [(2w + c) 64, ...), keys), B = dS^T (queries, keys)
+        # dQ^T chunk c: A = K^T (head dims [(chunks w + c) 64, ...), keys), B = dS^T (queries, keys)
         sKt = transpose_smem(sK)
         tQrKt = [wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sKt, (chunk, tn), (wg * chunks + c, 0))))
                  for c in range(chunks)]
         tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sdS)))
 
-        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((half, tn)), Float32)
-        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((half, tn)), Float32)
+        acc_dv = cute.make_rmem_tensor(thr_dkv.partition_shape_C((own, tn)), Float32)
+        acc_dk = cute.make_rmem_tensor(thr_dkv.partition_shape_C((own, tn)), Float32)
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         s_shape = thr_sdp.partition_shape_C((tm, tn))
@@ -79,7 +79,7 @@ class HeadOnMCompute:
         # P and dS to shared memory as (keys, queries) tiles (queries contiguous, in the
         # 128-byte swizzle: rows of 80 keys would take the 32-byte one, whose 16-key atoms
         # a warpgroup's 40 keys do not divide), by transposing stmatrix, two 8x8 blocks at
-        # a time (a warp's 16 x 40 fragment is ten)
+        # a time (a warp's 16 x 40 fragment is ten, 16 x 32 eight)
         pds_copy = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=2), self.dtype),
             mma_sdp)
@@ -165,7 +165,7 @@ class HeadOnMCompute:
                               n_block, scale):
         """dK (times the softmax scale) and dV, each warpgroup's (head dims, keys) fragment
         written transposed (stmatrix) into the spent K and V tiles, then one TMA store each."""
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)  # K, V no longer read
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)  # K, V no longer read
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
@@ -173,13 +173,13 @@ class HeadOnMCompute:
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
             mma_dkv)
         thr = store.get_slice(tidx % WARPGROUP)
-        mine = (self.head_dim // 2, self.tile_n)
+        mine = (self.head_dim // self.num_consumers, self.tile_n)
         for acc, s_tile in ((acc_dk, sK), (acc_dv, sV)):
             staged = cute.make_rmem_tensor_like(acc, self.dtype)
             staged.store(acc.load().to(self.dtype))
             cute.copy(store, thr.retile(staged), thr.partition_D(cute.local_tile(transpose_smem(s_tile), mine, (wg, 0))))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
         if cute.arch.make_warp_uniform(tidx // 32) == 0:
             tile = (self.tile_n, self.head_dim)
             for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):

@@ -29,14 +29,13 @@
      at 96 (not deterministic) the warpgroups are staggered: the dQ GEMM of a query tile
      is issued at the start of the next one, once the other warpgroup has said its dS
      half is ready (``compute``).
-   - 192 (``compute_wide``, in bwd_wide_sm90): 64 keys per CTA, both warpgroups on every
-     key; dV, dK and dQ split along head_dim (64 x 96 fp32 each per warpgroup), so P and
-     dS go through shared memory; Q, dO and K in the 64-byte swizzle (96-column halves);
-     Q/dO double-buffered (about 210 KB of shared memory).
-   - 256 (``compute_head_on_m``, in bwd_head_on_m_sm90): 80 keys per CTA; S and dP split
-     by keys between the warpgroups, dV^T, dK^T and dQ^T by head dims (the head dim on the
-     GEMMs' M side); P and dS through shared memory; Q/dO single-buffered, dQ staged in
-     three 16 KB buffers the step's four parts take in turn (214 KB).
+   - 192, 256 (``compute_head_on_m``, in bwd_head_on_m_sm90): S and dP split by keys
+     between the consumer warpgroups, dV^T, dK^T and dQ^T by head dims (the head dim on
+     the GEMMs' M side, 64 per warpgroup at 192, 128 at 256); P and dS through shared
+     memory; Q/dO single-buffered. 192: 96 keys per CTA, three consumer warpgroups (160
+     registers each), a dQ staging buffer per warpgroup (194 KB). 256: 80 keys, two
+     consumer warpgroups, dQ staged in three 16 KB buffers the step's four parts take in
+     turn (214 KB).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
 3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
 
@@ -60,7 +59,6 @@ from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
 from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
 from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
-from .bwd_wide_sm90 import WideCompute
 from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
 from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
@@ -70,26 +68,25 @@ from .sm90_common import (
 )
 
 PRODUCER_REGS = 24
-CONSUMER_REGS = 240
+# per consumer thread: two consumer warpgroups 240, three 160 (the register file holds
+# 128 x 24 + 384 x 160)
+CONSUMER_REGS = {2: 240, 3: 160}
 # Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
 ROTATION_TILES = 2
 
 
-class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
+class FlashBwdSm90(HeadOnMCompute, DqHandoff):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
                  tile_m: int, tile_n: int, stages: int):
-        # wide (head_dim 192): dK, dV and dQ split along head_dim between the warpgroups,
-        # both on all 64 keys; P and dS then go through shared memory.
-        self.wide = head_dim == 192
-        # head_on_m (head_dim 256): 80 keys per CTA; dK, dV and dQ computed transposed, the
-        # head dim on the M side of the GEMMs (bwd_head_on_m_sm90); P and dS go through
-        # shared memory too.
-        self.head_on_m = head_dim == 256
-        self.p_in_smem = self.wide or self.head_on_m
+        # head_on_m (head_dim 192, 256): dK, dV and dQ computed transposed, the head dim on
+        # the M side of the GEMMs, 64 (192: three consumer warpgroups, 96 keys per CTA) or
+        # 128 (256: two, 80 keys) head dims per warpgroup (bwd_head_on_m_sm90); P and dS go
+        # through shared memory (the other head dims keep P in registers).
+        self.head_on_m = head_dim in (192, 256)
         assert head_dim in (64, 96, 128, 192, 256) and tile_m == ROWS_PER_BLOCK == 64
-        assert tile_n == (80 if self.head_on_m else 64 if self.wide else 128)
+        assert tile_n == {192: 96, 256: 80}.get(head_dim, 128)
         self.dtype = dtype
         self.head_dim = head_dim
         self.causal = causal
@@ -97,20 +94,20 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.stages = stages
-        self.num_consumers = 2
+        self.num_consumers = 3 if head_dim == 192 else 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
         # [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory, so the
         # two reduces cover disjoint halves. (Each warpgroup computing all columns from its
         # own 64 keys, warpgroup 1 adding into warpgroup 0's staging buffer, measured 5-10%
         # slower at head_dim 64 and 96: docs/perf-notes.md, session 3.)
-        # head_on_m: each warpgroup's 128 head dims of dQ^T in two GEMMs of dq_chunk rows,
-        # each staged as one part.
+        # head_on_m: each warpgroup's head dims of dQ^T in GEMMs of dq_chunk rows (two at
+        # 256, one at 192), each staged as one part.
         self.dq_chunk = 64
         # Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must divide
         # d/2: the 64-byte swizzle at 64 and 192, the 32-byte one at 96; 128 and 256 keep
         # the 128-byte one (64-column halves or chunks).
-        self.col_parts = 1 if head_dim == 128 else 2
+        self.col_parts = 1 if head_dim == 128 or self.head_on_m else 2
         self.dq_cols = head_dim // 2
         # head_dim 64: dQ^T = K^T dS^T instead, warpgroup w computing query rows
         # [32 w, 32 w + 32) of the tile over all head dims, with K^T (64 x 128 keys) read once
@@ -119,20 +116,21 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         # K^T half: 24 KB), on a kernel bound by shared-memory bandwidth.
         self.dq_transposed = head_dim == 64
         # the (rows, cols) of dQ one warpgroup stages per step, and their place in the tile
-        # (head_on_m: a warpgroup's 128 head dims in two 64-column chunks, one tile each)
+        # (head_on_m: a warpgroup's head dims in 64-column chunks, one tile each)
         if self.dq_transposed:
             self.dq_tile = (tile_m // 2, head_dim)
         else:
             self.dq_tile = (tile_m, self.dq_chunk if self.head_on_m else self.dq_cols)
-        self.dq_parts = 4 if self.head_on_m else self.num_consumers  # staged tiles per step, one reduce each
+        # staged tiles per step, one reduce each
+        self.dq_parts = head_dim // self.dq_chunk if self.head_on_m else self.num_consumers
         # Double-buffered staging, so a warpgroup waits for the writer only when the writer
-        # is two steps behind. Not wide: its shared memory is full. Deterministic variants
+        # is two steps behind. Not head_on_m: its shared memory is full. Deterministic variants
         # too since their writer returns a buffer once read and accumulates into two
         # copies (one staging buffer measured faster before that; session 8: d64 det
         # +2-4%, d128 +0.5-1%, docs/perf-notes.md).
-        self.dq_stages = 1 if self.p_in_smem else 2
-        # head_on_m: three 16 KB buffers that the four parts of a step take in turn (four
-        # do not fit next to 80-key K and V)
+        self.dq_stages = 1 if self.head_on_m else 2
+        # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
+        # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
         # head_dim 64: K and V read once into registers as the A operands of S^T and dP^T
         # (32 registers), so those GEMMs read only Q and dO from shared memory (ncu: its
@@ -148,10 +146,10 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         # the later dQ delays the ordered reduces other CTAs wait for (measured slower).
         # Not at 64 either: with K^T in registers (dq_transposed) the staggered loop spills
         # (152 bytes); unstaggered and transposed measured +1-4% over staggered.
-        self.stagger = not self.wide and head_dim <= 96 and not deterministic and not self.dq_transposed
-        # dS double-buffered: one barrier per step orders its reuse. wide: single P and
-        # dS buffers (shared memory is full), a second barrier orders their reuse.
-        self.ds_stages = 1 if self.p_in_smem else 2
+        self.stagger = head_dim <= 96 and not deterministic and not self.dq_transposed
+        # dS double-buffered: one barrier per step orders its reuse. head_on_m: single P
+        # and dS buffers (shared memory is full), a second barrier orders their reuse.
+        self.ds_stages = 1 if self.head_on_m else 2
         # Rotated query loops (not causal, not deterministic: see kernel). Deterministic
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
@@ -175,7 +173,7 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         def buf(layout, dtype=self.dtype):
             return smem_buffer(layout, dtype)
 
-        stages, p_in_smem = self.stages, self.p_in_smem
+        stages, p_in_smem = self.stages, self.head_on_m
         stats = cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
 
         @cute.struct
@@ -231,7 +229,7 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
         if const_expr(self.head_on_m):
             s_ds = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries)
         else:
-            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.p_in_smem else self.ds_stages)
+            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.head_on_m else self.ds_stages)
         s_dq = smem_layout(Float32, *self.dq_tile, self.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -352,22 +350,14 @@ class FlashBwdSm90(WideCompute, HeadOnMCompute, DqHandoff):
                                m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles)
         else:
             # ---------------- consumer warpgroups ----------------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.num_consumers])
             if const_expr(self.head_on_m):
-                # dK and dV staged over the spent K and V (80 x 256 each, as the tiles)
+                # dK and dV staged over the spent K and V (tiles of the same shape)
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.compute_head_on_m(
                     tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
                     m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
                     tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
-                )
-            elif const_expr(self.wide):
-                sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
-                self.compute_wide(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
-                    scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
-                    sP,
                 )
             else:
                 self.compute(
