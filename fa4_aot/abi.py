@@ -68,7 +68,8 @@ def bwd_main_plan() -> list[dict]:
                           ("dk", kv_sizes), ("dv", kv_sizes), ("dq_accum", ["seqlen_q", "heads_q", "dq_batch"])):
         slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
-    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore")]
+    # the accumulator again as a plain address: the fragment-order reduces (head_dim 96, 128)
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore", "dq_accum")]
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     slots.append(_slot("turn_tiles", "i32", fields=["turn_tiles"]))
     return with_offsets(slots)

@@ -102,7 +102,9 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m
     # values into shared memory with one bulk copy (4 * tile_m bytes), 16-byte aligned.
     m_blocks = -(-sq // tile_m)
     rows = b * hq * m_blocks * tile_m * 4
-    return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * sq * hq * d * 4),
+    # the accumulator padded to whole query tiles too: at head_dim 96 and 128 the kernels
+    # keep it as whole tiles in fragment order (fa4_aot/src/bwd_rows_sm90.py), else as rows
+    return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tile_m * hq * d * 4),
             ("dq_semaphore", chains * b * hq * m_blocks * 4)]
 
 

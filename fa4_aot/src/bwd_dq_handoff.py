@@ -19,7 +19,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from .bwd_barriers import DQ_EMPTY_BARRIER, DQ_FULL_BARRIER
 from .bwd_order import dq_chain, dq_turn
-from .sm90_common import WARPGROUP
+from .bwd_rows_sm90 import frag_offset
+from .sm90_common import WARPGROUP, bulk_reduce_add_f32
 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 
@@ -33,7 +34,12 @@ class DqHandoff:
         """Hand dQ part ``part`` of ``step`` to the writer warp in its staging buffer
         (``tdQ_smem``: this thread's view of every buffer)."""
         buffer = self._claim_dq(part, step)
-        cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[None, None, None, buffer])
+        if const_expr(self.dq_fragment_order):
+            # register order, 16 bytes a store: (4 values, chunk) onto (4, chunk) of the buffer
+            values = cute.make_tensor(acc_dq.iterator, cute.make_layout((4, cute.size(acc_dq) // 4)))
+            cute.autovec_copy(values, tdQ_smem[None, None, buffer])
+        else:
+            cute.copy(dq_copy, thr_dq_copy.retile(acc_dq), tdQ_smem[None, None, None, buffer])
         self._hand_dq(buffer)
 
     @cute.jit
@@ -71,7 +77,7 @@ class DqHandoff:
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 
     @cute.jit
-    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
+    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, n_block, head_kv, batch, group,
                   m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles):
         """Add each staged dQ tile into the fp32 accumulator by TMA reduce-add, off the
         consumers' critical path: they only wait for the buffer to be read.
@@ -116,12 +122,20 @@ class DqHandoff:
             for part in cutlass.range_constexpr(self.dq_parts):
                 buffer = self._dq_buffer(part, step)
                 cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
-                tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile,
-                                       self._dq_at(part, m_block))
-                part_s, part_g = cpasync.tma_partition(
-                    tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
-                    cute.group_modes(tile, 0, 2))
-                cute.copy(tma_dq, part_s, part_g)
+                if const_expr(self.dq_fragment_order):
+                    part_elems = self.dq_tile[0] * self.dq_tile[1]
+                    at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
+                                     self.tile_m * self.head_dim) + part * part_elems
+                    if lane == 0:
+                        bulk_reduce_add_f32(dqacc_ptr.toint() + at * 4, sdQ[None, None, None, buffer].iterator.toint(),
+                                            part_elems * 4)
+                else:
+                    tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile,
+                                           self._dq_at(part, m_block))
+                    part_s, part_g = cpasync.tma_partition(
+                        tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
+                        cute.group_modes(tile, 0, 2))
+                    cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(not self._dq_own_buffers()):
                     # shared buffers: a later part of this very step may be waiting for this one

@@ -2,20 +2,27 @@
 (``bwd_sm90.FlashBwdSm90``), one block per 64-row query tile of a (head, batch):
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
-  that saw no key, so its P is 0), the fp32 dQ accumulator rows and the dQ semaphores
-  cleared (every copy: see variants.dq_chains); the padding rows of the last tile get
-  LSE2 = +inf and D = 0.
+  that saw no key, so its P is 0), the fp32 dQ accumulator and the dQ semaphores cleared
+  (every copy: see variants.dq_chains); the padding rows of the last tile get LSE2 = +inf
+  and D = 0.
 - ``postprocess``: dQ = (sum of the accumulator copies, in copy order) * scale in the
   input dtype.
 
+The accumulator holds copy c of batch b as (b * chains + c). Its layout is the main
+kernel's: (s_q, h_q, d) rows, which its dQ writer adds tiles into with a 2D TMA
+reduce, or, with ``DqFragments``, whole 64-row query tiles (s_q padded), each the
+consumer warpgroups' staged dQ fragments in their register order (``frag_offset``),
+added with one 1D bulk reduce per fragment tile; the postprocess then puts each value
+at its (row, column) through shared memory.
+
 Rows are read and written 16 bytes per access, THREADS_PER_ROW threads per row.
 """
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, const_expr
 
 from ..variants import BWD_QUERY_ROWS
+from .sm90_common import WARPGROUP
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
@@ -26,17 +33,53 @@ ROW_BLOCK_THREADS = THREADS_PER_ROW * ROWS_PER_BLOCK
 LOG2E = 1.4426950408889634
 
 
+class DqFragments:
+    """The dQ tiles of the main kernel staged in fragment order: ``parts`` warpgroups'
+    fragments of one wgmma accumulator of ``acc_shape`` each (``make_mma()`` builds its
+    tiled MMA; thread t's value v lies at (v // 4) * 512 + 4 t + v % 4 of its part, so a
+    warp's 16-byte stores are contiguous), part p covering head dims [p c, (p + 1) c) of
+    the query tile (acc_shape (queries, c)), or, ``transposed``, query rows [p c, (p + 1)
+    c) over all head dims (acc_shape (d, c))."""
+
+    def __init__(self, make_mma, acc_shape: tuple[int, int], transposed: bool, parts: int):
+        self.make_mma = make_mma
+        self.acc_shape = acc_shape
+        self.transposed = transposed
+        self.parts = parts
+        self.part_elems = acc_shape[0] * acc_shape[1]
+        self.values = self.part_elems // WARPGROUP  # per thread
+
+    def place(self, part: int, r, c):
+        """(query row in the tile, head dim) of accumulator element (r, c) of ``part``."""
+        if self.transposed:
+            return part * self.acc_shape[1] + c, r
+        return r, part * self.acc_shape[1] + c
+
+
+def frag_offset(batch, copy, head, m_block, heads_q, m_blocks, chains: int, tile_elems: int):
+    """Element offset of query tile m_block of (batch, copy, head) in a fragment-order
+    accumulator (``tile_elems`` = 64 * d per tile)."""
+    return ((Int64(batch * chains + copy) * heads_q + head) * m_blocks + m_block) * tile_elems
+
+
 class BwdRowsSm90:
     """Compile-time knobs of the row kernels: the input dtype, head_dim, the main
     kernel's query tile (the unit of the statistics' padding and of the semaphores) and
     the copies of the dQ accumulator: (batch * chains + copy, s_q, h_q, d), and as many
     semaphores per query tile."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1):
+    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None):
+        assert tile_m == ROWS_PER_BLOCK
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.chains = chains
+        self.fragments = fragments
+        assert fragments is None or fragments.parts * WARPGROUP == ROW_BLOCK_THREADS
+        # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
+        # padded by 16 bytes (fewer bank conflicts as the fragments scatter into it)
+        self.out_stride = head_dim + 8
+        self.post_smem_bytes = 0 if fragments is None else tile_m * (head_dim + 8) * dtype.width // 8
 
     # ------------------------------------------------------------------ preprocess
     def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):
@@ -75,13 +118,24 @@ class BwdRowsSm90:
                 cute.autovec_copy(self._chunk(o_ptr, o_row + col, self.dtype, vec), o)
                 cute.autovec_copy(self._chunk(do_ptr, do_row + col, self.dtype, vec), do)
                 total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            if const_expr(self.fragments is None):
+                zeros = cute.make_rmem_tensor((4,), Float32)
+                zeros.fill(0.0)
+                for copy in cutlass.range_constexpr(self.chains):
+                    acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
+                    for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
+                        col = (part + i * THREADS_PER_ROW) * 4
+                        cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
+        if const_expr(self.fragments is not None):
+            # the whole tile, padding rows included (the reduces add into all of it)
             zeros = cute.make_rmem_tensor((4,), Float32)
             zeros.fill(0.0)
+            tile_elems = self.tile_m * d
             for copy in cutlass.range_constexpr(self.chains):
-                acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
-                for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
-                    col = (part + i * THREADS_PER_ROW) * 4
-                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
+                base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
+                                   self.chains, tile_elems)
+                for i in cutlass.range_constexpr(tile_elems // 4 // ROW_BLOCK_THREADS):
+                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, base + (i * ROW_BLOCK_THREADS + tidx) * 4, Float32, 4))
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
@@ -131,7 +185,10 @@ class BwdRowsSm90:
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
-        if row < seqlen_q:
+        if const_expr(self.fragments is not None):
+            self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
+                                 seqlen_q, heads_q, scale)
+        elif row < seqlen_q:
             d = self.head_dim
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
@@ -146,4 +203,43 @@ class BwdRowsSm90:
                     acc.store(acc.load() + more.load())
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
+                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+
+    @cute.jit
+    def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
+                        seqlen_q, heads_q, scale):
+        """Fragment order: thread t of warpgroup p reads what thread t of the main kernel's
+        warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
+        copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
+        the rows go out 16 bytes per access as in the row layout."""
+        frags = self.fragments
+        d = self.head_dim
+        s_out = cutlass.utils.SmemAllocator().allocate_tensor(
+            self.dtype, cute.make_layout((self.tile_m, d), stride=(self.out_stride, 1)), byte_alignment=16)
+        wg, t = tidx // WARPGROUP, tidx % WARPGROUP
+        coords = frags.make_mma().get_slice(t).partition_C(cute.make_identity_tensor(frags.acc_shape))
+        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        tile_elems = self.tile_m * d
+        first = frag_offset(batch, 0, head, m_block, heads_q, m_blocks, self.chains, tile_elems) \
+            + wg * frags.part_elems + t * 4
+        for i in cutlass.range_constexpr(frags.values // 4):
+            acc = cute.make_rmem_tensor((4,), Float32)
+            cute.autovec_copy(self._chunk(dqacc_ptr, first + i * 4 * WARPGROUP, Float32, 4), acc)
+            for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
+                more = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
+                                              + i * 4 * WARPGROUP, Float32, 4), more)
+                acc.store(acc.load() + more.load())
+            for j in cutlass.range_constexpr(4):
+                r, c = coords[4 * i + j]
+                q, dim = frags.place(wg, r, c)
+                s_out[q, dim] = (acc[j] * scale).to(self.dtype)
+        cute.arch.sync_threads()
+        vec = 8
+        if row < seqlen_q:
+            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
+            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
+                col = (part + i * THREADS_PER_ROW) * vec
+                dq = cute.make_rmem_tensor((vec,), self.dtype)
+                cute.autovec_copy(cute.local_tile(s_out[tidx // THREADS_PER_ROW, None], (vec,), (col // vec,)), dq)
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))

@@ -59,7 +59,7 @@ from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
 from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
 from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
-from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90
+from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90, DqFragments
 from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from .sm90_common import (
@@ -165,7 +165,18 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         # of registers (ptxas serializes every wgmma, C7512); wider heads too.
         self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
-        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains)  # pre/postprocess
+        # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
+        # bytes a store, contiguous across the warp (no bank conflicts, half the stores of
+        # the 64-bit row-layout ones), and the writer adds each staged tile with one 1D
+        # bulk reduce into a fragment-order accumulator, which the postprocess puts in
+        # place: +2-5% at 128, +3-6% at 96 (deterministic +3-12%). 64 keeps the row layout
+        # (its transposed staging has no conflicts; measured -2 to +2%), and so do 192 and
+        # 256 (-3 to +2%) (docs/perf-notes.md, session 11).
+        self.dq_fragment_order = head_dim in (96, 128)
+        fragments = None
+        if self.dq_fragment_order:
+            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)
+        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments)  # pre/postprocess
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -255,13 +266,13 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, scale, scale_log2, turn_tiles,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, scale, scale_log2, turn_tiles,
             s_q_tile, s_kv, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
             mdQacc.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
-        ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
+        ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1], smem=self.rows.post_smem_bytes)
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel
@@ -277,6 +288,7 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
+        dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
         scale: Float32,
         scale_log2: Float32,
         turn_tiles: Int32,
@@ -310,7 +322,13 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
-        sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
+        if const_expr(self.dq_fragment_order):
+            # (4 values, thread of the warpgroup, 16-byte chunk, buffer): see DqFragments
+            part = self.dq_tile[0] * self.dq_tile[1]
+            sdQ = cute.make_tensor(storage.sdQ.data_ptr(), cute.make_layout(
+                (4, WARPGROUP, part // WARPGROUP // 4, self.dq_slots), stride=(1, 4, 4 * WARPGROUP, part)))
+        else:
+            sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
         stats_layout = cute.make_layout((self.tile_m, self.stages))
         sLSE2, sDsum = storage.sLSE2.get_tensor(stats_layout), storage.sDsum.get_tensor(stats_layout)
         staging = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)  # dK, dV over spent Q, dO
@@ -346,7 +364,7 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
                           n_block, head_kv, batch, group, m_first, span, steps,
                           lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q)
             if warp == DQ_WRITER_WARP:
-                self.dq_writer(tidx, sdQ, tma_dq, gdQacc, sem_ptr, n_block, head_kv, batch, group,
+                self.dq_writer(tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, n_block, head_kv, batch, group,
                                m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles)
         else:
             # ---------------- consumer warpgroups ----------------
@@ -429,10 +447,7 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
-        if const_expr(self.dq_transposed):
-            mma_dq = tiled_mma(self.dtype, "K", "K", (1, 1, 1), tm // 2, a_in_registers=True)  # (d, queries), k = keys
-        else:
-            mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)  # (queries, dq_cols), k = keys
+        mma_dq = self._mma_dq()
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         wg_first = wg * WARPGROUP
         wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
@@ -464,7 +479,10 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
                 cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
         (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col,
          dsum_col) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
-        tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ) if self.dq_transposed else sdQ)  # (..., buffer)
+        if const_expr(self.dq_fragment_order):
+            tdQ_smem = sdQ[None, tidx % WARPGROUP, None, None]  # (4, chunk, buffer)
+        else:
+            tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ) if self.dq_transposed else sdQ)  # (..., buffer)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -634,6 +652,13 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         mma, tSrK, tSrQ, _, _ = operands
         pipe_q.consumer_wait(state)
         wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+
+    def _mma_dq(self):
+        """The dQ GEMM of one warpgroup: (queries, dq_cols), or transposed (d, queries) with
+        K^T in registers; k = keys."""
+        if self.dq_transposed:
+            return tiled_mma(self.dtype, "K", "K", (1, 1, 1), self.tile_m // 2, a_in_registers=True)
+        return tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)
 
     def _dq_acc_shape(self):
         """The dQ GEMM's output tile: (queries, head-dim half), or transposed (d, queries)."""

@@ -165,7 +165,8 @@ def compile_bwd(variant: Variant) -> dict:
         "kernel": (abi.bwd_main_plan(), [kernel.threads, 1, 1],
                    [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
                    kernel.smem_bytes, True),
-        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, True),
+        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows,
+                        kernel.rows.post_smem_bytes, True),
     }
     order = ["preprocess", "kernel", "postprocess"]
     if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
