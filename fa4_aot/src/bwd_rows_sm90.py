@@ -135,7 +135,8 @@ class BwdRowsSm90:
                 base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
                                    self.chains, tile_elems)
                 for i in cutlass.range_constexpr(tile_elems // 4 // ROW_BLOCK_THREADS):
-                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, base + (i * ROW_BLOCK_THREADS + tidx) * 4, Float32, 4))
+                    chunk_at = base + (i * ROW_BLOCK_THREADS + tidx) * 4
+                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:

@@ -160,9 +160,10 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         # causal -5 to -7%, deterministic d96 -1 to -3%): docs/perf-notes.md, session 9.
         self.late_stats = deterministic and head_dim == 64
         # head_dim 64, bf16: a tile's S^T is issued behind the previous tile's dK GEMM (see
-        # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for one
-        # spilled register (8 bytes, reloaded once a step). The same code in fp16 runs out
-        # of registers (ptxas serializes every wgmma, C7512); wider heads too.
+        # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for spilled
+        # registers (8 bytes; 16 with session 11's early try-waits, reloaded once a step).
+        # The same code in fp16 runs out of registers (ptxas serializes every wgmma, C7512);
+        # wider heads too.
         self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
@@ -503,23 +504,24 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         if const_expr(self.overlap_scores):
             s_tile = cute.make_rmem_tensor(s_shape, Float32)
             dp_tile = cute.make_rmem_tensor(s_shape, Float32)
+            do_ready = cutlass.Boolean(False)  # dO's stage seen full ahead of its wait
             if steps > 0:
                 self._issue_s_gemm(s_tile, score_operands, pipe_q, state)
                 warpgroup.wait_group(0)  # none in flight into the loop (see _overlapped_step)
             # the last step issues no next scores: the loop runs steps - 1 times, no branch
             # around a wgmma inside it
             for overlapped in cutlass.range(steps - 1, unroll=1):
-                self._overlapped_step(
-                    overlapped, True, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state, s_coords, sLSE2,
-                    sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks, seqlen_q,
-                    seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
+                do_ready = self._overlapped_step(
+                    overlapped, True, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
+                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
+                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
                     tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
                 state.advance()
             if steps > 0:
                 self._overlapped_step(
-                    steps - 1, False, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state, s_coords, sLSE2,
-                    sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks, seqlen_q,
-                    seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
+                    steps - 1, False, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
+                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
+                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
                     tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
         # around a wgmma inside the loop.
@@ -599,7 +601,7 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         return m_block
 
     @cute.jit
-    def _overlapped_step(self, step, issue_next: cutlass.Constexpr[bool], wg, acc_s, acc_dp, score_operands,
+    def _overlapped_step(self, step, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp, score_operands,
                          pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv,
                          group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS,
                          tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt,
@@ -609,17 +611,29 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         once the registers of P^T and the dQ accumulator are free, so the tensor pipe has
         it queued while dK runs and the step's bookkeeping is done. (Issuing dP^T there
         too, or before staging dQ, runs out of registers: ptxas serializes every wgmma,
-        C7512.)"""
+        C7512.)
+
+        The pipeline waits take a token from a try-wait issued well before (``do_ready``
+        from the step before, the next Q's right after dP^T), so an mbarrier's latency is
+        not paid where the wait stands. Returns the next step's dO token."""
         m_block = self._m_block(step, m_first, span, m_blocks)
         ds_stage = step % self.ds_stages
         mma, _, _, tPrV, tPrdO = score_operands
-        pipe_do.consumer_wait(state)
+        following = state.clone()
+        following.advance()
+        pipe_do.consumer_wait(state, do_ready)
         wgmma(mma, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
-        warpgroup.wait_group(1)  # S^T done
+        q_ready = cutlass.Boolean(False)
+        if const_expr(issue_next):
+            q_ready = pipe_q.consumer_try_wait(following)
+        # LSE2 read while dP^T runs, so the exponentials do not wait for shared memory; D
+        # only after them (both early spilled more and measured slower causal)
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
-            dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
+        warpgroup.wait_group(1)  # S^T done
         self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+        for j in cutlass.range_constexpr(cute.size(dsum_col)):
+            dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
         tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         warpgroup.wait_group(0)  # dP^T done
         self._grads(acc_s, acc_dp, dsum_col)
@@ -636,21 +650,22 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
         warpgroup.wait_group(1)  # dV and dQ done; dK in flight
         pipe_do.consumer_release(state)
         self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+        next_do_ready = cutlass.Boolean(False)
         if const_expr(issue_next):
             # behind dK, once P^T and the dQ accumulator are spent (registers)
-            following = state.clone()
-            following.advance()
-            self._issue_s_gemm(acc_s, score_operands, pipe_q, following)
+            self._issue_s_gemm(acc_s, score_operands, pipe_q, following, q_ready)
+            next_do_ready = pipe_do.consumer_try_wait(following)
         # dK (and the next S^T) done: a wgmma left in flight across the loop's back edge
         # makes ptxas serialize every wgmma of the kernel (C7514, measured at compile)
         warpgroup.wait_group(0)
         pipe_q.consumer_release(state)
+        return next_do_ready
 
     @cute.jit
-    def _issue_s_gemm(self, acc_s, operands, pipe_q, state):
-        """S^T of one query tile issued as its Q lands."""
+    def _issue_s_gemm(self, acc_s, operands, pipe_q, state, ready=None):
+        """S^T of one query tile issued as its Q lands (``ready``: a try-wait's token)."""
         mma, tSrK, tSrQ, _, _ = operands
-        pipe_q.consumer_wait(state)
+        pipe_q.consumer_wait(state, ready)
         wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
 
     def _mma_dq(self):
