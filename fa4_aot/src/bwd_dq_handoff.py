@@ -1,6 +1,9 @@
 """The backward's dQ hand-off (sm_90a): consumer warpgroups stage each query tile's fp32
 dQ share in shared memory, and the dQ writer warp adds it into the fp32 accumulator in
-global memory by TMA reduce-add, in a fixed order when deterministic.
+global memory, in a fixed order when deterministic: by a 2D TMA reduce-add into the
+accumulator's rows, or (``dq_fragment_order``) each thread's fragment stored in register
+order and the tile added by one 1D bulk reduce into a fragment-order accumulator
+(bwd_rows_sm90.DqFragments).
 
 ``DqHandoff`` is a mixin of ``bwd_sm90.FlashBwdSm90``: it reads that class's knobs
 (tile_m, tile_n, dq_tile, dq_parts, dq_slots, dq_stages, dq_transposed,
@@ -79,7 +82,7 @@ class DqHandoff:
     @cute.jit
     def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, n_block, head_kv, batch, group,
                   m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles):
-        """Add each staged dQ tile into the fp32 accumulator by TMA reduce-add, off the
+        """Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
         consumers' critical path: they only wait for the buffer to be read.
 
         Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query

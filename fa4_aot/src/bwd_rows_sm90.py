@@ -17,6 +17,7 @@ at its (row, column) through shared memory.
 
 Rows are read and written 16 bytes per access, THREADS_PER_ROW threads per row.
 """
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
@@ -64,9 +65,9 @@ def frag_offset(batch, copy, head, m_block, heads_q, m_blocks, chains: int, tile
 
 class BwdRowsSm90:
     """Compile-time knobs of the row kernels: the input dtype, head_dim, the main
-    kernel's query tile (the unit of the statistics' padding and of the semaphores) and
-    the copies of the dQ accumulator: (batch * chains + copy, s_q, h_q, d), and as many
-    semaphores per query tile."""
+    kernel's query tile (the unit of the statistics' padding and of the semaphores), the
+    copies of the dQ accumulator (batch * chains + copy; as many semaphores per query
+    tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
     def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None):
         assert tile_m == ROWS_PER_BLOCK
@@ -79,7 +80,7 @@ class BwdRowsSm90:
         # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
         # padded by 16 bytes (fewer bank conflicts as the fragments scatter into it)
         self.out_stride = head_dim + 8
-        self.post_smem_bytes = 0 if fragments is None else tile_m * (head_dim + 8) * dtype.width // 8
+        self.post_smem_bytes = 0 if fragments is None else tile_m * self.out_stride * dtype.width // 8
 
     # ------------------------------------------------------------------ preprocess
     def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):

@@ -14,8 +14,9 @@
        dV += P^T dO, dK += dS^T Q
        dQ_tile = dS K                      (dS through shared memory)
    and stage dQ_tile in shared memory for warp 1, the dQ writer, which adds it into the
-   fp32 accumulator by TMA reduce-add: in any order by default or, when deterministic, in
-   a fixed key-tile order per query tile and accumulator copy, serialized by a
+   fp32 accumulator by a bulk reduce-add (2D TMA into rows; at head_dim 96 and 128 one
+   1D reduce of the tile staged in fragment order): in any order by default or, when
+   deterministic, in a fixed key-tile order per query tile and accumulator copy, serialized by a
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
    causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
    Per head dim:
