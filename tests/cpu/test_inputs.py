@@ -155,6 +155,20 @@ def test_workspace_statistics_rows_are_padded_to_whole_query_tiles():
         assert regions["dq_semaphore"] == 2 * 8 * (padded // 64) * 4
 
 
+def test_workspace_accumulator_holds_whole_query_tiles():
+    """At head_dim 96 and 128 the dQ writer adds whole 64-row tiles (fragment order) into
+    the accumulator, the last one past seqlen_q: every copy must hold them all, and still
+    the (b * copies, s_q, h, d) rows the 2D TMA reduce of the other head dims addresses."""
+    from fa4_aot.api import _workspace_regions
+
+    for seqlen_q in (1, 63, 64, 65, 1000):
+        for chains in (1, 2):
+            regions = dict(_workspace_regions(3, seqlen_q, 4, 96, chains))
+            padded = -(-seqlen_q // 64) * 64
+            assert regions["dq_accum"] == chains * 3 * 4 * padded * 96 * 4
+            assert regions["dq_accum"] >= chains * 3 * seqlen_q * 4 * 96 * 4
+
+
 def test_size_one_axes_get_a_valid_descriptor_stride():
     from fa4_aot.api import _tma_tensor
 
