@@ -1,6 +1,6 @@
 """The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
-mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_share_p_ds`` and
-the dQ hand-off of ``bwd_dq_handoff``).
+mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``,
+``_share_p_ds`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
 and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
@@ -107,7 +107,7 @@ class HeadOnMCompute:
                 lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
                 dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
             warpgroup.wait_group(1)
-            self._probs_by_rows(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+            self._probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
@@ -141,31 +141,12 @@ class HeadOnMCompute:
                                    n_block, scale)
 
     @cute.jit
-    def _probs_by_rows(self, acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
-        """S -> P in place, rows = queries: exp2(S * scale * log2(e) - LSE2), 0 where masked.
-        Only the last key tile (padding) and, causal, tiles that cross the diagonal are masked."""
-        s = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2_row[r], fastmath=True)
-        visible = seqlen_k  # the keys the tile's first query may see (a count)
-        if const_expr(self.causal):
-            visible = cutlass.min(visible, m_block * self.tile_m + 1 + seqlen_k - seqlen_q)
-        if (n_block + 1) * self.tile_n > visible:
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                limit = seqlen_k
-                if const_expr(self.causal):
-                    limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, 0][0] + 1 + seqlen_k - seqlen_q)
-                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    key = n_block * self.tile_n + s_coords[r, j][1]
-                    s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
-
-    @cute.jit
     def _store_dkv_transposed(self, tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
                               n_block, scale):
         """dK (times the softmax scale) and dV, each warpgroup's (head dims, keys) fragment
         written transposed (stmatrix) into the spent K and V tiles, then one TMA store each."""
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)  # K, V no longer read
+        # K and V no longer read
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale

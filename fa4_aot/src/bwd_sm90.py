@@ -515,15 +515,15 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
                 do_ready = self._overlapped_step(
                     overlapped, True, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
                     s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
-                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
-                    tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
+                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
+                    thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
                 state.advance()
             if steps > 0:
                 self._overlapped_step(
                     steps - 1, False, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
                     s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
-                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds,
-                    tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
+                    seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
+                    thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
         # around a wgmma inside the loop.
         for phase in cutlass.range_constexpr(0 if self.overlap_scores else (2 if self.stagger else 1)):
@@ -741,25 +741,40 @@ class FlashBwdSm90(HeadOnMCompute, DqHandoff):
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
 
     @cute.jit
-    def _probs(self, acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2):
-        """S^T -> P^T in place: exp2(S * scale * log2(e) - LSE2), 0 where masked. Only the
-        last key tile (padding) and, causal, tiles that cross the diagonal are masked."""
+    def _probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
+               queries_on_rows: cutlass.Constexpr[bool] = False):
+        """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
+        LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
+        row). Only the last key tile (padding) and, causal, tiles that cross the diagonal
+        are masked."""
         s = acc_as_rows_cols(acc_s)
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2_col[j], fastmath=True)
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[r if queries_on_rows else j], fastmath=True)
         # the last key the tile's first query may see (exclusive bound, as a count)
         visible = seqlen_k
         if const_expr(self.causal):
             visible = cutlass.min(visible, m_block * self.tile_m + 1 + seqlen_k - seqlen_q)
         if (n_block + 1) * self.tile_n > visible:
+            # what depends on the row alone (its key, or its query's limit) computed once a row
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                key = n_block * self.tile_n + s_coords[r, 0][0]
+                if const_expr(queries_on_rows):
+                    row_limit = self._key_limit(s_coords[r, 0][0], m_block, seqlen_q, seqlen_k)
+                else:
+                    row_key = n_block * self.tile_n + s_coords[r, 0][0]
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    limit = seqlen_k
-                    if const_expr(self.causal):
-                        limit = cutlass.min(limit, m_block * self.tile_m + s_coords[r, j][1] + 1 + seqlen_k - seqlen_q)
+                    if const_expr(queries_on_rows):
+                        key, limit = n_block * self.tile_n + s_coords[r, j][1], row_limit
+                    else:
+                        key, limit = row_key, self._key_limit(s_coords[r, j][1], m_block, seqlen_q, seqlen_k)
                     s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
+
+    def _key_limit(self, query, m_block, seqlen_q, seqlen_k):
+        """The keys query ``query`` of tile m_block may see (an exclusive bound)."""
+        limit = seqlen_k
+        if const_expr(self.causal):
+            limit = cutlass.min(limit, m_block * self.tile_m + query + 1 + seqlen_k - seqlen_q)
+        return limit
 
     def _share_p_ds(self, pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem):
         """P and dS (16-bit fragments) to their single shared buffers, between the consumer
