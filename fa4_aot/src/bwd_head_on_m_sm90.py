@@ -1,6 +1,6 @@
 """The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
-mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``,
-``_share_p_ds`` and the dQ hand-off of ``bwd_dq_handoff``).
+mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs`` and
+the dQ hand-off of ``bwd_dq_handoff``).
 
 n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
 and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
@@ -20,9 +20,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_barriers import EPILOGUE_BARRIER
+from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
 from .layout import acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, select_f32, tiled_mma, wgmma
+from .sm90_common import WARPGROUP, tiled_mma, wgmma
 
 
 class HeadOnMCompute:
@@ -139,6 +139,17 @@ class HeadOnMCompute:
             state.advance()
         self._store_dkv_transposed(tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
                                    n_block, scale)
+
+    def _share_p_ds(self, pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem):
+        """P and dS (16-bit fragments) to their single shared buffers, between the consumer
+        warpgroups' barriers: the first orders the write after every warpgroup's GEMMs of
+        the previous step (waited for at its end), the second the GEMMs after the write."""
+        threads = self.num_consumers * WARPGROUP
+        cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
+        cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
+        cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
 
     @cute.jit
     def _store_dkv_transposed(self, tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
