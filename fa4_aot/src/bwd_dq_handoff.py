@@ -19,11 +19,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
+from cutlass.experimental.primitives import CpReduceType, cp_reduce_async_bulk_global_shared_cta
 
 from .bwd_barriers import DQ_EMPTY_BARRIER, DQ_FULL_BARRIER
 from .bwd_order import dq_chain, dq_turn
 from .bwd_rows_sm90 import frag_offset
-from .sm90_common import WARPGROUP, bulk_reduce_add_f32
+from .sm90_common import WARPGROUP
 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 
@@ -130,8 +131,9 @@ class DqHandoff:
                     at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
                                      self.tile_m * self.head_dim) + part * part_elems
                     if lane == 0:
-                        bulk_reduce_add_f32(dqacc_ptr.toint() + at * 4, sdQ[None, None, None, buffer].iterator.toint(),
-                                            part_elems * 4)
+                        cp_reduce_async_bulk_global_shared_cta(dqacc_ptr.toint() + at * 4,
+                                                               sdQ[None, None, None, buffer].iterator,
+                                                               part_elems * 4, type=CpReduceType.F32)
                 else:
                     tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile,
                                            self._dq_at(part, m_block))

@@ -94,19 +94,6 @@ def _round_pair(lo, hi, dtype, *, loc=None, ip=None) -> cutlass.Int32:
     ))
 
 
-@dsl_user_op
-def bulk_reduce_add_f32(gmem_addr, smem_addr, size, *, loc=None, ip=None):
-    """``size`` bytes of fp32 at shared address ``smem_addr`` added into global memory at
-    ``gmem_addr`` (both 16-byte aligned, size a multiple of 16): one
-    ``cp.reduce.async.bulk`` in the issuing thread's bulk async-group."""
-    llvm.inline_asm(
-        None, [cutlass.Int64(gmem_addr).ir_value(loc=loc, ip=ip), cutlass.Int32(smem_addr).ir_value(loc=loc, ip=ip),
-               cutlass.Int32(size).ir_value(loc=loc, ip=ip)],
-        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
-    )
-
-
 @cute.jit
 def convert_into(src: cute.Tensor, dst: cute.Tensor):
     """dst (16-bit floats, compact registers) = src (fp32, same shape), a register pair at a time.
