@@ -1,6 +1,6 @@
 """The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
-mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs`` and
-the dQ hand-off of ``bwd_dq_handoff``).
+mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``,
+``_grads`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
 and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
@@ -14,6 +14,7 @@ the keys on M (the layout of the other head dims), a step moves fewer shared-mem
 per FLOP (K and V are read by every warpgroup, but Q and dO are amortized over more keys)
 and the dQ reduces carry fewer bytes per FLOP (20% at 256, 33% at 192).
 """
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -111,10 +112,7 @@ class HeadOnMCompute:
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
-            p, dp = acc_as_rows_cols(acc_s), acc_as_rows_cols(acc_dp)
-            for r in cutlass.range_constexpr(nrows):
-                for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                    dp[r, j] = p[r, j] * (dp[r, j] - dsum_row[r])
+            self._grads(acc_s, acc_dp, dsum_row, True)
             ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             ds16.store(acc_dp.load().to(self.dtype))
             self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)

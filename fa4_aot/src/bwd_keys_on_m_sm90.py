@@ -1,6 +1,6 @@
 """The backward's consumer role at head_dim 64, 96 and 128 (sm_90a): ``compute``, a mixin
-of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs`` and the dQ
-hand-off of ``bwd_dq_handoff``).
+of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``, ``_grads``
+and the dQ hand-off of ``bwd_dq_handoff``).
 
 128 keys per CTA, the keys on the GEMMs' M side. Per query tile of 64 rows, warpgroup w
 (its 64 keys):
@@ -319,14 +319,6 @@ class KeysOnMCompute:
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
-
-    @cute.jit
-    def _grads(self, acc_p, acc_dp, dsum_col):
-        """dP^T -> dS^T in place: P (dP - D)."""
-        p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
-        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                dp[r, j] = p[r, j] * (dp[r, j] - dsum_col[j])
 
     @cute.jit
     def _store_dkv(self, tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale):

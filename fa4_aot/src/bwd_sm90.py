@@ -477,3 +477,12 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         if const_expr(self.causal):
             limit = cutlass.min(limit, m_block * self.tile_m + query + 1 + seqlen_k - seqlen_q)
         return limit
+
+    @cute.jit
+    def _grads(self, acc_p, acc_dp, dsum, queries_on_rows: cutlass.Constexpr[bool] = False):
+        """dP^T -> dS^T (or, ``queries_on_rows``, dP -> dS) in place: P (dP - D); ``dsum``
+        holds this thread's queries' D values, as ``_probs`` takes LSE2."""
+        p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
+        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+            for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                dp[r, j] = p[r, j] * (dp[r, j] - dsum[r if queries_on_rows else j])
