@@ -58,17 +58,21 @@ def bwd_preprocess_plan() -> list[dict]:
     return with_offsets(slots)
 
 
-def bwd_main_plan() -> list[dict]:
-    """FlashBwdSm90.kernel: TMA for Q, dO, K, V in, dK, dV out, dQ reduce-add; workspaces; scales."""
+def bwd_main_plan(dq_tensor_map: bool = True) -> list[dict]:
+    """FlashBwdSm90.kernel: TMA for Q, dO, K, V in, dK, dV out, dQ reduce-add (by a tensor
+    map into rows unless ``dq_tensor_map`` is False: the fragment-order variants add by 1D
+    bulk reduces at the accumulator's address); workspaces; scales."""
     q_sizes = ["seqlen_q", "heads_q", "batch"]
     kv_sizes = ["seqlen_k", "heads_kv", "batch"]
+    maps = [("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes), ("dk", kv_sizes), ("dv", kv_sizes)]
+    if dq_tensor_map:
+        # the dQ accumulator's batch axis holds every copy (variants.dq_chains)
+        maps.append(("dq_accum", ["seqlen_q", "heads_q", "dq_batch"]))
     slots = []
-    # the dQ accumulator's batch axis holds every copy (variants.dq_chains)
-    for tensor, sizes in (("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes),
-                          ("dk", kv_sizes), ("dv", kv_sizes), ("dq_accum", ["seqlen_q", "heads_q", "dq_batch"])):
+    for tensor, sizes in maps:
         slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
         slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
-    # the accumulator again as a plain address: the fragment-order reduces (head_dim 96, 128)
+    # the accumulator as a plain address: the fragment-order reduces (head_dim 96, 128)
     slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore", "dq_accum")]
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     slots.append(_slot("turn_tiles", "i32", fields=["turn_tiles"]))

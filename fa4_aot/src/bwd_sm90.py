@@ -249,15 +249,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         tma_v, gv = cpasync.make_tiled_tma_atom(load, v, s_kv, (self.tile_n, self.head_dim))
         tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.tile_n, self.head_dim))
         tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
-        tma_dq, gdq = cpasync.make_tiled_tma_atom(
-            cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.dq_tile)
-        self.tma_boxes = {
-            name: (str(atom.type), str(layout.inner))
-            for name, atom, layout in (
-                ("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
-                ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv), ("dq_accum", tma_dq, s_dq_one),
-            )
-        }
+        boxes = [("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
+                 ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv)]
+        tma_dq, gdq = None, None  # fragment order: 1D bulk reduces at dq_accum's address instead
+        if const_expr(not self.dq_fragment_order):
+            tma_dq, gdq = cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.dq_tile)
+            boxes.append(("dq_accum", tma_dq, s_dq_one))
+        self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
         self.storage = self._storage(s_q_tile, s_kv, s_ds, s_dq)
@@ -283,7 +282,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         tma_v: cute.CopyAtom, gV: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
-        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b)
+        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b); None in fragment order
         lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
@@ -307,8 +306,10 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv, tma_dq):
+            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv):
                 cpasync.prefetch_descriptor(atom)
+            if const_expr(not self.dq_fragment_order):
+                cpasync.prefetch_descriptor(tma_dq)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_kv = tma_pipeline(storage.mbar_kv, 1, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.

@@ -162,7 +162,7 @@ def compile_bwd(variant: Variant) -> dict:
     plans = {
         # the first launch waits for everything before it; the other two are programmatic
         "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, False),
-        "kernel": (abi.bwd_main_plan(), [kernel.threads, 1, 1],
+        "kernel": (abi.bwd_main_plan(dq_tensor_map=not kernel.dq_fragment_order), [kernel.threads, 1, 1],
                    [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
                    kernel.smem_bytes, True),
         "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows,
