@@ -129,10 +129,10 @@ def _carve(workspace: DeviceArray, problem, chains: int = 1) -> dict:
 
 def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
-    faster than 1 (up to head_dim 128, not causal, and 16k keys and more), else 1. Speed
-    only: the bits of the results are the same either way (docs/perf-notes.md, sessions
-    6 and 7)."""
-    return 2 if head_dim <= 128 or not causal or seqlen_k >= 16384 else 1
+    faster than 1 (up to head_dim 192, not causal, and 16k keys and more), else 1 (causal
+    head_dim 256 below 16k keys: 2 measured 8-9% slower). Speed only: the bits of the
+    results are the same either way (docs/perf-notes.md, sessions 6, 7 and 12)."""
+    return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,

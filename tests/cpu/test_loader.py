@@ -204,6 +204,9 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
             else:
                 assert slot["tensor"] in tensors, (launch["symbol"], slot)
     assert values["turn_tiles"] == api.deterministic_turn_tiles(True, d, sk) == 2
+    # one-tile turns only where two measured slower: causal head_dim 256 below 16k keys
+    assert [api.deterministic_turn_tiles(True, hd, 4096) for hd in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
+    assert api.deterministic_turn_tiles(True, 256, 16384) == api.deterministic_turn_tiles(False, 256, 1024) == 2
     assert values["dq_batch"] == b  # one accumulator copy when causal
 
     # not causal: the accumulator's copies are the dQ reduce's batch axis (that variant is
