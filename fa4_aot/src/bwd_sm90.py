@@ -152,11 +152,6 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
         self.rotate = not causal and not deterministic
-        # The producer issues a step's LSE2 and D after both its tiles (so D waits for Q's
-        # stage to free) instead of each right after its tile: deterministic at head_dim
-        # 64, +2-5% causal, equal not causal; slower elsewhere (not deterministic d64
-        # causal -5 to -7%, deterministic d96 -1 to -3%): docs/perf-notes.md, session 9.
-        self.late_stats = deterministic and head_dim == 64
         # head_dim 64, bf16: a tile's S^T is issued behind the previous tile's dK GEMM (see
         # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for spilled
         # registers (8 bytes; 16 with session 11's early try-waits, reloaded once a step).
@@ -402,11 +397,12 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
             stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
-            # dO first: the consumers release it before Q. The statistics follow both tiles
-            # at the first step (K, V and the first Q and dO tiles are put in flight before
-            # the wait for the preprocess, whose output they are: see kernel, programmatic
-            # launch) and, with late_stats, at every step; otherwise each follows its tile
-            # at once.
+            # dO first: the consumers release it before Q. Each tile's statistics follow it
+            # at once, except at the first step, where they follow both tiles (K, V and the
+            # first Q and dO tiles are put in flight before the wait for the preprocess,
+            # whose output they are: see kernel, programmatic launch). (Statistics after
+            # both tiles at every step paid for the deterministic d64 kernel while its
+            # turns cost two barriers; with one, equal: docs/perf-notes.md, session 12.)
             loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
             for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
                 pipe.producer_acquire(state)
@@ -414,18 +410,12 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
                 cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
-                if const_expr(not self.late_stats):
-                    if step > 0:
-                        self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
+                if step > 0:
+                    self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             if step == 0:
                 cute.arch.griddepcontrol_wait()
-            if const_expr(self.late_stats):
                 for _, _, _, pipe, stats_ptr, s_stats in loads:
                     self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
-            else:
-                if step == 0:
-                    for _, _, _, pipe, stats_ptr, s_stats in loads:
-                        self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             state.advance()
 
     def _load_stats(self, s_stats, src, pipe, state):
