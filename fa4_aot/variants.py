@@ -107,6 +107,12 @@ def dq_chains(causal: bool, deterministic: bool) -> int:
     return DET_DQ_CHAINS if deterministic and not causal else 1
 
 
+def dq_fragment_order(head_dim: int) -> bool:
+    """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
+    address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
+    return head_dim in (96, 128)
+
+
 @dataclass(frozen=True, order=True)
 class Variant:
     kind: str

@@ -55,7 +55,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ..variants import dq_chains
+from ..variants import dq_chains, dq_fragment_order
 from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
 from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
@@ -166,7 +166,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # place: +2-5% at 128, +3-6% at 96 (deterministic +3-12%). 64 keeps the row layout
         # (its transposed staging has no conflicts; measured -2 to +2%), and so do 192 and
         # 256 (-3 to +2%) (docs/perf-notes.md, session 11).
-        self.dq_fragment_order = head_dim in (96, 128)
+        self.dq_fragment_order = dq_fragment_order(head_dim)
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)

@@ -12,7 +12,7 @@ import pytest
 from fa4_aot import abi
 from fa4_aot.cubin_info import kernel_info
 from fa4_aot.manifest import Manifest
-from fa4_aot.variants import Variant
+from fa4_aot.variants import Variant, dq_fragment_order
 
 from ..conftest import ROOT, SUBSET
 
@@ -81,8 +81,8 @@ def test_launch_contract_is_complete(built, name):
     assert main["smem_bytes"] + main["static_smem_bytes"] <= H100_SM_SMEM
     tensors = {p["tensor"] for launch in row["launches"] for p in launch["params"] if p["kind"] == "tensormap"}
     expected = {"q", "k", "v", "o"} if v.kind == "fwd" else {"q", "do", "k", "v", "dk", "dv", "dq_accum"}
-    if v.kind == "bwd" and v.head_dim in (96, 128):
-        expected.discard("dq_accum")  # fragment order: 1D bulk reduces at the address, no tensor map
+    if v.kind == "bwd" and dq_fragment_order(v.head_dim):
+        expected.discard("dq_accum")  # 1D bulk reduces at the address, no tensor map
     assert tensors == set(row["tensormaps"]) == expected
     for recipe in row["tensormaps"].values():
         assert recipe["dims"] == ["d", "s", "h", "b"]
