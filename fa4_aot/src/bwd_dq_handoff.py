@@ -21,7 +21,7 @@ from cutlass import Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import CpReduceType, cp_reduce_async_bulk_global_shared_cta
 
-from .bwd_barriers import DQ_EMPTY_BARRIER, DQ_FULL_BARRIER
+from .bwd_barriers import dq_barriers
 from .bwd_order import dq_chain, dq_turn
 from .bwd_rows_sm90 import frag_offset
 from .sm90_common import WARPGROUP
@@ -53,16 +53,22 @@ class DqHandoff:
         buffer = self._dq_buffer(part, step)
         if const_expr(self._dq_own_buffers()):
             if step >= self.dq_stages:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+                cute.arch.barrier(barrier_id=self._dq_empty_barrier() + buffer, number_of_threads=WARPGROUP + 32)
         else:
             if step * self.dq_parts + part >= self.dq_slots:
-                cute.arch.barrier(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+                cute.arch.barrier(barrier_id=self._dq_empty_barrier() + buffer, number_of_threads=WARPGROUP + 32)
         return buffer
 
     def _hand_dq(self, buffer):
         """The staged buffer (written by this warpgroup) to the writer warp."""
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier_arrive(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+        cute.arch.barrier_arrive(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
+
+    def _dq_full_barrier(self):
+        return dq_barriers(self.dq_slots, self.stagger)[0]
+
+    def _dq_empty_barrier(self):
+        return dq_barriers(self.dq_slots, self.stagger)[1]
 
     def _dq_own_buffers(self):
         """Every part has dq_stages buffers of its own (else the parts share them in turn):
@@ -129,7 +135,7 @@ class DqHandoff:
             # first put the turn's poll on every step's critical path (measured slower).
             for part in cutlass.range_constexpr(self.dq_parts):
                 buffer = self._dq_buffer(part, step)
-                cute.arch.barrier(barrier_id=DQ_FULL_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+                cute.arch.barrier(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
                 if const_expr(self.dq_fragment_order):
                     part_elems = self.dq_tile[0] * self.dq_tile[1]
                     at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
@@ -150,7 +156,7 @@ class DqHandoff:
                     # shared buffers: a later part of this very step may be waiting for this one
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     if step * self.dq_parts + part + self.dq_slots < steps * self.dq_parts:  # a later use waits
-                        cute.arch.barrier_arrive(barrier_id=DQ_EMPTY_BARRIER + buffer, number_of_threads=WARPGROUP + 32)
+                        cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + buffer, number_of_threads=WARPGROUP + 32)
             if const_expr(self._dq_own_buffers()):
                 # The staging buffers go back as soon as the reduces have read them; a turn
                 # ends only once its run's reduces are complete (deterministic: measured
@@ -160,7 +166,7 @@ class DqHandoff:
                 if step + self.dq_stages < steps:  # waited for only by a later step's staging
                     for part in cutlass.range_constexpr(self.dq_parts):
                         cute.arch.barrier_arrive(
-                            barrier_id=DQ_EMPTY_BARRIER + self._dq_buffer(part, step),
+                            barrier_id=self._dq_empty_barrier() + self._dq_buffer(part, step),
                             number_of_threads=WARPGROUP + 32)
             if const_expr(self.deterministic):
                 if run_ends:

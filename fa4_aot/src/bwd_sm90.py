@@ -125,8 +125,10 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # is two steps behind. Not head_on_m: its shared memory is full. Deterministic variants
         # too since their writer returns a buffer once read and accumulates into two
         # copies (one staging buffer measured faster before that; session 8: d64 det
-        # +2-4%, d128 +0.5-1%, docs/perf-notes.md).
-        self.dq_stages = 1 if self.head_on_m else 2
+        # +2-4%, d128 +0.5-1%, docs/perf-notes.md). Causal head_dim 64 takes three (184 KB),
+        # where a head's CTAs reduce into the same query tiles at once and the writer lags
+        # by more: +0.5-1.5%; not causal, -1% (session 13).
+        self.dq_stages = 1 if self.head_on_m else (3 if head_dim == 64 and causal else 2)
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
