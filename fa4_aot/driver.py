@@ -54,5 +54,9 @@ def compute_capability(device: int) -> tuple[int, int]:
     return major, minor
 
 
+def multiprocessor_count(device: int) -> int:
+    return call(cu.cuDeviceGetAttribute, cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, device)
+
+
 def device_name(device: int) -> str:
     return call(cu.cuDeviceGetName, 256, device).split(b"\0")[0].decode()

@@ -17,6 +17,7 @@ not done twice (PLANS_KEPT calls kept, least recently used dropped).
 
 from __future__ import annotations
 
+import math
 import struct
 import threading
 from collections import OrderedDict
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from . import abi, tma
-from .driver import call, compute_capability, cu, device_name, init
+from .driver import call, compute_capability, cu, device_name, init, multiprocessor_count
 from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
 from .variants import arch_for_capability
@@ -72,6 +73,7 @@ class KernelLibrary:
         self._manifest = None
         self._functions: dict[tuple[int, str], object] = {}
         self._archs: dict[int, str] = {}
+        self._sm_counts: dict[int, int] = {}
         self._lock = threading.RLock()
         # key -> (device, context, [(function, launch config, pointer array, buffer)])
         self._plans: OrderedDict = OrderedDict()
@@ -100,6 +102,13 @@ class KernelLibrary:
                 )
             self._archs[device] = arch
         return arch
+
+    def _sm_count(self, device: int) -> int:
+        """The device's multiprocessors: the grid of a persistent kernel (grid_of)."""
+        count = self._sm_counts.get(device)
+        if count is None:
+            count = self._sm_counts[device] = multiprocessor_count(device)
+        return count
 
     def check_device(self, device: int, row: dict) -> None:
         """Driver floor and architecture; raises before any module is loaded."""
@@ -191,7 +200,9 @@ class KernelLibrary:
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
                 config = cu.CUlaunchConfig()
-                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values)
+                persistent = any(rule[0] == "persistent" for rule in launch["grid"])
+                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(
+                    launch, values, self._sm_count(device) if persistent else None)
                 config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
                 config.sharedMemBytes = launch["smem_bytes"]
                 config.hStream = handle
@@ -245,16 +256,26 @@ def launch_attributes(launch: dict) -> list:
     return attrs
 
 
-def grid_of(launch: dict, sizes: dict) -> tuple[int, int, int]:
-    out = []
-    for op, *args in launch["grid"]:
+def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int, int, int]:
+    """The launch's grid from its manifest rules and the problem's sizes: ["ceil_div",
+    size, n], ["size", size], ["const", n], or ["persistent", [rules], [size, bound]]: the
+    product of the rules (the kernel's work items), and while ``size`` is at most ``bound``
+    at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
+    in steps of the grid."""
+    def rule(op, *args):
         if op == "ceil_div":
-            out.append(-(-sizes[args[0]] // args[1]))
-        elif op == "size":
-            out.append(sizes[args[0]])
-        else:
-            raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
-    return tuple(out)
+            return -(-sizes[args[0]] // args[1])
+        if op == "size":
+            return sizes[args[0]]
+        if op == "const":
+            return args[0]
+        if op == "persistent" and sm_count:
+            items = math.prod(rule(*r) for r in args[0])
+            (size, bound), = args[1:]
+            return min(items, sm_count) if sizes[size] <= bound else items
+        raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
+
+    return tuple(rule(*r) for r in launch["grid"])
 
 
 def pack_params(row: dict, launch: dict, values: dict, tensors: dict):

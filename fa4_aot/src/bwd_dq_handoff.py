@@ -10,7 +10,8 @@ order and the tile added by one 1D bulk reduce into a fragment-order accumulator
 chains, causal, deterministic) and its ``_m_block``. Each step stages ``dq_parts`` tiles
 (part p: warpgroup p, or at head_dim 256 warpgroup p // 2's head-dim chunk p % 2) in
 ``dq_slots`` buffers, taken in turn: b = (step * dq_parts + p) % dq_slots (which is p +
-dq_parts * (step % dq_stages) where every part has dq_stages buffers of its own). Each
+dq_parts * (step % dq_stages) where every part has dq_stages buffers of its own), step
+counted over all the CTA's items when it is persistent (``_turn``). Each
 buffer has a FULL barrier (staged, for the writer) and an EMPTY one (read by the writer's
 reduce, for the buffer's next use).
 """
@@ -64,6 +65,32 @@ class DqHandoff:
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier_arrive(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
 
+    @cute.jit
+    def _turn(self, done, step):
+        """The CTA's count of ``step`` over all its items (persistent; else the item's
+        own step), by which the double-buffered dS and the dQ staging buffers are taken
+        in turn."""
+        if const_expr(self.persistent):
+            return done + step
+        return step
+
+    @cute.jit
+    def _return_dq(self, count):
+        """The writer: step ``count``'s buffers read, free for their next use."""
+        for part in cutlass.range_constexpr(self.dq_parts):
+            cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + self._dq_buffer(part, count),
+                                     number_of_threads=WARPGROUP + 32)
+
+    @cute.jit
+    def _drain_dq(self, part, total):
+        """Persistent: wait for the writer's reads of the last dq_stages steps' buffers of
+        ``part`` (``total``: the CTA's steps), so that every EMPTY arrive has its wait."""
+        for back in cutlass.range_constexpr(self.dq_stages):
+            turn = total - self.dq_stages + back
+            if turn >= 0:
+                cute.arch.barrier(barrier_id=self._dq_empty_barrier() + self._dq_buffer(part, turn),
+                                  number_of_threads=WARPGROUP + 32)
+
     def _dq_full_barrier(self):
         return dq_barriers(self.dq_slots, self.stagger)[0]
 
@@ -91,9 +118,10 @@ class DqHandoff:
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 
     @cute.jit
-    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, n_block, head_kv, batch, group,
-                  m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles):
-        """Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
+    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q,
+                  turn_tiles, n_block, head_kv, batch, m_first, span, steps, done):
+        """One item of the CTA (``done``: its steps before this one; persistent CTAs take
+        the staging buffers in turn over all their steps). Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
         consumers' critical path: they only wait for the buffer to be read.
 
         Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
@@ -112,7 +140,6 @@ class DqHandoff:
         lane = tidx % 32
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
@@ -133,8 +160,9 @@ class DqHandoff:
                     cute.arch.sync_warp()
             # The turn is taken before the staged tile is waited for: waiting for the tile
             # first put the turn's poll on every step's critical path (measured slower).
+            count = self._turn(done, step)  # of the CTA's steps: the buffers' turn
             for part in cutlass.range_constexpr(self.dq_parts):
-                buffer = self._dq_buffer(part, step)
+                buffer = self._dq_buffer(part, count)
                 cute.arch.barrier(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
                 if const_expr(self.dq_fragment_order):
                     part_elems = self.dq_tile[0] * self.dq_tile[1]
@@ -163,11 +191,13 @@ class DqHandoff:
                 # faster than returning the buffers after completion, with two-tile runs;
                 # docs/perf-notes.md).
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if step + self.dq_stages < steps:  # waited for only by a later step's staging
-                    for part in cutlass.range_constexpr(self.dq_parts):
-                        cute.arch.barrier_arrive(
-                            barrier_id=self._dq_empty_barrier() + self._dq_buffer(part, step),
-                            number_of_threads=WARPGROUP + 32)
+                # waited for by a later step's staging, or (persistent: later items are not
+                # known here) by the consumers' drain after their last item
+                if const_expr(self.persistent):
+                    self._return_dq(count)
+                else:
+                    if step + self.dq_stages < steps:
+                        self._return_dq(count)
             if const_expr(self.deterministic):
                 if run_ends:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -175,4 +205,3 @@ class DqHandoff:
                     if lane == 0:
                         # release: the reduces, complete (seen by this thread), before the turn
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-        cute.arch.cp_async_bulk_wait_group(0, read=False)

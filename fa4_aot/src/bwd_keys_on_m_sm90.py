@@ -15,7 +15,6 @@ See ``bwd_sm90`` for the knobs (staggered warpgroups at 96, the overlapped S^T a
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
@@ -28,16 +27,24 @@ class KeysOnMCompute:
     """Consumer warpgroups of the head_dim 64, 96 and 128 backward."""
 
     @cute.jit
-    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
-                scale, scale_log2, tma_dk, gdK, tma_dv, gdV):
-        """tidx: 0..255 over the consumer warpgroups. Per query tile, in issue order:
+    def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
+                seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV, kv_state, state,
+                n_block, head_kv, batch, m_first, span, steps, done):
+        """One item (key tile) of the CTA. tidx: 0..255 over the consumer warpgroups;
+        ``done``: the CTA's steps before this item (the dS and dQ buffers are taken in
+        turn over all of them). Returns the advanced pipeline states. Per query tile, in
+        issue order:
         S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
         memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
         stage it for the writer warp while dK runs. At head_dim 64 (overlap_scores) the
         next tile's S^T is issued behind dK (``_overlapped_step``); at 96 the warpgroups
         are staggered (see __init__)."""
         d, tm, tn = self.head_dim, self.tile_m, self.tile_n
+        gdK, gdV = gdK[None, None, head_kv, batch], gdV[None, None, head_kv, batch]
+        if const_expr(self.persistent):
+            # this item's K and V stage; dK and dV are staged over it at the end
+            sK, sV = sK[None, None, kv_state.index], sV[None, None, kv_state.index]
+            sdK, sdV = sK, sV
         m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), tm)  # (keys, queries), k = d
         mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
@@ -79,7 +86,6 @@ class KeysOnMCompute:
             tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ) if self.dq_transposed else sdQ)  # (..., buffer)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         if const_expr(self.kv_in_registers):
             cute.copy(load_a, thr_load_a.partition_S(sK), thr_load_a.retile(tSrK_r))
@@ -92,7 +98,6 @@ class KeysOnMCompute:
                 mma_dq)
             thr_load_kt = load_kt.get_slice(tidx % WARPGROUP)
             cute.copy(load_kt, thr_load_kt.partition_S(transpose_smem(sK)), thr_load_kt.retile(tQrKt))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         other = 1 - wg
         if const_expr(self.overlap_scores):
             s_tile = cute.make_rmem_tensor(s_shape, Float32)
@@ -105,17 +110,18 @@ class KeysOnMCompute:
             # around a wgmma inside it
             for overlapped in cutlass.range(steps - 1, unroll=1):
                 do_ready = self._overlapped_step(
-                    overlapped, True, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
+                    overlapped, done, True, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
                     s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
                     seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
                     thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
                 state.advance()
             if steps > 0:
                 self._overlapped_step(
-                    steps - 1, False, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
+                    steps - 1, done, False, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
                     s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
                     seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
                     thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
+                state.advance()  # to the next item's first stage (persistent)
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
         # around a wgmma inside the loop.
         for phase in cutlass.range_constexpr(0 if self.overlap_scores else (2 if self.stagger else 1)):
@@ -126,7 +132,7 @@ class KeysOnMCompute:
             for i in cutlass.range(count, unroll=1):
                 step = i + phase
                 m_block = self._m_block(step, m_first, span, m_blocks)
-                ds_stage = step % self.ds_stages
+                ds_stage = self._turn(done, step) % self.ds_stages
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
                 self._issue_scores(acc_s, acc_dp, score_operands, pipe_q, pipe_do, state,
@@ -134,7 +140,7 @@ class KeysOnMCompute:
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
                 if const_expr(late_dq):
                     self._ready_wait(other, step - 1)
-                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, (step - 1) % self.ds_stages], tQrKt)
+                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, self._turn(done, step - 1) % self.ds_stages], tQrKt)
                     warpgroup.wait_group(2)
                 else:
                     warpgroup.wait_group(1)
@@ -148,7 +154,7 @@ class KeysOnMCompute:
                 tKrdS.store(acc_as_operand_a(ds).load())
                 if const_expr(late_dq):
                     warpgroup.wait_group(1)  # the previous tile's dQ done; dV in flight
-                    self._stage_dq(wg, step - 1, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+                    self._stage_dq(wg, self._turn(done, step - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
                 # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
                 # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
                 # ago, which both warpgroups waited for before they last said READY
@@ -168,7 +174,7 @@ class KeysOnMCompute:
                     wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
                     warpgroup.wait_group(1)  # dV and dQ done; dK in flight
                     pipe_do.consumer_release(state)
-                    self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+                    self._stage_dq(wg, self._turn(done, step), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
                 warpgroup.wait_group(0)
                 pipe_q.consumer_release(state)
                 state.advance()
@@ -176,14 +182,21 @@ class KeysOnMCompute:
             if steps > 0:  # the last tile's dQ
                 self._ready_wait(other, steps - 1)
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
-                self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, (steps - 1) % self.ds_stages], tQrKt)
+                self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, self._turn(done, steps - 1) % self.ds_stages], tQrKt)
                 warpgroup.wait_group(0)
-                self._stage_dq(wg, steps - 1, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+                self._stage_dq(wg, self._turn(done, steps - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
 
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+        if const_expr(self.persistent):
+            # the stores have read this item's K and V stage (warp 0 waited): the producer
+            # may refill it
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
+            pipe_kv.consumer_release(kv_state)
+        kv_state.advance()
+        return kv_state, state
 
     @cute.jit
-    def _overlapped_step(self, step, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp, score_operands,
+    def _overlapped_step(self, step, done, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp, score_operands,
                          pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv,
                          group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS,
                          tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt,
@@ -199,7 +212,7 @@ class KeysOnMCompute:
         from the step before, the next Q's right after dP^T), so an mbarrier's latency is
         not paid where the wait stands. Returns the next step's dO token."""
         m_block = self._m_block(step, m_first, span, m_blocks)
-        ds_stage = step % self.ds_stages
+        ds_stage = self._turn(done, step) % self.ds_stages
         mma, _, _, tPrV, tPrdO = score_operands
         following = state.clone()
         following.advance()
@@ -231,7 +244,7 @@ class KeysOnMCompute:
         wgmma(mma_dkv, acc_dk, tKrdS, tKrQt[None, None, None, state.index], True, wait=False)
         warpgroup.wait_group(1)  # dV and dQ done; dK in flight
         pipe_do.consumer_release(state)
-        self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+        self._stage_dq(wg, self._turn(done, step), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
         next_do_ready = cutlass.Boolean(False)
         if const_expr(issue_next):
             # behind dK, once P^T and the dQ accumulator are spent (registers)

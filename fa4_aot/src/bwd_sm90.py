@@ -38,6 +38,10 @@
      consumer warpgroups, dQ staged in three 16 KB buffers the step's four parts take in
      turn (214 KB).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
+   Persistent (head_dim 64, bf16, not deterministic, up to PERSISTENT_MAX_KEYS keys): one
+   CTA per SM walks these (key tile, KV head, batch) items in launch order, K and V
+   double-buffered and dK, dV staged over the item's K and V, so that one item's start and
+   end overlap the steps of the next and the last (``persistent`` in __init__).
 3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
 
 Kernels 2 and 3 are launched with programmatic stream serialization (PDL; the manifest's
@@ -69,6 +73,10 @@ PRODUCER_REGS = 24
 # per consumer thread: two consumer warpgroups 240, three 160 (the register file holds
 # 128 x 24 + 384 x 160)
 CONSUMER_REGS = {2: 240, 3: 160}
+# Persistent variants (see FlashBwdSm90.persistent) take one CTA per SM up to this many
+# keys, one CTA per key tile beyond (the same kernel walks one item then; the grid rule in
+# the manifest decides).
+PERSISTENT_MAX_KEYS = 2048
 # Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
 ROTATION_TILES = 2
 
@@ -161,6 +169,15 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # wider heads too.
         self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
+        # Persistent CTAs (head_dim 64, not deterministic): one CTA per SM (the manifest's
+        # grid rule "persistent") walks the key tiles in launch order, item = block + k *
+        # grid. K and V are double-buffered, so the next item's land during this one's
+        # last steps, and dK, dV are staged over this item's K and V (dead once they are in
+        # registers): a CTA's start (K, V loads) and end (dK, dV stores, exit) overlap its
+        # neighbours' steps, which at 1k keys are ~16% of the kernel (ncu, session 13).
+        # Not deterministic: a turn may wait for an item of a CTA that is not resident.
+        self.persistent = head_dim == 64 and not deterministic and dtype is cutlass.BFloat16
+        self.kv_stages = 2 if self.persistent else 1
         # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
         # bytes a store, contiguous across the warp (no bank conflicts, half the stores of
         # the 64-bit row-layout ones), and the writer adds each staged tile with one 1D
@@ -185,15 +202,15 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
 
         @cute.struct
         class Storage:
-            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_kv: cute.struct.MemRange[cutlass.Int64, 2 * self.kv_stages]
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_do: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sLSE2: stats  # (tile_m, stages), with Q's stages
             sDsum: stats  # (tile_m, stages), with dO's stages
-            sK: buf(s_kv)
+            sK: buf(s_kv)  # (tile_n, d[, kv_stages])
             sV: buf(s_kv)
-            sQ: buf(s_q)  # also dK's staging tile
-            sdO: buf(s_q)  # also dV's staging tile
+            sQ: buf(s_q)  # also dK's staging tile (persistent: over K)
+            sdO: buf(s_q)  # also dV's staging tile (persistent: over V)
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages); head_on_m: (tile_n, tile_m)
             if p_in_smem:
                 sP: buf(s_ds)  # (tile_m, tile_n)
@@ -233,6 +250,9 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
         s_q_one = cute.select(s_q_tile, mode=[0, 1])
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
+        s_kv_all = s_kv
+        if const_expr(self.persistent):
+            s_kv_all = smem_layout(self.dtype, self.tile_n, self.head_dim, self.kv_stages, self.col_parts)
         if const_expr(self.head_on_m):
             s_ds = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries)
         else:
@@ -256,13 +276,13 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
-        self.storage = self._storage(s_q_tile, s_kv, s_ds, s_dq)
+        self.storage = self._storage(s_q_tile, s_kv_all, s_ds, s_dq)
         self.smem_bytes = self.storage.size_in_bytes() + 1024
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq,
             mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, scale, scale_log2, turn_tiles,
-            s_q_tile, s_kv, s_ds, s_dq,
+            s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
@@ -308,7 +328,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
             if const_expr(not self.dq_fragment_order):
                 cpasync.prefetch_descriptor(tma_dq)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_kv = tma_pipeline(storage.mbar_kv, 1, self.num_consumers, 2 * self.kv_bytes)
+        pipe_kv = tma_pipeline(storage.mbar_kv, self.kv_stages, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
         # Each Q (dO) stage also carries its tile's LSE2 (D) values: 4 * tile_m bytes more.
         pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, self.q_bytes + 4 * self.tile_m)
@@ -335,12 +355,86 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]
         group = heads_q // gK.shape[2]
-        launch, head_kv, batch = cute.arch.block_idx()
-        if const_expr(self.causal and not self.deterministic):
-            launch, head_kv = launch_in_head_groups(launch, head_kv, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
-                                                    backward_head_group(seqlen_q, self.head_dim, group))
-        n_block = key_tile_of_launch(launch, cute.arch.grid_dim()[0], self.causal, self.deterministic)
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+        if const_expr(self.persistent):
+            # the items (key tile, KV head, batch) in launch order, x fastest; this CTA's
+            # are block + k * grid
+            n_tiles, heads_kv = cute.ceil_div(seqlen_k, self.tile_n), gK.shape[2]
+            items, first, stride = n_tiles * heads_kv * gK.shape[3], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+        else:
+            launch, head_kv, batch = cute.arch.block_idx()
+            work = self._work(launch, head_kv, batch, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
+                              seqlen_q, seqlen_k, group, m_blocks)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp < 4:
+            # ---------------- producer warpgroup: TMA loads ----------------
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.kv_stages)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                sources = (tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do)
+                stats = (lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group)
+                if const_expr(self.persistent):
+                    for item in cutlass.range(first, items, stride, unroll=1):
+                        mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+                        kv_state, state = self.load(sources, stats, kv_state, state, *mine)
+                else:
+                    self.load(sources, stats, kv_state, state, *work)
+            if warp == DQ_WRITER_WARP:
+                cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
+                args = (tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q, turn_tiles)
+                if const_expr(self.persistent):
+                    done = Int32(0)  # the CTA's steps before this item
+                    for item in cutlass.range(first, items, stride, unroll=1):
+                        mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+                        self.dq_writer(*args, *mine, done)
+                        done = done + mine[-1]
+                else:
+                    self.dq_writer(*args, *work, 0)
+                cute.arch.cp_async_bulk_wait_group(0, read=False)
+        else:
+            # ---------------- consumer warpgroups ----------------
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.num_consumers])
+            if const_expr(self.head_on_m):
+                # dK and dV staged over the spent K and V (tiles of the same shape)
+                n_block, head_kv, batch, m_first, span, steps = work
+                sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
+                self.compute_head_on_m(
+                    tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
+                    m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
+                    tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
+                )
+            else:
+                kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.kv_stages)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+                args = (tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group,
+                        seqlen_q, seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV)
+                if const_expr(self.persistent):
+                    done = Int32(0)
+                    for item in cutlass.range(first, items, stride, unroll=1):
+                        mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+                        kv_state, state = self.compute(*args, kv_state, state, *mine, done)
+                        done = done + mine[-1]
+                    self._drain_dq((tidx - WARPGROUP) // WARPGROUP, done)
+                else:
+                    self.compute(*args, kv_state, state, *work, 0)
+
+    @cute.jit
+    def _work_of_item(self, item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks):
+        """``_work`` of the item-th CTA in launch order (persistent)."""
+        return self._work(item % n_tiles, (item // n_tiles) % heads_kv, item // (n_tiles * heads_kv),
+                          n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+
+    @cute.jit
+    def _work(self, launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks):
+        """(key tile, KV head, batch, first query tile, query tiles per query head, steps)
+        of the CTA launched at (launch, head_kv, batch) of a (n_tiles, heads_kv, batch)
+        grid."""
+        if const_expr(self.causal and not self.deterministic):
+            launch, head_kv = launch_in_head_groups(launch, head_kv, n_tiles, heads_kv,
+                                                    backward_head_group(seqlen_q, self.head_dim, group))
+        n_block = key_tile_of_launch(launch, n_tiles, self.causal, self.deterministic)
         m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal))
         span = cutlass.max(m_blocks - m_first, 0)
         if const_expr(self.rotate):
@@ -349,60 +443,34 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
             # the CTAs of a head reduce into different dQ tiles at any moment (see _m_block).
             runs = cute.ceil_div(m_blocks, ROTATION_TILES)
             m_first = (n_block * runs // cute.ceil_div(seqlen_k, self.tile_n)) * ROTATION_TILES
-        steps = group * span
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-
-        if warp < 4:
-            # ---------------- producer warpgroup: TMA loads ----------------
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp == 0:
-                self.load(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK[None, None, head_kv, batch], sK,
-                          tma_v, gV[None, None, head_kv, batch], sV, pipe_kv, pipe_q, pipe_do,
-                          n_block, head_kv, batch, group, m_first, span, steps,
-                          lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q)
-            if warp == DQ_WRITER_WARP:
-                self.dq_writer(tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, n_block, head_kv, batch, group,
-                               m_first, span, steps, seqlen_q, seqlen_k, heads_q, turn_tiles)
-        else:
-            # ---------------- consumer warpgroups ----------------
-            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.num_consumers])
-            if const_expr(self.head_on_m):
-                # dK and dV staged over the spent K and V (tiles of the same shape)
-                sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
-                self.compute_head_on_m(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
-                    m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
-                    tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
-                )
-            else:
-                self.compute(
-                    tidx - WARPGROUP, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, n_block, head_kv,
-                    batch, group, m_first, span, steps, seqlen_q, seqlen_k, heads_q, sLSE2, sDsum,
-                    scale, scale_log2, tma_dk, gdK[None, None, head_kv, batch], tma_dv, gdV[None, None, head_kv, batch],
-                )
+        return n_block, head_kv, batch, m_first, span, group * span
 
     @cute.jit
-    def load(self, tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do,
-             n_block, head_kv, batch, group, m_first, span, steps, lse2_ptr, sLSE2, dsum_ptr, sDsum,
-             m_blocks, heads_q):
-        """Warp 0: K and V once; then per step dO (with the tile's D) and Q (with its LSE2),
-        each tile and its 64 statistics on one mbarrier stage."""
+    def load(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
+        """Warp 0, one item (a CTA's key tile): K and V; then per step dO (with the tile's
+        D) and Q (with its LSE2), each tile and its 64 statistics on one mbarrier stage.
+        Returns the advanced pipeline states."""
+        tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do = sources
+        lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
+        gK, gV = gK[None, None, head_kv, batch], gV[None, None, head_kv, batch]
         whole = cute.make_layout(1)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
             tile = cute.local_tile(g, (self.tile_n, self.head_dim), (n_block, 0))
             t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(s, 0, 2), cute.group_modes(tile, 0, 2))
+            if const_expr(self.persistent):
+                t_s = t_s[None, kv_state.index]
             cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        kv_state.advance()
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
             stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
             # dO first: the consumers release it before Q. Each tile's statistics follow it
-            # at once, except at the first step, where they follow both tiles (K, V and the
-            # first Q and dO tiles are put in flight before the wait for the preprocess,
-            # whose output they are: see kernel, programmatic launch). (Statistics after
+            # at once, except at an item's first step, where they follow both tiles (K, V and
+            # the first Q and dO tiles are put in flight before the wait for the preprocess,
+            # whose output they are: see kernel, programmatic launch; the wait returns at
+            # once after the first). (Statistics after
             # both tiles at every step paid for the deterministic d64 kernel while its
             # turns cost two barriers; with one, equal: docs/perf-notes.md, session 12.)
             loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
@@ -419,6 +487,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 for _, _, _, pipe, stats_ptr, s_stats in loads:
                     self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             state.advance()
+        return kv_state, state
 
     def _load_stats(self, s_stats, src, pipe, state):
         """A tile's tile_m statistics (LSE2 or D) onto its stage's mbarrier."""

@@ -21,7 +21,7 @@ from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
 from . import bwd_rows_sm90
-from .bwd_sm90 import FlashBwdSm90
+from .bwd_sm90 import PERSISTENT_MAX_KEYS, FlashBwdSm90
 from .fwd_sm90 import FlashFwdSm90
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
@@ -163,8 +163,7 @@ def compile_bwd(variant: Variant) -> dict:
         # the first launch waits for everything before it; the other two are programmatic
         "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, False),
         "kernel": (abi.bwd_main_plan(dq_tensor_map=not kernel.dq_fragment_order), [kernel.threads, 1, 1],
-                   [["ceil_div", "seqlen_k", t.tile_n], ["size", "heads_kv"], ["size", "batch"]],
-                   kernel.smem_bytes, True),
+                   _bwd_main_grid(kernel), kernel.smem_bytes, True),
         "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows,
                         kernel.rows.post_smem_bytes, True),
     }
@@ -174,6 +173,15 @@ def compile_bwd(variant: Variant) -> dict:
     launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
             "tensormaps": _recipes(kernel, variant), "dq_chains": kernel.chains}
+
+
+def _bwd_main_grid(kernel: FlashBwdSm90) -> list:
+    """One CTA per (key tile, KV head, batch), or (persistent, up to PERSISTENT_MAX_KEYS
+    keys) one per SM, at most one per item: the CTAs walk the items in launch order."""
+    items = [["ceil_div", "seqlen_k", kernel.tile_n], ["size", "heads_kv"], ["size", "batch"]]
+    if kernel.persistent:
+        return [["persistent", items, ["seqlen_k", PERSISTENT_MAX_KEYS]], ["const", 1], ["const", 1]]
+    return items
 
 
 def compile_variant(variant: Variant) -> dict:

@@ -8,7 +8,7 @@ import pytest
 
 from fa4_aot import loader, tma
 from fa4_aot.api import TWO_TILES_MAX_SEQLEN_K, forward_row
-from fa4_aot.errors import (ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
+from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             UnsupportedVariantError)
 from fa4_aot.loader import KernelLibrary, grid_of, pack_params
 from fa4_aot.manifest import Manifest
@@ -122,6 +122,20 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     assert buffer[by_name["heads_q"]["offset"]:][:4].view(np.int32)[0] == 4
     assert grid_of(main, {"seqlen_k": 300, "heads_kv": 2, "batch": 5}) == (3, 2, 5)
     assert grid_of(post, {"seqlen_q": 300, "heads_q": 4, "batch": 5}) == (5, 4, 5)  # 64-row blocks
+
+
+def test_persistent_backward_grid_is_one_cta_per_multiprocessor(built):
+    main = Manifest(built[0]).rows["bwd.sm90a.bf16.d64.causal"]["launches"][1]
+    assert main["grid"][0][0] == "persistent"
+    many = {"seqlen_k": 1000, "heads_kv": 32, "batch": 16}  # 8 * 32 * 16 key tiles
+    assert grid_of(main, many, sm_count=132) == (132, 1, 1)
+    assert grid_of(main, {"seqlen_k": 130, "heads_kv": 3, "batch": 1}, sm_count=132) == (6, 1, 1)  # fewer items
+    size, bound = main["grid"][0][2]
+    assert size == "seqlen_k"
+    longer = {"seqlen_k": bound + 1, "heads_kv": 32, "batch": 4}  # long: one CTA per key tile
+    assert grid_of(main, longer, sm_count=132) == (-(-longer["seqlen_k"] // 128) * 32 * 4, 1, 1)
+    with pytest.raises(AbiMismatchError, match="persistent"):  # the loader always passes the count
+        grid_of(main, many)
 
 
 def _fake_device(monkeypatch, version=13000, cc=(9, 0)):

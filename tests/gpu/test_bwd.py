@@ -69,6 +69,19 @@ def test_backward_matches_reference(variant, shape, gen):
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
 
 
+@pytest.mark.parametrize("variant", [v for v in BWD if v.head_dim == 64], ids=lambda v: v.name)
+def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
+    """432 (key tile, KV head, batch) items, over three per SM of an H200: the persistent
+    variants' CTAs each walk several (their K/V stages, dS and dQ buffers taken in turn
+    across items), GQA, seqlen_q < seqlen_k, ragged tiles."""
+    q, k, v, dout, out, lse = _case((3, 700, 1100, 48, 16), 64, DTYPES[variant.dtype], variant.causal, gen)
+    dq, dk, dv = _poisoned_grads(q, k, v)
+    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   dq=dq, dk=dk, dv=dv)
+    torch.cuda.synchronize()
+    check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
+
+
 @pytest.mark.parametrize("variant", [v for v in BWD if v.deterministic and v.dtype == "bf16"], ids=lambda v: v.name)
 def test_deterministic_backward_is_bitwise_repeatable(variant, monkeypatch):
     """20 runs bitwise identical, whatever the number of query tiles per ordered turn
