@@ -121,8 +121,9 @@ class DqHandoff:
     def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q,
                   turn_tiles, n_block, head_kv, batch, m_first, span, steps, done):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
-        the staging buffers in turn over all their steps). Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
-        consumers' critical path: they only wait for the buffer to be read.
+        the staging buffers in turn over all their steps). Add each staged dQ tile into
+        the fp32 accumulator by a bulk reduce-add, off the consumers' critical path: they
+        only wait for the buffer to be read.
 
         Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
         tiles add into it in a fixed order, one turn per CTA per run, counted by a
@@ -184,7 +185,8 @@ class DqHandoff:
                     # shared buffers: a later part of this very step may be waiting for this one
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
                     if step * self.dq_parts + part + self.dq_slots < steps * self.dq_parts:  # a later use waits
-                        cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + buffer, number_of_threads=WARPGROUP + 32)
+                        cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + buffer,
+                                                 number_of_threads=WARPGROUP + 32)
             if const_expr(self._dq_own_buffers()):
                 # The staging buffers go back as soon as the reduces have read them; a turn
                 # ends only once its run's reduces are complete (deterministic: measured

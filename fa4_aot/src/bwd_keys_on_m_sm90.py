@@ -140,7 +140,8 @@ class KeysOnMCompute:
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
                 if const_expr(late_dq):
                     self._ready_wait(other, step - 1)
-                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, self._turn(done, step - 1) % self.ds_stages], tQrKt)
+                    previous = self._turn(done, step - 1) % self.ds_stages
+                    self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, previous], tQrKt)
                     warpgroup.wait_group(2)
                 else:
                     warpgroup.wait_group(1)
@@ -182,7 +183,8 @@ class KeysOnMCompute:
             if steps > 0:  # the last tile's dQ
                 self._ready_wait(other, steps - 1)
                 acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C(self._dq_acc_shape()), Float32)
-                self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, self._turn(done, steps - 1) % self.ds_stages], tQrKt)
+                last = self._turn(done, steps - 1) % self.ds_stages
+                self._dq_gemm(mma_dq, acc_dq, tQrdS[None, None, None, last], tQrKt)
                 warpgroup.wait_group(0)
                 self._stage_dq(wg, self._turn(done, steps - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
 
@@ -196,8 +198,9 @@ class KeysOnMCompute:
         return kv_state, state
 
     @cute.jit
-    def _overlapped_step(self, step, done, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp, score_operands,
-                         pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv,
+    def _overlapped_step(self, step, done, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp,
+                         score_operands, pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block,
+                         head_kv,
                          group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS,
                          tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt,
                          dq_copy, thr_dq_copy, tdQ_smem):
