@@ -199,11 +199,10 @@ class KeysOnMCompute:
 
     @cute.jit
     def _overlapped_step(self, step, done, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp,
-                         score_operands, pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block,
-                         head_kv,
-                         group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS,
-                         tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt,
-                         dq_copy, thr_dq_copy, tdQ_smem):
+                         score_operands, pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col,
+                         n_block, head_kv, group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP,
+                         tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq,
+                         tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem):
         """One query tile (overlap_scores) whose S^T the step before issued: dP^T issued,
         then as ``compute``; the next tile's S^T is issued right behind this tile's dK GEMM,
         once the registers of P^T and the dQ accumulator are free, so the tensor pipe has
