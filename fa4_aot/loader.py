@@ -269,7 +269,10 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
             return sizes[args[0]]
         if op == "const":
             return args[0]
-        if op == "persistent" and sm_count:
+        if op == "persistent":
+            if not sm_count:
+                raise AbiMismatchError(f"the persistent grid of {launch['symbol'][:40]}... needs the device's "
+                                       "multiprocessor count")
             items = math.prod(rule(*r) for r in args[0])
             (size, bound), = args[1:]
             return min(items, sm_count) if sizes[size] <= bound else items
