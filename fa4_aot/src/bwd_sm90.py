@@ -256,7 +256,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         if const_expr(self.head_on_m):
             s_ds = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries)
         else:
-            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, None if self.head_on_m else self.ds_stages)
+            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, self.ds_stages)  # (queries, keys, stage)
         s_dq = smem_layout(Float32, *self.dq_tile, self.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
