@@ -135,6 +135,18 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
 
 
+def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
+    """Whether the non-deterministic backward skips clearing its fp32 dQ accumulator, the
+    first CTA at each query tile storing its share and the others adding theirs once that
+    store is complete (fa4_aot/src/bwd_dq_handoff.py). It halves the preprocess's bytes:
+    +2-3% at head_dim 64 and +5% at 128 with 1k keys, +1-1.5% at 4k; at 16k keys it
+    measured 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the one
+    above it through the query tiles and waits for its stores (docs/perf-notes.md,
+    session 14). Speed only: either way the same fp32 adds happen in some order, which
+    the non-deterministic backward leaves free anyway."""
+    return not deterministic and seqlen_k <= 4096
+
+
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
              softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
              library: KernelLibrary | None = None) -> None:
@@ -174,8 +186,9 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     tensors["lse"] = arrays["lse"].as_launch_tensor()
     tensors.update(regions)
     turn_tiles = deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
+    first_write = first_write_dq(bool(deterministic), problem.seqlen_k)
     values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
-              "dq_batch": problem.batch * chains}
+              "first_write": int(first_write), "dq_batch": problem.batch * chains}
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride

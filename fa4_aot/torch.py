@@ -51,14 +51,17 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
-                   deterministic: bool = False, dq=None, dk=None, dv=None):
-    """(dq, dk, dv); see fa4_aot.backward. The workspace comes from torch's allocator."""
+                   deterministic: bool = False, dq=None, dk=None, dv=None, workspace=None):
+    """(dq, dk, dv); see fa4_aot.backward. The workspace (uint8, at least
+    ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's allocator
+    unless given."""
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
-    workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
-                            dtype=torch.uint8, device=q.device)
+    if workspace is None:
+        workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
+                                dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
              stream=_stream(q))

@@ -18,9 +18,10 @@ reduce, for the buffer's next use).
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
-from cutlass.experimental.primitives import CpReduceType, cp_reduce_async_bulk_global_shared_cta
+from cutlass.experimental.primitives import (CpReduceType, cp_async_bulk_global_shared_cta,
+                                             cp_reduce_async_bulk_global_shared_cta)
 
 from .bwd_barriers import dq_barriers
 from .bwd_order import dq_chain, dq_turn
@@ -28,6 +29,9 @@ from .bwd_rows_sm90 import frag_offset
 from .sm90_common import WARPGROUP
 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
+# Not deterministic (first_write): a query tile's semaphore word counts the CTAs that took
+# its ticket (low bits) and gets this bit once the first one's store of the tile is complete.
+FIRST_STORED = 1 << 24
 
 
 class DqHandoff:
@@ -118,8 +122,20 @@ class DqHandoff:
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 
     @cute.jit
-    def dq_writer(self, tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q,
-                  turn_tiles, n_block, head_kv, batch, m_first, span, steps, done):
+    def _take_ticket(self, sem_ptr, batch, heads_q, m_blocks, head_q, m_block, lane):
+        """Not deterministic, lane 0: add this CTA to query tile m_block's count and return
+        the word before the add (count 0: the first, who stores; FIRST_STORED: the first's
+        store is complete). Relaxed: taken a step ahead, its latency hides behind the
+        current step (an acquire would hold the step's reduce behind it)."""
+        ticket = Int32(0)
+        if lane == 0:
+            ticket = cute.arch.atomic_add(sem_ptr + (batch * heads_q + head_q) * m_blocks + m_block, Int32(1),
+                                          sem="relaxed", scope="gpu")
+        return ticket
+
+    @cute.jit
+    def dq_writer(self, tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k,
+                  heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
         the staging buffers in turn over all their steps). Add each staged dQ tile into
         the fp32 accumulator by a bulk reduce-add, off the consumers' critical path: they
@@ -137,13 +153,38 @@ class DqHandoff:
         CTA's poll) is paid once per run; holding it longer delays the CTAs behind. Each
         query tile's order of key tiles is the same for every ``turn_tiles``, and so are
         the results' bits.
+
+        Not deterministic, ``first_write`` (a run-time flag; see fa4_aot.api): the
+        accumulator is not cleared beforehand. Each CTA takes a ticket of the query tile
+        (an atomic add on its semaphore word) one step ahead; the first CTA of a tile
+        stores its share (a bulk store, not a reduce), waits for the store to complete
+        and marks the word FIRST_STORED (release); the others add theirs once the mark is
+        there: seen in their ticket, or polled (acquire). A CTA only waits for a ticket
+        taken before its own, and a ticket's holder stores and marks without waiting for
+        any other CTA, so the waits cannot form a cycle, whichever CTAs are resident.
         """
         lane = tidx % 32
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
         n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+        # first_write off at run time: every ticket reads "not first, stored" (plain reduces
+        # into the cleared accumulator)
+        ticket_next = Int32(FIRST_STORED + 1)
+        if const_expr(self.first_write):
+            if first_write != 0 and steps > 0:
+                ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group,
+                                                self._m_block(0, m_first, span, m_blocks), lane)
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
+            word_at = (batch * heads_q + head_q) * m_blocks + m_block
+            first = cutlass.Boolean(False)
+            ticket = Int32(0)
+            if const_expr(self.first_write):
+                ticket = cute.arch.shuffle_sync(ticket_next, 0)
+                if first_write != 0 and step + 1 < steps:
+                    ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group + (step + 1) // span,
+                                                    self._m_block(step + 1, m_first, span, m_blocks), lane)
+                first = ticket == 0
             chain = 0
             if const_expr(self.deterministic):
                 run = m_block // turn_tiles
@@ -165,21 +206,40 @@ class DqHandoff:
             for part in cutlass.range_constexpr(self.dq_parts):
                 buffer = self._dq_buffer(part, count)
                 cute.arch.barrier(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
+                if const_expr(self.first_write and part == 0):
+                    if ticket != 0 and (ticket & FIRST_STORED) == 0:
+                        # the first's store was not marked when the ticket was taken
+                        if lane == 0:
+                            while (cute.arch.load((sem_ptr + word_at).llvm_ptr, Int32, sem="acquire", scope="gpu")
+                                   & FIRST_STORED) == 0:
+                                pass
+                        cute.arch.sync_warp()
                 if const_expr(self.dq_fragment_order):
                     part_elems = self.dq_tile[0] * self.dq_tile[1]
                     at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
                                      self.tile_m * self.head_dim) + part * part_elems
                     if lane == 0:
-                        cp_reduce_async_bulk_global_shared_cta(dqacc_ptr.toint() + at * 4,
-                                                               sdQ[None, None, None, buffer].iterator,
-                                                               part_elems * 4, type=CpReduceType.F32)
+                        if first:
+                            dst = cute.make_ptr(Float32, dqacc_ptr.toint() + at * 4, cute.AddressSpace.gmem,
+                                                assumed_align=16)
+                            cp_async_bulk_global_shared_cta(dst, sdQ[None, None, None, buffer].iterator,
+                                                            part_elems * 4)
+                        else:
+                            cp_reduce_async_bulk_global_shared_cta(dqacc_ptr.toint() + at * 4,
+                                                                   sdQ[None, None, None, buffer].iterator,
+                                                                   part_elems * 4, type=CpReduceType.F32)
                 else:
                     tile = cute.local_tile(gdQacc[None, None, head_q, batch * self.chains + chain], self.dq_tile,
                                            self._dq_at(part, m_block))
-                    part_s, part_g = cpasync.tma_partition(
-                        tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ[None, None, buffer], 0, 2),
-                        cute.group_modes(tile, 0, 2))
-                    cute.copy(tma_dq, part_s, part_g)
+                    staged = cute.group_modes(sdQ[None, None, buffer], 0, 2)
+                    if first:
+                        part_s, part_g = cpasync.tma_partition(
+                            tma_dq_store, 0, cute.make_layout(1), staged, cute.group_modes(tile, 0, 2))
+                        cute.copy(tma_dq_store, part_s, part_g)
+                    else:
+                        part_s, part_g = cpasync.tma_partition(
+                            tma_dq, 0, cute.make_layout(1), staged, cute.group_modes(tile, 0, 2))
+                        cute.copy(tma_dq, part_s, part_g)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(not self._dq_own_buffers()):
                     # shared buffers: a later part of this very step may be waiting for this one
@@ -200,6 +260,14 @@ class DqHandoff:
                 else:
                     if step + self.dq_stages < steps:
                         self._return_dq(count)
+            if const_expr(self.first_write):
+                if first:
+                    # the buffers are back with the consumers. Marked at once: marking it
+                    # a step later (at the next tile's FULL, so the writer does not wait
+                    # for the store) gained 0-3% less up to 4k keys: the CTA two steps
+                    # behind then finds the mark missing more often and polls
+                    # (docs/perf-notes.md, session 14).
+                    self._mark_stored(sem_ptr + word_at, lane)
             if const_expr(self.deterministic):
                 if run_ends:
                     cute.arch.cp_async_bulk_wait_group(0, read=False)
@@ -207,3 +275,13 @@ class DqHandoff:
                     if lane == 0:
                         # release: the reduces, complete (seen by this thread), before the turn
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def _mark_stored(self, word, lane):
+        """first_write: mark a tile's first share stored, once the store is complete (seen
+        by the lane that issued it; the warp's sync passes that on to lane 0, whose release
+        add publishes it): the other CTAs add into the tile after this."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.atomic_add(word, Int32(FIRST_STORED), sem="release", scope="gpu")

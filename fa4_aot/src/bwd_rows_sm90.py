@@ -2,11 +2,13 @@
 (``bwd_sm90.FlashBwdSm90``), one block per 64-row query tile of a (head, batch):
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
-  that saw no key, so its P is 0), the fp32 dQ accumulator and the dQ semaphores cleared
-  (every copy: see variants.dq_chains); the padding rows of the last tile get LSE2 = +inf
-  and D = 0.
+  that saw no key, so its P is 0), the dQ semaphores cleared and, deterministic, the fp32
+  dQ accumulator (every copy: see variants.dq_chains; otherwise the main kernel's first
+  write of a tile is a store, ``first_write``); the padding rows of the last tile get
+  LSE2 = +inf and D = 0.
 - ``postprocess``: dQ = (sum of the accumulator copies, in copy order) * scale in the
-  input dtype.
+  input dtype; ``first_write`` (run time): 0 where the tile's semaphore word says no CTA
+  wrote it.
 
 The accumulator holds copy c of batch b as (b * chains + c). Its layout is the main
 kernel's: (s_q, h_q, d) rows, which its dQ writer adds tiles into with a 2D TMA
@@ -69,12 +71,15 @@ class BwdRowsSm90:
     copies of the dQ accumulator (batch * chains + copy; as many semaphores per query
     tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None):
+    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None,
+                 first_write: bool = False):
         assert tile_m == ROWS_PER_BLOCK
+        assert not (first_write and chains > 1)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.chains = chains
+        self.first_write = first_write
         self.fragments = fragments
         assert fragments is None or fragments.parts * WARPGROUP == ROW_BLOCK_THREADS
         # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
@@ -94,7 +99,7 @@ class BwdRowsSm90:
         self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
         do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
         lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32, first_write: Int32,
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
         64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
@@ -109,6 +114,9 @@ class BwdRowsSm90:
         d = self.head_dim
         vec = 8  # elements of O, dO per 16-byte chunk
         total = Float32(0.0)
+        clear = cutlass.Boolean(True)  # the accumulator (else the main kernel stores first shares)
+        if const_expr(self.first_write):
+            clear = first_write == 0
         if row < seqlen_q:
             o_row = Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh
             do_row = Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh
@@ -120,24 +128,26 @@ class BwdRowsSm90:
                 cute.autovec_copy(self._chunk(do_ptr, do_row + col, self.dtype, vec), do)
                 total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
             if const_expr(self.fragments is None):
+                if clear:
+                    zeros = cute.make_rmem_tensor((4,), Float32)
+                    zeros.fill(0.0)
+                    for copy in cutlass.range_constexpr(self.chains):
+                        acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
+                        for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
+                            col = (part + i * THREADS_PER_ROW) * 4
+                            cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
+        if const_expr(self.fragments is not None):
+            if clear:
+                # the whole tile, padding rows included (the reduces add into all of it)
                 zeros = cute.make_rmem_tensor((4,), Float32)
                 zeros.fill(0.0)
+                tile_elems = self.tile_m * d
                 for copy in cutlass.range_constexpr(self.chains):
-                    acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
-                    for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
-                        col = (part + i * THREADS_PER_ROW) * 4
-                        cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
-        if const_expr(self.fragments is not None):
-            # the whole tile, padding rows included (the reduces add into all of it)
-            zeros = cute.make_rmem_tensor((4,), Float32)
-            zeros.fill(0.0)
-            tile_elems = self.tile_m * d
-            for copy in cutlass.range_constexpr(self.chains):
-                base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
-                                   self.chains, tile_elems)
-                for i in cutlass.range_constexpr(tile_elems // 4 // ROW_BLOCK_THREADS):
-                    chunk_at = base + (i * ROW_BLOCK_THREADS + tidx) * 4
-                    cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
+                    base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
+                                       self.chains, tile_elems)
+                    for i in cutlass.range_constexpr(tile_elems // 4 // ROW_BLOCK_THREADS):
+                        chunk_at = base + (i * ROW_BLOCK_THREADS + tidx) * 4
+                        cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
@@ -176,8 +186,8 @@ class BwdRowsSm90:
     # ------------------------------------------------------------------ postprocess
     @cute.kernel
     def postprocess(
-        self, dqacc_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64, dq_sh: Int64,
-        seqlen_q: Int32, heads_q: Int32, scale: Float32,
+        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64,
+        dq_sh: Int64, seqlen_q: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
     ):
         """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
         Launched programmatically after the main kernel: waits for it to end first."""
@@ -187,17 +197,26 @@ class BwdRowsSm90:
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
+        # first_write: a tile no CTA took a ticket of (causal rows that see no key) holds
+        # whatever was there before, and its dQ is 0
+        written = cutlass.Boolean(True)
+        if const_expr(self.first_write):
+            if first_write != 0:
+                at = (batch * heads_q + head) * cute.ceil_div(seqlen_q, self.tile_m) + bidx
+                written = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
         if const_expr(self.fragments is not None):
             self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
-                                 seqlen_q, heads_q, scale)
+                                 seqlen_q, heads_q, scale, written)
         elif row < seqlen_q:
             d = self.head_dim
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
                 acc = cute.make_rmem_tensor((vec,), Float32)
-                cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, 0, row, head, seqlen_q, heads_q) + col,
-                                              Float32, vec), acc)
+                acc.fill(0.0)
+                if written:
+                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, 0, row, head, seqlen_q, heads_q)
+                                                  + col, Float32, vec), acc)
                 for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
                     more = cute.make_rmem_tensor((vec,), Float32)
                     cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
@@ -209,7 +228,7 @@ class BwdRowsSm90:
 
     @cute.jit
     def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
-                        seqlen_q, heads_q, scale):
+                        seqlen_q, heads_q, scale, written):
         """Fragment order: thread t of warpgroup p reads what thread t of the main kernel's
         warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
@@ -226,7 +245,9 @@ class BwdRowsSm90:
             + wg * frags.part_elems + t * 4
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
-            cute.autovec_copy(self._chunk(dqacc_ptr, first + i * 4 * WARPGROUP, Float32, 4), acc)
+            acc.fill(0.0)
+            if written:
+                cute.autovec_copy(self._chunk(dqacc_ptr, first + i * 4 * WARPGROUP, Float32, 4), acc)
             for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
                 more = cute.make_rmem_tensor((4,), Float32)
                 cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems

@@ -1,7 +1,7 @@
 """FlashAttention backward for Hopper (sm_90a): three kernels launched in order.
 
 1. ``preprocess`` (``bwd_rows_sm90``): D = rowsum(dO * O) in fp32, LSE moved to the exp2
-   domain, the fp32 dQ accumulator and the dQ semaphores cleared.
+   domain, the dQ semaphores cleared, and the fp32 dQ accumulator unless ``first_write``.
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
    Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
    on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
@@ -15,7 +15,10 @@
        dQ_tile = dS K                      (dS through shared memory)
    and stage dQ_tile in shared memory for warp 1, the dQ writer, which adds it into the
    fp32 accumulator by a bulk reduce-add (2D TMA into rows; at head_dim 96 and 128 one
-   1D reduce of the tile staged in fragment order): in any order by default or, when
+   1D reduce of the tile staged in fragment order): in any order by default (with the
+   run-time ``first_write``, fa4_aot.api: the first CTA to take a tile's ticket stores
+   instead, and the others add once that store is complete, so the accumulator needs no
+   clearing), or, when
    deterministic, in a fixed key-tile order per query tile and accumulator copy, serialized by a
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
    causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
@@ -42,7 +45,8 @@
    CTA per SM walks these (key tile, KV head, batch) items in launch order, K and V
    double-buffered and dK, dV staged over the item's K and V, so that one item's start and
    end overlap the steps of the next and the last (``persistent`` in __init__).
-3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype.
+3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype (0
+   for a query tile no key tile wrote: causal rows that see no key).
 
 Kernels 2 and 3 are launched with programmatic stream serialization (PDL; the manifest's
 ``programmatic``): each may be placed on the GPU once every block of the one before has
@@ -169,6 +173,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # wider heads too.
         self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
+        # Not deterministic, where the run-time flag first_write is set (fa4_aot.api): the
+        # dQ accumulator is not cleared by the preprocess. The first CTA to take a query
+        # tile's ticket (its dQ semaphore word, see dq_writer) stores its dQ share there,
+        # the others add theirs once that store is complete, and the postprocess writes
+        # zeros for a tile nobody took. The preprocess then only reads (O, dO): half its
+        # bytes (the 128 MB accumulator at 16k tokens x 2048). Deterministic variants keep
+        # the cleared accumulator (chains of copies, see variants.dq_chains).
+        self.first_write = not deterministic
         # Persistent CTAs (head_dim 64, not deterministic): one CTA per SM (the manifest's
         # grid rule "persistent") walks the key tiles in launch order, item = block + k *
         # grid. K and V are double-buffered, so the next item's land during this one's
@@ -189,7 +201,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)
-        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments)  # pre/postprocess
+        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, self.first_write)  # pre/postprocess
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -237,13 +249,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         scale: Float32,  # softmax_scale
         scale_log2: Float32,  # softmax_scale * log2(e)
         turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
+        first_write: Int32,  # not deterministic: 1 = no accumulator clear, first shares stored
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         rows_grid = (cute.ceil_div(s_q, ROWS_PER_BLOCK), h_q, b)
         self.rows.preprocess(
             mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
             mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
-            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q,
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q, first_write,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
@@ -268,11 +281,17 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.tile_n, self.head_dim))
         boxes = [("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
                  ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv)]
-        tma_dq, gdq = None, None  # fragment order: 1D bulk reduces at dq_accum's address instead
+        # fragment order: 1D bulk reduces (and stores) at dq_accum's address instead
+        tma_dq, gdq, tma_dq_store = None, None, None
         if const_expr(not self.dq_fragment_order):
             tma_dq, gdq = cpasync.make_tiled_tma_atom(
                 cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.dq_tile)
             boxes.append(("dq_accum", tma_dq, s_dq_one))
+            # a tile's first dQ share is stored (first_write); same tensor map (the
+            # operation is the instruction's, not the map's): the manifest encodes it
+            # from dq_accum's recipe, and compile checks that the two atoms agree
+            tma_dq_store, _ = cpasync.make_tiled_tma_atom(store, dq_acc, s_dq_one, self.dq_tile)
+            self.dq_store_box = (str(tma_dq_store.type), str(s_dq_one.inner))
         self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
@@ -280,13 +299,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         self.smem_bytes = self.storage.size_in_bytes() + 1024
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
-            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq,
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
             mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, scale, scale_log2, turn_tiles,
-            s_q_tile, s_kv_all, s_ds, s_dq,
+            first_write, s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
-            mdQacc.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
+            mdQacc.iterator, mSem.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
+            first_write,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1], smem=self.rows.post_smem_bytes)
 
     # ------------------------------------------------------------------ main kernel
@@ -300,13 +320,15 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
         tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b); None in fragment order
+        tma_dq_store: cute.CopyAtom,  # store into the same (a tile's first share); None in fragment order
         lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
-        sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m))
+        sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m) * chains): turns (deterministic) or tickets
         dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
         scale: Float32,
         scale_log2: Float32,
         turn_tiles: Int32,
+        first_write: Int32,
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
         sds_layout: cute.ComposedLayout,
@@ -327,6 +349,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(not self.dq_fragment_order):
                 cpasync.prefetch_descriptor(tma_dq)
+                if const_expr(self.first_write):
+                    cpasync.prefetch_descriptor(tma_dq_store)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_kv = tma_pipeline(storage.mbar_kv, self.kv_stages, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
@@ -383,7 +407,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                     self.load(sources, stats, kv_state, state, *work)
             if warp == DQ_WRITER_WARP:
                 cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
-                args = (tidx, sdQ, tma_dq, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q, turn_tiles)
+                args = (tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q, turn_tiles,
+                        first_write)
                 if const_expr(self.persistent):
                     done = Int32(0)  # the CTA's steps before this item
                     for item in cutlass.range(first, items, stride, unroll=1):

@@ -156,7 +156,7 @@ def compile_bwd(variant: Variant) -> dict:
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            Float32(1.0), Float32(1.0), cutlass.Int32(1)]
+            Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     rows = [["ceil_div", "seqlen_q", bwd_rows_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
     plans = {
@@ -171,8 +171,14 @@ def compile_bwd(variant: Variant) -> dict:
     if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
         raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
     launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
+    recipes = _recipes(kernel, variant)
+    if "dq_accum" in recipes:
+        # the kernel's second accumulator map (stores) is encoded from the reduce's recipe
+        store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
+        if store != recipes["dq_accum"]:
+            raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
-            "tensormaps": _recipes(kernel, variant), "dq_chains": kernel.chains}
+            "tensormaps": recipes, "dq_chains": kernel.chains}
 
 
 def _bwd_main_grid(kernel: FlashBwdSm90) -> list:

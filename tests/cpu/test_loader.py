@@ -113,13 +113,14 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     row = Manifest(built[0]).rows["bwd.sm90a.bf16.d128.causal.det"]
     pre, main, post = row["launches"]
     values = {"seqlen_q": 100, "heads_q": 4, "stride.o.b": 1 << 33, "stride.o.s": 512, "stride.o.h": 128,
-              "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9}
+              "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9, "first_write": 1}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
         ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore"))}
     buffer, _ = pack_params(row, pre, values, tensors)
     by_name = {p["name"]: p for p in pre["params"]}
     assert buffer[by_name["o_stride_b"]["offset"]:][:8].view(np.int64)[0] == 1 << 33
     assert buffer[by_name["heads_q"]["offset"]:][:4].view(np.int32)[0] == 4
+    assert buffer[by_name["first_write"]["offset"]:][:4].view(np.int32)[0] == 1
     assert grid_of(main, {"seqlen_k": 300, "heads_kv": 2, "batch": 5}) == (3, 2, 5)
     assert grid_of(post, {"seqlen_q": 300, "heads_q": 4, "batch": 5}) == (5, 4, 5)  # 64-row blocks
 
@@ -222,6 +223,11 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     assert [api.deterministic_turn_tiles(True, hd, 4096) for hd in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
     assert api.deterministic_turn_tiles(True, 256, 16384) == api.deterministic_turn_tiles(False, 256, 1024) == 2
     assert values["dq_batch"] == b  # one accumulator copy when causal
+    # the accumulator left uncleared (first shares stored) only where measured faster:
+    # not deterministic, up to 4k keys
+    assert values["first_write"] == 0
+    assert [api.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
+    assert not api.first_write_dq(True, 1024)
 
     # not causal: the accumulator's copies are the dQ reduce's batch axis (that variant is
     # not built here; its plan is the same, so the causal row stands in for it)

@@ -58,13 +58,24 @@ def _poisoned_grads(q, k, v):
     return [torch.full_like(x, float("nan")) for x in (q, k, v)]
 
 
+def _poisoned_workspace(q, causal, deterministic):
+    """A workspace of NaN bytes (0xff): the kernels must clear or overwrite what they read
+    (the non-deterministic backward stores a dQ tile's first share instead of clearing
+    the accumulator; the postprocess zeroes tiles that no key tile wrote)."""
+    from fa4_aot.api import backward_workspace_bytes
+
+    b, s_q, h_q, d = q.shape
+    size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic)
+    return torch.full((size,), 0xFF, dtype=torch.uint8, device=q.device)
+
+
 @pytest.mark.parametrize("variant", BWD, ids=lambda v: v.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
 def test_backward_matches_reference(variant, shape, gen):
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
     flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
-                   dq=dq, dk=dk, dv=dv)
+                   dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
 
@@ -77,7 +88,24 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
     q, k, v, dout, out, lse = _case((3, 700, 1100, 48, 16), 64, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
     flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
-                   dq=dq, dk=dk, dv=dv)
+                   dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
+    torch.cuda.synchronize()
+    check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD if not v.deterministic], ids=lambda v: v.name)
+@pytest.mark.parametrize("first_write", [False, True])
+def test_backward_with_and_without_first_write(variant, first_write, gen, monkeypatch):
+    """Both settings of the run-time first_write flag (the API picks it by problem): the
+    accumulator cleared by the preprocess, or uncleared with each tile's first share
+    stored; a poisoned workspace, causal rows that see no key, ragged tiles."""
+    import fa4_aot.api
+
+    monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
+    q, k, v, dout, out, lse = _case((2, 700, 300, 4, 2), variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
+    dq, dk, dv = _poisoned_grads(q, k, v)
+    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, dq=dq, dk=dk, dv=dv,
+                   workspace=_poisoned_workspace(q, variant.causal, False))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
 
