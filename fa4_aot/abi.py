@@ -86,12 +86,13 @@ def bwd_main_plan(dq_tensor_map: bool = True) -> list[dict]:
 
 
 def bwd_postprocess_plan() -> list[dict]:
-    """FlashBwdSm90.postprocess: the fp32 accumulator to dQ (the semaphore words say which
-    tiles the main kernel wrote, where it does not clear the accumulator first)."""
+    """FlashBwdSm90.postprocess: the fp32 accumulator to dQ (with first_write, which tiles
+    the main kernel wrote: from the semaphore words, or the key count and turn order)."""
     slots = [_slot("dq_accum", "ptr", tensor="dq_accum"), _slot("dq_semaphore", "ptr", tensor="dq_semaphore"),
              _slot("dq", "ptr", tensor="dq"), *_strides("dq")]
-    slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("heads_q", "i32", fields=["heads_q"]),
-              _slot("scale", "f32", value="scale"), _slot("first_write", "i32", fields=["first_write"])]
+    slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("seqlen_k", "i32", fields=["seqlen_k"]),
+              _slot("heads_q", "i32", fields=["heads_q"]), _slot("scale", "f32", value="scale"),
+              _slot("first_write", "i32", fields=["first_write"])]
     return with_offsets(slots)
 
 

@@ -136,15 +136,16 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
 
 
 def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
-    """Whether the non-deterministic backward skips clearing its fp32 dQ accumulator, the
-    first CTA at each query tile storing its share and the others adding theirs once that
-    store is complete (fa4_aot/src/bwd_dq_handoff.py). It halves the preprocess's bytes:
-    +2-3% at head_dim 64 and +5% at 128 with 1k keys, +1-1.5% at 4k; at 16k keys it
-    measured 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the one
-    above it through the query tiles and waits for its stores (docs/perf-notes.md,
-    session 14). Speed only: either way the same fp32 adds happen in some order, which
-    the non-deterministic backward leaves free anyway."""
-    return not deterministic and seqlen_k <= 4096
+    """Whether the backward skips clearing its fp32 dQ accumulator, each query tile's first
+    share being stored instead of added (fa4_aot/src/bwd_dq_handoff.py). It halves the
+    preprocess's bytes. Deterministic, the first turn at a tile stores, and the turns
+    order the rest anyway: +4% at 4k keys, +7-10% at 1k, 0 to +1.5% at 16k. Not
+    deterministic, the first CTA to take a tile's ticket stores and the others wait for
+    that store: +2-5% at 1k keys, +1-1.5% at 4k, but at 16k keys 0 to -0.5% not causal and
+    3-12% slower causal, where each CTA follows the one above it through the query tiles
+    and waits for its stores (docs/perf-notes.md, session 14). Speed only: the results are
+    the same sums (bitwise so, deterministic)."""
+    return deterministic or seqlen_k <= 4096
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,

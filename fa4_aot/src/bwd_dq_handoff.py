@@ -24,12 +24,12 @@ from cutlass.experimental.primitives import (CpReduceType, cp_async_bulk_global_
                                              cp_reduce_async_bulk_global_shared_cta)
 
 from .bwd_barriers import dq_barriers
-from .bwd_order import dq_chain, dq_turn
+from .bwd_order import dq_chain, dq_turn, first_dq_key_tile
 from .bwd_rows_sm90 import frag_offset
 from .sm90_common import WARPGROUP
 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
-# Not deterministic (first_write): a query tile's semaphore word counts the CTAs that took
+# Not deterministic (tickets): a query tile's semaphore word counts the CTAs that took
 # its ticket (low bits) and gets this bit once the first one's store of the tile is complete.
 FIRST_STORED = 1 << 24
 
@@ -154,8 +154,10 @@ class DqHandoff:
         query tile's order of key tiles is the same for every ``turn_tiles``, and so are
         the results' bits.
 
-        Not deterministic, ``first_write`` (a run-time flag; see fa4_aot.api): the
-        accumulator is not cleared beforehand. Each CTA takes a ticket of the query tile
+        ``first_write`` (a run-time flag; see fa4_aot.api): the accumulator is not cleared
+        beforehand, and each tile's first share is stored. Deterministic, that is the
+        first turn at the tile in its copy (bwd_order.first_dq_key_tile). Not
+        deterministic (``tickets``), each CTA takes a ticket of the query tile
         (an atomic add on its semaphore word) one step ahead; the first CTA of a tile
         stores its share (a bulk store, not a reduce), waits for the store to complete
         and marks the word FIRST_STORED (release); the others add theirs once the mark is
@@ -169,7 +171,7 @@ class DqHandoff:
         # first_write off at run time: every ticket reads "not first, stored" (plain reduces
         # into the cleared accumulator)
         ticket_next = Int32(FIRST_STORED + 1)
-        if const_expr(self.first_write):
+        if const_expr(self.tickets):
             if first_write != 0 and steps > 0:
                 ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group,
                                                 self._m_block(0, m_first, span, m_blocks), lane)
@@ -179,7 +181,7 @@ class DqHandoff:
             word_at = (batch * heads_q + head_q) * m_blocks + m_block
             first = cutlass.Boolean(False)
             ticket = Int32(0)
-            if const_expr(self.first_write):
+            if const_expr(self.tickets):
                 ticket = cute.arch.shuffle_sync(ticket_next, 0)
                 if first_write != 0 and step + 1 < steps:
                     ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group + (step + 1) // span,
@@ -190,6 +192,11 @@ class DqHandoff:
                 run = m_block // turn_tiles
                 chain = dq_chain(n_block, self.chains)
                 sem = sem_ptr + ((batch * heads_q + head_q) * m_blocks + run) * self.chains + chain
+                if first_write != 0:
+                    # the first turn at this tile (in this copy) stores; this turn's release
+                    # waits for its completion, as for the adds
+                    first = n_block == first_dq_key_tile(m_block, chain, n_blocks, seqlen_q, seqlen_k,
+                                                         self.tile_m, self.tile_n, self.causal)
                 # this CTA's last tile of the run: the run's last, or the head's
                 run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
                 if m_block % turn_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
@@ -206,7 +213,7 @@ class DqHandoff:
             for part in cutlass.range_constexpr(self.dq_parts):
                 buffer = self._dq_buffer(part, count)
                 cute.arch.barrier(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
-                if const_expr(self.first_write and part == 0):
+                if const_expr(self.tickets and part == 0):
                     if ticket != 0 and (ticket & FIRST_STORED) == 0:
                         # the first's store was not marked when the ticket was taken
                         if lane == 0:
@@ -260,7 +267,7 @@ class DqHandoff:
                 else:
                     if step + self.dq_stages < steps:
                         self._return_dq(count)
-            if const_expr(self.first_write):
+            if const_expr(self.tickets):
                 if first:
                     # the buffers are back with the consumers. Marked at once: marking it
                     # a step later (at the next tile's FULL, so the writer does not wait
@@ -278,7 +285,7 @@ class DqHandoff:
 
     @cute.jit
     def _mark_stored(self, word, lane):
-        """first_write: mark a tile's first share stored, once the store is complete (seen
+        """tickets: mark a tile's first share stored, once the store is complete (seen
         by the lane that issued it; the warp's sync passes that on to lane 0, whose release
         add publishes it): the other CTAs add into the tile after this."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)

@@ -43,3 +43,17 @@ def dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, til
         last_key = cutlass.max((run_last + 1) * tile_m + seqlen_k - seqlen_q, 0)
         return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1 - n_block
     return n_block // chains
+
+
+def first_dq_key_tile(m_block, chain, n_blocks, seqlen_q, seqlen_k, tile_m: int, tile_n: int, causal: bool):
+    """Deterministic: the key tile whose dQ share reaches query tile m_block of accumulator
+    copy ``chain`` first (stored; the later turns add theirs). A real key tile only if in
+    [0, n_blocks): no key tile touches a causal query tile whose rows see no key (-1), and
+    copy ``chain`` gets nothing when not causal with n_blocks <= chain. Not causal: the
+    chain's lowest key tile, ``chain`` (turns ascend within a chain, and every key tile
+    touches every query tile). Causal: the highest key tile touching m_block, which has
+    the lowest turn of those touching it in its run (dq_turn)."""
+    if causal:
+        last_key = cutlass.max((m_block + 1) * tile_m + seqlen_k - seqlen_q, 0)
+        return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1
+    return chain

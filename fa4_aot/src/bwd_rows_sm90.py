@@ -2,13 +2,12 @@
 (``bwd_sm90.FlashBwdSm90``), one block per 64-row query tile of a (head, batch):
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
-  that saw no key, so its P is 0), the dQ semaphores cleared and, deterministic, the fp32
-  dQ accumulator (every copy: see variants.dq_chains; otherwise the main kernel's first
-  write of a tile is a store, ``first_write``); the padding rows of the last tile get
-  LSE2 = +inf and D = 0.
+  that saw no key, so its P is 0), the dQ semaphores cleared and, unless ``first_write``
+  (run time: the main kernel then stores each tile's first share), the fp32 dQ
+  accumulator (every copy: see variants.dq_chains); the padding rows of the last tile
+  get LSE2 = +inf and D = 0.
 - ``postprocess``: dQ = (sum of the accumulator copies, in copy order) * scale in the
-  input dtype; ``first_write`` (run time): 0 where the tile's semaphore word says no CTA
-  wrote it.
+  input dtype; with ``first_write``, only the copies the main kernel wrote (``_written``).
 
 The accumulator holds copy c of batch b as (b * chains + c). Its layout is the main
 kernel's: (s_q, h_q, d) rows, which its dQ writer adds tiles into with a 2D TMA
@@ -25,6 +24,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ..variants import BWD_QUERY_ROWS
+from .bwd_order import first_dq_key_tile
 from .sm90_common import WARPGROUP
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
@@ -72,14 +72,18 @@ class BwdRowsSm90:
     tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
     def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None,
-                 first_write: bool = False):
+                 causal: bool = False, tile_n: int = 128, tickets: bool = True):
         assert tile_m == ROWS_PER_BLOCK
-        assert not (first_write and chains > 1)
+        assert not (tickets and chains > 1)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
         self.chains = chains
-        self.first_write = first_write
+        # first_write (run time): which tiles and copies the main kernel wrote, from the
+        # tickets in the semaphore words (not deterministic) or from the turn order
+        self.causal = causal
+        self.tile_n = tile_n
+        self.tickets = tickets
         self.fragments = fragments
         assert fragments is None or fragments.parts * WARPGROUP == ROW_BLOCK_THREADS
         # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
@@ -114,9 +118,7 @@ class BwdRowsSm90:
         d = self.head_dim
         vec = 8  # elements of O, dO per 16-byte chunk
         total = Float32(0.0)
-        clear = cutlass.Boolean(True)  # the accumulator (else the main kernel stores first shares)
-        if const_expr(self.first_write):
-            clear = first_write == 0
+        clear = first_write == 0  # the accumulator (else the main kernel stores first shares)
         if row < seqlen_q:
             o_row = Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh
             do_row = Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh
@@ -187,7 +189,7 @@ class BwdRowsSm90:
     @cute.kernel
     def postprocess(
         self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64,
-        dq_sh: Int64, seqlen_q: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
+        dq_sh: Int64, seqlen_q: Int32, seqlen_k: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
     ):
         """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
         Launched programmatically after the main kernel: waits for it to end first."""
@@ -197,13 +199,7 @@ class BwdRowsSm90:
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
-        # first_write: a tile no CTA took a ticket of (causal rows that see no key) holds
-        # whatever was there before, and its dQ is 0
-        written = cutlass.Boolean(True)
-        if const_expr(self.first_write):
-            if first_write != 0:
-                at = (batch * heads_q + head) * cute.ceil_div(seqlen_q, self.tile_m) + bidx
-                written = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
+        written = (sem_ptr, seqlen_k, first_write)  # see _written
         if const_expr(self.fragments is not None):
             self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
                                  seqlen_q, heads_q, scale, written)
@@ -214,17 +210,39 @@ class BwdRowsSm90:
                 col = (part + i * THREADS_PER_ROW) * vec
                 acc = cute.make_rmem_tensor((vec,), Float32)
                 acc.fill(0.0)
-                if written:
-                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, 0, row, head, seqlen_q, heads_q)
-                                                  + col, Float32, vec), acc)
-                for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
-                    more = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
-                                                  + col, Float32, vec), more)
-                    acc.store(acc.load() + more.load())
+                for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
+                    if self._written(written, copy, bidx, batch, head, seqlen_q, heads_q):
+                        more = cute.make_rmem_tensor((vec,), Float32)
+                        cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
+                                                                               heads_q) + col, Float32, vec), more)
+                        acc.store(acc.load() + more.load())
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+
+    @cute.jit
+    def _written(self, written, copy: int, m_block, batch, head, seqlen_q, heads_q):
+        """Whether the main kernel wrote query tile m_block of accumulator copy ``copy``:
+        always, where the preprocess cleared it (first_write 0); else, not deterministic,
+        once some CTA took the tile's ticket (its semaphore word is not 0); deterministic,
+        where bwd_order.first_dq_key_tile names a key tile. Unwritten: causal rows that see
+        no key, or a copy of more than the key tiles (its dQ there is 0, whatever the
+        workspace held)."""
+        sem_ptr, seqlen_k, first_write = written
+        result = cutlass.Boolean(True)
+        if first_write != 0:
+            m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
+            if const_expr(self.tickets):
+                at = (batch * heads_q + head) * m_blocks + m_block
+                result = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
+            else:
+                n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
+                key = first_dq_key_tile(m_block, copy, n_blocks, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
+                                        self.causal)
+                result = key >= 0
+                if key >= n_blocks:
+                    result = cutlass.Boolean(False)
+        return result
 
     @cute.jit
     def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
@@ -246,13 +264,12 @@ class BwdRowsSm90:
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
-            if written:
-                cute.autovec_copy(self._chunk(dqacc_ptr, first + i * 4 * WARPGROUP, Float32, 4), acc)
-            for copy in cutlass.range_constexpr(1, self.chains):  # in copy order: fixed bits
-                more = cute.make_rmem_tensor((4,), Float32)
-                cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
-                                              + i * 4 * WARPGROUP, Float32, 4), more)
-                acc.store(acc.load() + more.load())
+            for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
+                if self._written(written, copy, m_block, batch, head, seqlen_q, heads_q):
+                    more = cute.make_rmem_tensor((4,), Float32)
+                    cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
+                                                  + i * 4 * WARPGROUP, Float32, 4), more)
+                    acc.store(acc.load() + more.load())
             for j in cutlass.range_constexpr(4):
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)

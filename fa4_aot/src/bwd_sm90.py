@@ -1,7 +1,8 @@
 """FlashAttention backward for Hopper (sm_90a): three kernels launched in order.
 
 1. ``preprocess`` (``bwd_rows_sm90``): D = rowsum(dO * O) in fp32, LSE moved to the exp2
-   domain, the dQ semaphores cleared, and the fp32 dQ accumulator unless ``first_write``.
+   domain, the dQ semaphores cleared, and the fp32 dQ accumulator unless ``first_write``
+   (run time: then each tile's first dQ share is stored instead of added).
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
    Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
    on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
@@ -18,7 +19,7 @@
    1D reduce of the tile staged in fragment order): in any order by default (with the
    run-time ``first_write``, fa4_aot.api: the first CTA to take a tile's ticket stores
    instead, and the others add once that store is complete, so the accumulator needs no
-   clearing), or, when
+   clearing; deterministic, a tile's first turn stores), or, when
    deterministic, in a fixed key-tile order per query tile and accumulator copy, serialized by a
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
    causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
@@ -46,7 +47,7 @@
    double-buffered and dK, dV staged over the item's K and V, so that one item's start and
    end overlap the steps of the next and the last (``persistent`` in __init__).
 3. ``postprocess`` (``bwd_rows_sm90``): dQ = accumulator * scale, in the input dtype (0
-   for a query tile no key tile wrote: causal rows that see no key).
+   for a query tile or copy no key tile wrote: causal rows that see no key).
 
 Kernels 2 and 3 are launched with programmatic stream serialization (PDL; the manifest's
 ``programmatic``): each may be placed on the GPU once every block of the one before has
@@ -173,14 +174,15 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # wider heads too.
         self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
-        # Not deterministic, where the run-time flag first_write is set (fa4_aot.api): the
-        # dQ accumulator is not cleared by the preprocess. The first CTA to take a query
-        # tile's ticket (its dQ semaphore word, see dq_writer) stores its dQ share there,
-        # the others add theirs once that store is complete, and the postprocess writes
-        # zeros for a tile nobody took. The preprocess then only reads (O, dO): half its
-        # bytes (the 128 MB accumulator at 16k tokens x 2048). Deterministic variants keep
-        # the cleared accumulator (chains of copies, see variants.dq_chains).
-        self.first_write = not deterministic
+        # Where the run-time flag first_write is set (fa4_aot.api), the preprocess does
+        # not clear the dQ accumulator (half its bytes: the 128 MB accumulator at 16k
+        # tokens x 2048): each query tile's first dQ share is stored, the later ones added.
+        # Not deterministic, the first is whoever takes the tile's ticket first (its dQ
+        # semaphore word; ``tickets``), the others add once that store is marked complete;
+        # deterministic, the first turn at the tile in each accumulator copy
+        # (bwd_order.first_dq_key_tile), the turns ordering the rest. The postprocess
+        # writes zeros for a tile (copy) nobody wrote. See dq_writer.
+        self.tickets = not deterministic
         # Persistent CTAs (head_dim 64, not deterministic): one CTA per SM (the manifest's
         # grid rule "persistent") walks the key tiles in launch order, item = block + k *
         # grid. K and V are double-buffered, so the next item's land during this one's
@@ -201,7 +203,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)
-        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, self.first_write)  # pre/postprocess
+        self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, causal, tile_n,
+                                self.tickets)  # pre/postprocess
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -249,7 +252,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         scale: Float32,  # softmax_scale
         scale_log2: Float32,  # softmax_scale * log2(e)
         turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
-        first_write: Int32,  # not deterministic: 1 = no accumulator clear, first shares stored
+        first_write: Int32,  # 1: no accumulator clear, each tile's first share stored
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         rows_grid = (cute.ceil_div(s_q, ROWS_PER_BLOCK), h_q, b)
@@ -305,8 +308,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
-            mdQacc.iterator, mSem.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q, h_q, scale,
-            first_write,
+            mdQacc.iterator, mSem.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q,
+            mK.shape[1], h_q, scale, first_write,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1], smem=self.rows.post_smem_bytes)
 
     # ------------------------------------------------------------------ main kernel
@@ -349,8 +352,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 cpasync.prefetch_descriptor(atom)
             if const_expr(not self.dq_fragment_order):
                 cpasync.prefetch_descriptor(tma_dq)
-                if const_expr(self.first_write):
-                    cpasync.prefetch_descriptor(tma_dq_store)
+                cpasync.prefetch_descriptor(tma_dq_store)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_kv = tma_pipeline(storage.mbar_kv, self.kv_stages, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.

@@ -105,3 +105,34 @@ def test_forward_head_groups_keep_the_groups_k_and_v_within_the_l2_budget():
             assert group == 1 or group * seqlen_k * 4 * head_dim <= order.FWD_L2_BYTES
             bigger = 2 * group
             assert bigger > order.FWD_MAX_HEAD_GROUP or bigger * seqlen_k * 4 * head_dim > order.FWD_L2_BYTES
+
+
+@pytest.mark.parametrize("causal,chains", [(False, None), (False, 3), (True, None)],
+                         ids=["full-built", "full-3chains", "causal"])
+@pytest.mark.parametrize("run_tiles", [1, 2])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"q{s[0]}_k{s[1]}")
+def test_first_dq_writer_has_the_lowest_turn_at_its_tile(shape, tiles, run_tiles, causal, chains):
+    """The deterministic backward stores a tile's first dQ share instead of adding it into a
+    cleared accumulator: the key tile first_dq_key_tile names must be the one with the
+    lowest turn among those touching the tile in its copy, and must name none exactly
+    where none touches it (the postprocess then writes zeros)."""
+    from fa4_aot.variants import dq_chains
+
+    chains = dq_chains(causal, True) if chains is None else chains
+    seqlen_q, seqlen_k = shape
+    tile_m, tile_n = tiles
+    m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
+    touching = {}  # (m, chain) -> [(turn, n_block)]
+    for n_block in range(n_blocks):
+        for m in range(bwd.first_query_tile(n_block, seqlen_q, seqlen_k, tile_m, tile_n, causal), m_blocks):
+            turn = bwd.dq_turn(n_block, m // run_tiles, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m,
+                               tile_n, causal, chains)
+            touching.setdefault((m, bwd.dq_chain(n_block, chains)), []).append((turn, n_block))
+    for m in range(m_blocks):
+        for chain in range(chains):
+            first = bwd.first_dq_key_tile(m, chain, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n, causal)
+            if (m, chain) in touching:
+                assert first == min(touching[(m, chain)])[1], (m, chain)
+            else:
+                assert not 0 <= first < n_blocks, (m, chain, first)

@@ -93,19 +93,21 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
 
 
-@pytest.mark.parametrize("variant", [v for v in BWD if not v.deterministic], ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", BWD, ids=lambda v: v.name)
 @pytest.mark.parametrize("first_write", [False, True])
 def test_backward_with_and_without_first_write(variant, first_write, gen, monkeypatch):
     """Both settings of the run-time first_write flag (the API picks it by problem): the
     accumulator cleared by the preprocess, or uncleared with each tile's first share
-    stored; a poisoned workspace, causal rows that see no key, ragged tiles."""
+    stored; a poisoned workspace, causal rows that see no key, ragged tiles, and (300
+    keys) three key tiles at most, so deterministic copies above the key count stay
+    unwritten."""
     import fa4_aot.api
 
     monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
     q, k, v, dout, out, lse = _case((2, 700, 300, 4, 2), variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, dq=dq, dk=dk, dv=dv,
-                   workspace=_poisoned_workspace(q, variant.causal, False))
+    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
 
