@@ -53,7 +53,7 @@ def _strides(tensor: str) -> list[dict]:
 def bwd_preprocess_plan() -> list[dict]:
     """FlashBwdSm90.preprocess: O and dO rows, LSE in, workspaces out."""
     slots = [_slot("o", "ptr", tensor="o"), *_strides("o"), _slot("do", "ptr", tensor="do"), *_strides("do")]
-    slots += [_slot(n, "ptr", tensor=n) for n in ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore")]
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done")]
     slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("heads_q", "i32", fields=["heads_q"]),
               _slot("first_write", "i32", fields=["first_write"])]
     return with_offsets(slots)
@@ -78,7 +78,7 @@ def bwd_main_plan(dq_tensor_map: bool = True) -> list[dict]:
         # the kernel addresses it through the reduce's)
         slots.append(_slot("tma_dq_accum_store", "tensormap", tensor="dq_accum"))
     # the accumulator as a plain address: the fragment-order reduces (head_dim 96, 128)
-    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore", "dq_accum")]
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse2", "dsum", "dq_semaphore", "dq_accum", "dq_done")]
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     slots.append(_slot("turn_tiles", "i32", fields=["turn_tiles"]))
     slots.append(_slot("first_write", "i32", fields=["first_write"]))
@@ -89,7 +89,7 @@ def bwd_postprocess_plan() -> list[dict]:
     """FlashBwdSm90.postprocess: the fp32 accumulator to dQ (with first_write, which tiles
     the main kernel wrote: from the semaphore words, or the key count and turn order)."""
     slots = [_slot("dq_accum", "ptr", tensor="dq_accum"), _slot("dq_semaphore", "ptr", tensor="dq_semaphore"),
-             _slot("dq", "ptr", tensor="dq"), *_strides("dq")]
+             _slot("dq_done", "ptr", tensor="dq_done"), _slot("dq", "ptr", tensor="dq"), *_strides("dq")]
     slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("seqlen_k", "i32", fields=["seqlen_k"]),
               _slot("heads_q", "i32", fields=["heads_q"]), _slot("scale", "f32", value="scale"),
               _slot("first_write", "i32", fields=["first_write"])]

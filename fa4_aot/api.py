@@ -94,7 +94,12 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
     backward keeps more than one copy of its fp32 dQ accumulator)."""
     chains = dq_chains(bool(causal), bool(deterministic))
-    return sum(size for _, size in _workspace_regions(batch, seqlen_q, heads_q, head_dim, chains))
+    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, chains))
+
+
+def _workspace_bytes(regions) -> int:
+    """The regions back to back, each but the last padded to 256 bytes (as _carve lays them)."""
+    return sum(-(-size // 256) * 256 for _, size in regions[:-1]) + regions[-1][1]
 
 
 def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m: int = BWD_QUERY_ROWS):
@@ -104,13 +109,15 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m
     rows = b * hq * m_blocks * tile_m * 4
     # the accumulator padded to whole query tiles too: at head_dim 96 and 128 the kernels
     # keep it as whole tiles in fragment order (fa4_aot/src/bwd_rows_sm90.py), else as rows
+    # dq_done: per (batch, query head), the key tiles whose dQ adds are complete (the
+    # postprocess converts a head's tiles once all have counted themselves)
     return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tile_m * hq * d * 4),
-            ("dq_semaphore", chains * b * hq * m_blocks * 4)]
+            ("dq_semaphore", chains * b * hq * m_blocks * 4), ("dq_done", b * hq * 4)]
 
 
 def _carve(workspace: DeviceArray, problem, chains: int = 1) -> dict:
     regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, chains)
-    need = sum(size for _, size in regions)
+    need = _workspace_bytes(regions)
     have = math.prod(workspace.shape) * workspace.itemsize
     if have < need:
         raise ShapeError(f"workspace has {have} bytes; this problem needs {need} "

@@ -134,8 +134,8 @@ class DqHandoff:
         return ticket
 
     @cute.jit
-    def dq_writer(self, tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k,
-                  heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done):
+    def dq_writer(self, tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, group, seqlen_q,
+                  seqlen_k, heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
         the staging buffers in turn over all their steps). Add each staged dQ tile into
         the fp32 accumulator by a bulk reduce-add, off the consumers' critical path: they
@@ -282,6 +282,14 @@ class DqHandoff:
                     if lane == 0:
                         # release: the reduces, complete (seen by this thread), before the turn
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
+        # this key tile's adds are complete: count it in each query head it added into, for
+        # the postprocess (bwd_rows_sm90), which converts a head once all are counted
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.sync_warp()
+        if lane == 0:
+            for g in cutlass.range(group, unroll=1):
+                cute.arch.atomic_add(done_ptr + batch * heads_q + head_kv * group + g, Int32(1),
+                                     sem="release", scope="gpu")
 
     @cute.jit
     def _mark_stored(self, word, lane):

@@ -103,7 +103,8 @@ class BwdRowsSm90:
         self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
         do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
         lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32, first_write: Int32,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
+        first_write: Int32,
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
         64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
@@ -161,6 +162,9 @@ class BwdRowsSm90:
                 if value == -Float32.inf:
                     lse2_value = Float32.inf
                 self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, batch, head, row, seqlen_q, heads_q)
+                if row == 0:
+                    done = cute.make_tensor(done_ptr, cute.make_layout(batch * heads_q + head + 1))
+                    done[batch * heads_q + head] = Int32(0)
                 if row % self.tile_m == 0:
                     m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
                     sem_at = ((batch * heads_q + head) * m_blocks + row // self.tile_m) * self.chains
@@ -188,14 +192,21 @@ class BwdRowsSm90:
     # ------------------------------------------------------------------ postprocess
     @cute.kernel
     def postprocess(
-        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, dq_ptr: cute.Pointer, dq_sb: Int64, dq_ss: Int64,
-        dq_sh: Int64, seqlen_q: Int32, seqlen_k: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
+        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, dq_ptr: cute.Pointer,
+        dq_sb: Int64, dq_ss: Int64, dq_sh: Int64, seqlen_q: Int32, seqlen_k: Int32, heads_q: Int32, scale: Float32,
+        first_write: Int32,
     ):
         """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
-        Launched programmatically after the main kernel: waits for it to end first."""
-        cute.arch.griddepcontrol_wait()
+        Launched programmatically after the main kernel (placed once all its CTAs have
+        started): waits for its head's key tiles only, which each count themselves in
+        ``done_ptr`` once their adds are complete (bwd_dq_handoff.dq_writer)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
+        if tidx == 0:
+            done = (done_ptr + batch * heads_q + head).llvm_ptr
+            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.tile_n):
+                pass
+        cute.arch.sync_threads()
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
@@ -219,6 +230,10 @@ class BwdRowsSm90:
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+        if bidx + head + batch == 0:
+            # this grid must not end before the main kernel (its dK and dV stores) does: the
+            # work after it on the stream waits for this grid only
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def _written(self, written, copy: int, m_block, batch, head, seqlen_q, heads_q):

@@ -51,7 +51,12 @@
 
 Kernels 2 and 3 are launched with programmatic stream serialization (PDL; the manifest's
 ``programmatic``): each may be placed on the GPU once every block of the one before has
-started, and waits with griddepcontrol.wait before it reads what that one writes.
+started. The main kernel waits with griddepcontrol.wait before it reads what the
+preprocess writes; the postprocess waits only for its head: each key tile's dQ writer,
+once its adds are complete, counts itself in every query head of its group (``dq_done``,
+release), and a postprocess block converts its tile once its head's count is the number
+of key tiles (acquire), so heads whose key tiles are done are converted while the main
+kernel's last CTAs still run.
 
 GQA/MQA: a CTA loops over the query heads of its KV head, so dK and dV of a shared head sum
 every query head's contribution in registers, in a fixed order.
@@ -249,6 +254,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         mDsum: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: rowsum(dO * O)
         mdQacc: cute.Tensor,  # (b * chains, s_q, h_q, d) float32 workspace
         mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m) * chains) int32 workspace
+        mDone: cute.Tensor,  # (b, h_q) int32 workspace: key tiles done adding into each head's dQ
         scale: Float32,  # softmax_scale
         scale_log2: Float32,  # softmax_scale * log2(e)
         turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
@@ -259,7 +265,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         self.rows.preprocess(
             mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
             mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
-            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, s_q, h_q, first_write,
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator, s_q, h_q,
+            first_write,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
@@ -303,12 +310,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, scale, scale_log2, turn_tiles,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
+            turn_tiles,
             first_write, s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
-            mdQacc.iterator, mSem.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2], s_q,
+            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2],
+            s_q,
             mK.shape[1], h_q, scale, first_write,
         ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1], smem=self.rows.post_smem_bytes)
 
@@ -328,6 +337,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
         sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m) * chains): turns (deterministic) or tickets
         dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
+        done_ptr: cute.Pointer,  # int32 (b, h_q): key tiles whose dQ adds are complete
         scale: Float32,
         scale_log2: Float32,
         turn_tiles: Int32,
@@ -342,9 +352,10 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # returns, only its inputs, written before the preprocess started, are read (K, V,
         # the first Q and dO tiles: ``load``); the statistics, the accumulator and the
         # semaphores wait (``load``, ``dq_writer``). The consumers touch global memory only
-        # for dK and dV, which the preprocess does not. The postprocess may be placed as
-        # soon as every CTA here has started; it waits for this grid to end.
-        cute.arch.griddepcontrol_launch_dependents()
+        # for dK and dV, which the preprocess does not. The postprocess may be placed once
+        # every CTA here has signalled it (or ended), which the dQ writer does after its
+        # wait: so the preprocess has cleared the dq_done counters by then, whatever a
+        # previous call left there, and the postprocess blocks wait on this call's counts.
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
@@ -408,9 +419,10 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 else:
                     self.load(sources, stats, kv_state, state, *work)
             if warp == DQ_WRITER_WARP:
-                cute.arch.griddepcontrol_wait()  # the zeroed accumulator and semaphores
-                args = (tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, group, seqlen_q, seqlen_k, heads_q, turn_tiles,
-                        first_write)
+                cute.arch.griddepcontrol_wait()  # the cleared semaphores, counters (and accumulator)
+                cute.arch.griddepcontrol_launch_dependents()  # only now: see above
+                args = (tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, group, seqlen_q,
+                        seqlen_k, heads_q, turn_tiles, first_write)
                 if const_expr(self.persistent):
                     done = Int32(0)  # the CTA's steps before this item
                     for item in cutlass.range(first, items, stride, unroll=1):

@@ -156,7 +156,7 @@ def compile_bwd(variant: Variant) -> dict:
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)]
+            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     rows = [["ceil_div", "seqlen_q", bwd_rows_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
     plans = {

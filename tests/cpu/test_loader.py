@@ -115,7 +115,7 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     values = {"seqlen_q": 100, "heads_q": 4, "stride.o.b": 1 << 33, "stride.o.s": 512, "stride.o.h": 128,
               "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9, "first_write": 1}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
-        ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore"))}
+        ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done"))}
     buffer, _ = pack_params(row, pre, values, tensors)
     by_name = {p["name"]: p for p in pre["params"]}
     assert buffer[by_name["o_stride_b"]["offset"]:][:8].view(np.int64)[0] == 1 << 33
