@@ -178,13 +178,14 @@ class DqHandoff:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
-            word_at = (batch * heads_q + head_q) * m_blocks + m_block
+            word_at = (batch * heads_q + head_q) * m_blocks + m_block  # its ticket word (tickets)
             first = cutlass.Boolean(False)
             ticket = Int32(0)
             if const_expr(self.tickets):
                 ticket = cute.arch.shuffle_sync(ticket_next, 0)
                 if first_write != 0 and step + 1 < steps:
-                    ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group + (step + 1) // span,
+                    ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks,
+                                                    head_kv * group + (step + 1) // span,
                                                     self._m_block(step + 1, m_first, span, m_blocks), lane)
                 first = ticket == 0
             chain = 0
