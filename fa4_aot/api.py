@@ -163,8 +163,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
     dout, dq: shaped like q; dk, dv: shaped like k; same dtype and layout rules as forward.
     workspace: contiguous device memory of ``backward_workspace_bytes(..., causal=causal,
-    deterministic=deterministic)`` bytes, 256-byte aligned; the kernels clear what they
-    use. ``deterministic``: dq is summed in a fixed order, so repeated runs are bitwise
+    deterministic=deterministic)`` bytes, 256-byte aligned, any contents (the kernels
+    clear or overwrite what they read). ``deterministic``: dq is summed in a fixed order, so repeated runs are bitwise
     identical (dk, dv always are). GQA/MQA: dk and dv of a shared KV head sum every query
     head of its group. Asynchronous, allocation-free.
     """
