@@ -305,54 +305,65 @@ class FlashFwdSm90:
             apply_mask, softmax_step = mask.apply, softmax.step
             pipe_q.consumer_wait(q_state)
             q_state.advance()
+            # A warpgroup whose 64 rows all lie past seqlen_q (the last tile of a sequence
+            # that is not a multiple of the tile: at head_dim 64, 1k-16k tokens in 192-row
+            # tiles, two of its three warpgroups) computes nothing: it keeps only its part
+            # in the K/V pipelines and the scheduler barriers, so the one warpgroup with real
+            # rows runs alone (its output rows are the only ones stored).
+            idle = m_block * self.tile_m + wg * 64 >= seqlen_q
             if n_blocks > 0:
-                # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(kv_state)
-                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
-                pipe_k.consumer_release(kv_state)
-                apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
-                softmax_step(acc_s, row_scale)
-                self._to_operand(acc_s, tOrP)
-                # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
-                # loops, so the unmasked one carries neither mask code nor a branch on it.
-                # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-                masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
-                for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
-                    steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
-                    for i in cutlass.range(steps, unroll=1):
-                        # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
-                        # are in flight together; softmax of S(j+1) runs while P(j) V(j)
-                        # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
-                        # the other does softmax, handing over through the scheduler barriers.
-                        n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
-                        v_state = kv_state.clone()
-                        kv_state.advance()
-                        acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                        pipe_k.consumer_wait(kv_state)
-                        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-                        wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
-                        pipe_v.consumer_wait(v_state)
-                        wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
-                        cute.arch.barrier_arrive(
-                            barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
-                            number_of_threads=2 * WARPGROUP,
-                        )
-                        warpgroup.wait_group(1)
-                        pipe_k.consumer_release(kv_state)
-                        if const_expr(phase == 0):
-                            apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
-                        softmax_step(acc_s, row_scale)
-                        # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
-                        wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
-                        pipe_v.consumer_release(v_state)
-                        # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
-                        self._to_operand(acc_s, tOrP, acc_o, row_scale)
-                pipe_v.consumer_wait(kv_state)
-                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
-                pipe_v.consumer_release(kv_state)
-                if const_expr(t + 1 < self.q_tiles):
-                    kv_state.advance()  # the next tile's first K
+                if idle:
+                    kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
+                    if const_expr(t + 1 < self.q_tiles):
+                        kv_state.advance()  # the next tile's first K
+                else:
+                    # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
+                    acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                    pipe_k.consumer_wait(kv_state)
+                    wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
+                    pipe_k.consumer_release(kv_state)
+                    apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
+                    softmax_step(acc_s, row_scale)
+                    self._to_operand(acc_s, tOrP)
+                    # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
+                    # loops, so the unmasked one carries neither mask code nor a branch on it.
+                    # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
+                    masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
+                    for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
+                        steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
+                        for i in cutlass.range(steps, unroll=1):
+                            # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
+                            # are in flight together; softmax of S(j+1) runs while P(j) V(j)
+                            # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
+                            # the other does softmax, handing over through the scheduler barriers.
+                            n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
+                            v_state = kv_state.clone()
+                            kv_state.advance()
+                            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                            pipe_k.consumer_wait(kv_state)
+                            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+                            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
+                            pipe_v.consumer_wait(v_state)
+                            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
+                            cute.arch.barrier_arrive(
+                                barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                                number_of_threads=2 * WARPGROUP,
+                            )
+                            warpgroup.wait_group(1)
+                            pipe_k.consumer_release(kv_state)
+                            if const_expr(phase == 0):
+                                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
+                            softmax_step(acc_s, row_scale)
+                            # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
+                            wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
+                            pipe_v.consumer_release(v_state)
+                            # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
+                            self._to_operand(acc_s, tOrP, acc_o, row_scale)
+                    pipe_v.consumer_wait(kv_state)
+                    wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
+                    pipe_v.consumer_release(kv_state)
+                    if const_expr(t + 1 < self.q_tiles):
+                        kv_state.advance()  # the next tile's first K
 
             inv_sum = cute.make_rmem_tensor((rows,), Float32)
             lse = cute.make_rmem_tensor((rows,), Float32)
@@ -361,6 +372,28 @@ class FlashFwdSm90:
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
             self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ[None, None, t], tma_o, gO, mLSE, m_block, seqlen_q,
                           t == self.q_tiles - 1)
+
+    @cute.jit
+    def _idle_tile(self, pipe_k, pipe_v, kv_state, n_blocks, wg):
+        """attend's key loop for a warpgroup with no rows in the sequence: the same K/V
+        waits and releases (the stages are refilled once every consumer has released
+        them) and the same scheduler barrier hand-offs, in the same order, without the
+        GEMMs and the softmax. Returns kv_state advanced as the loop advances it."""
+        pipe_k.consumer_wait(kv_state)
+        pipe_k.consumer_release(kv_state)
+        for _ in cutlass.range(n_blocks - 1, unroll=1):
+            v_state = kv_state.clone()
+            kv_state.advance()
+            pipe_k.consumer_wait(kv_state)
+            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+            pipe_v.consumer_wait(v_state)
+            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                                     number_of_threads=2 * WARPGROUP)
+            pipe_k.consumer_release(kv_state)
+            pipe_v.consumer_release(v_state)
+        pipe_v.consumer_wait(kv_state)
+        pipe_v.consumer_release(kv_state)
+        return kv_state
 
     @cute.jit
     def _to_operand(self, acc_s, tOrP, acc_o=None, row_scale=None):
