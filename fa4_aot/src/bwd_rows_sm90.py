@@ -210,10 +210,10 @@ class BwdRowsSm90:
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
-        written = (sem_ptr, seqlen_k, first_write)  # see _written
+        coverage = (sem_ptr, seqlen_k, first_write)  # what _written reads
         if const_expr(self.fragments is not None):
             self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
-                                 seqlen_q, heads_q, scale, written)
+                                 seqlen_q, heads_q, scale, coverage)
         elif row < seqlen_q:
             d = self.head_dim
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
@@ -222,7 +222,7 @@ class BwdRowsSm90:
                 acc = cute.make_rmem_tensor((vec,), Float32)
                 acc.fill(0.0)
                 for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                    if self._written(written, copy, bidx, batch, head, seqlen_q, heads_q):
+                    if self._written(coverage, copy, bidx, batch, head, seqlen_q, heads_q):
                         more = cute.make_rmem_tensor((vec,), Float32)
                         cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
                                                                                heads_q) + col, Float32, vec), more)
@@ -236,14 +236,14 @@ class BwdRowsSm90:
             cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def _written(self, written, copy: int, m_block, batch, head, seqlen_q, heads_q):
+    def _written(self, coverage, copy: int, m_block, batch, head, seqlen_q, heads_q):
         """Whether the main kernel wrote query tile m_block of accumulator copy ``copy``:
         always, where the preprocess cleared it (first_write 0); else, not deterministic,
         once some CTA took the tile's ticket (its semaphore word is not 0); deterministic,
         where bwd_order.first_dq_key_tile names a key tile. Unwritten: causal rows that see
         no key, or a copy of more than the key tiles (its dQ there is 0, whatever the
         workspace held)."""
-        sem_ptr, seqlen_k, first_write = written
+        sem_ptr, seqlen_k, first_write = coverage
         result = cutlass.Boolean(True)
         if first_write != 0:
             m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
@@ -261,7 +261,7 @@ class BwdRowsSm90:
 
     @cute.jit
     def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
-                        seqlen_q, heads_q, scale, written):
+                        seqlen_q, heads_q, scale, coverage):
         """Fragment order: thread t of warpgroup p reads what thread t of the main kernel's
         warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
@@ -280,7 +280,7 @@ class BwdRowsSm90:
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
             for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                if self._written(written, copy, m_block, batch, head, seqlen_q, heads_q):
+                if self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q):
                     more = cute.make_rmem_tensor((4,), Float32)
                     cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
                                                   + i * 4 * WARPGROUP, Float32, 4), more)
