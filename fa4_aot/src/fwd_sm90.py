@@ -53,6 +53,9 @@ class FlashFwdSm90:
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int,
                  q_tiles: int = 1):
         assert tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
+        # causal: a warpgroup's rows see at most one key tile fewer than its tile's last row
+        # (attend's _skip_key_tile passes over one)
+        assert tile_m - 64 <= tile_n
         assert head_dim % 32 == 0 and tile_n % 16 == 0
         self.dtype = dtype
         self.head_dim = head_dim
@@ -310,33 +313,43 @@ class FlashFwdSm90:
             # tiles, two of its three warpgroups) computes nothing: it keeps only its part
             # in the K/V pipelines and the scheduler barriers, so the one warpgroup with real
             # rows runs alone (its output rows are the only ones stored).
-            idle = m_block * self.tile_m + wg * 64 >= seqlen_q
+            # Causal, a warpgroup's rows may need fewer key tiles than the tile's last row
+            # (n_own: one fewer for the upper warpgroups of many diagonal tiles, none at all
+            # for rows that see no key): it passes over the tile's highest key tile without
+            # computing it (_skip_key_tile), or over all of them.
+            n_own = n_blocks
+            if const_expr(self.causal):
+                n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
+            idle = m_block * self.tile_m + wg * 64 >= seqlen_q or n_own == 0
             if n_blocks > 0:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
                     if const_expr(t + 1 < self.q_tiles):
                         kv_state.advance()  # the next tile's first K
                 else:
-                    # Key tile n_blocks-1 (always masked): S only; its P V is issued with the next S.
+                    if const_expr(self.causal):
+                        if n_own < n_blocks:
+                            kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
+                    # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
                     acc_s = cute.make_rmem_tensor(s_shape, Float32)
                     pipe_k.consumer_wait(kv_state)
                     wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
                     pipe_k.consumer_release(kv_state)
-                    apply_mask(acc_s, s_coords, m_block, n_blocks - 1, seqlen_q, seqlen_k)
+                    apply_mask(acc_s, s_coords, m_block, n_own - 1, seqlen_q, seqlen_k)
                     softmax_step(acc_s, row_scale)
                     self._to_operand(acc_s, tOrP)
-                    # Key tiles n_blocks-2 .. first_masked need the mask, the rest do not: two
+                    # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
                     # loops, so the unmasked one carries neither mask code nor a branch on it.
                     # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-                    masked_steps = cutlass.max(n_blocks - 1 - first_masked, 0) if const_expr(self.causal) else 0
+                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.causal) else 0
                     for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
-                        steps = masked_steps if phase == 0 else n_blocks - 1 - masked_steps
+                        steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
                         for i in cutlass.range(steps, unroll=1):
                             # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
                             # are in flight together; softmax of S(j+1) runs while P(j) V(j)
                             # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
                             # the other does softmax, handing over through the scheduler barriers.
-                            n_block = n_blocks - 2 - i - (0 if phase == 0 else masked_steps)
+                            n_block = n_own - 2 - i - (0 if phase == 0 else masked_steps)
                             v_state = kv_state.clone()
                             kv_state.advance()
                             acc_s = cute.make_rmem_tensor(s_shape, Float32)
@@ -372,6 +385,31 @@ class FlashFwdSm90:
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
             self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ[None, None, t], tma_o, gO, mLSE, m_block, seqlen_q,
                           t == self.q_tiles - 1)
+
+    def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
+        """Causal: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block`` see, up to
+        the tile's n_blocks (at most one fewer: the warpgroups' rows are at most a key tile
+        apart at every tile shape built)."""
+        last_key = m_block * self.tile_m + wg * 64 + 64 + seqlen_k - seqlen_q  # exclusive
+        return cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+
+    @cute.jit
+    def _skip_key_tile(self, pipe_k, pipe_v, kv_state, wg):
+        """A warpgroup whose rows see one key tile fewer than its tile: the tile's highest
+        key tile passes by as the loop's first step would take it (K waited for and
+        released; the first scheduler hand-off, with V's wait and release), so the rest of
+        attend's loop runs as for a tile of one key tile fewer, at the same place in the
+        pipelines and the hand-off order. Returns kv_state advanced past that K."""
+        pipe_k.consumer_wait(kv_state)
+        pipe_k.consumer_release(kv_state)
+        v_state = kv_state.clone()
+        kv_state.advance()
+        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+        pipe_v.consumer_wait(v_state)
+        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                                 number_of_threads=2 * WARPGROUP)
+        pipe_v.consumer_release(v_state)
+        return kv_state
 
     @cute.jit
     def _idle_tile(self, pipe_k, pipe_v, kv_state, n_blocks, wg):
