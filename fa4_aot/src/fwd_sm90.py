@@ -314,9 +314,9 @@ class FlashFwdSm90:
             # in the K/V pipelines and the scheduler barriers, so the one warpgroup with real
             # rows runs alone (its output rows are the only ones stored).
             # Causal, a warpgroup's rows may need fewer key tiles than the tile's last row
-            # (n_own: one fewer for the upper warpgroups of many diagonal tiles, none at all
-            # for rows that see no key): it passes over the tile's highest key tile without
-            # computing it (_skip_key_tile), or over all of them.
+            # (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles, none
+            # at all for rows that see no key): it passes over the tile's highest key tile
+            # without computing it (_skip_key_tile), or over all of them.
             n_own = n_blocks
             if const_expr(self.causal):
                 n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
