@@ -169,6 +169,24 @@ def test_workspace_accumulator_holds_whole_query_tiles():
             assert regions["dq_accum"] >= chains * 3 * seqlen_q * 4 * 96 * 4
 
 
+def test_workspace_regions_fit_the_reported_size():
+    """_carve starts every region at a 256-byte boundary: the size the API reports must
+    count that padding, or the last region (the dq_done counters) would run past a
+    workspace of exactly that size."""
+    from fa4_aot.api import _carve, backward_workspace_bytes
+    from fa4_aot.variants import dq_chains
+
+    for b, s, h, d in ((1, 1, 1, 64), (3, 17, 3, 96), (2, 1000, 5, 128), (1, 257, 7, 256)):
+        for causal, deterministic in ((False, False), (True, True), (False, True)):
+            size = backward_workspace_bytes(b, s, h, d, causal=causal, deterministic=deterministic)
+            lse = DeviceArray(BASE, (b, h, s), (h * s, s, 1), "fp32")
+            p = check_forward(**problem(q=bshd(b, s, h, d), k=bshd(b, s, h, d), v=bshd(b, s, h, d),
+                                        out=bshd(b, s, h, d), lse=lse))
+            regions = _carve(DeviceArray(BASE, (size,), (1,), "u8"), p, dq_chains(causal, deterministic))
+            assert all(r["ptr"] % 256 == 0 for r in regions.values())
+            assert regions["dq_done"]["ptr"] + b * h * 4 <= BASE + size
+
+
 def test_size_one_axes_get_a_valid_descriptor_stride():
     from fa4_aot.api import _tma_tensor
 
