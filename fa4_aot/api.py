@@ -165,8 +165,9 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     workspace: contiguous device memory of ``backward_workspace_bytes(..., causal=causal,
     deterministic=deterministic)`` bytes, 256-byte aligned, any contents (the kernels
     clear or overwrite what they read). ``deterministic``: dq is summed in a fixed
-    order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and dv of a shared KV head sum every query
-    head of its group. Asynchronous, allocation-free.
+    order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and
+    dv of a shared KV head sum every query head of its group. Asynchronous,
+    allocation-free.
     """
     arrays = {name: as_device_array(x) for name, x in (
         ("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),

@@ -71,8 +71,8 @@ class BwdRowsSm90:
     copies of the dQ accumulator (batch * chains + copy; as many semaphores per query
     tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int = 1, fragments: DqFragments | None = None,
-                 causal: bool = False, tile_n: int = 128, tickets: bool = True):
+    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int, fragments: DqFragments | None,
+                 causal: bool, tile_n: int, tickets: bool):
         assert tile_m == ROWS_PER_BLOCK
         assert not (tickets and chains > 1)
         self.dtype = dtype
