@@ -288,15 +288,12 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     benchmarks/launch_overhead.py)."""
     slots = launch["params"]
     raw = bytearray(abi.buffer_size(slots))
-    maps = {}  # encoded once per tensor: the backward's dQ accumulator has two slots (reduce, store)
     for slot in slots:
         at, kind = slot["offset"], slot["kind"]
         if kind == "tensormap":
-            name = slot["tensor"]
-            if name not in maps:
-                t = tensors[name]
-                maps[name] = tma.encode(row["tensormaps"][name], t["ptr"], t["shape"], t["strides"], t["itemsize"])
-            raw[at:at + 128] = maps[name]
+            t = tensors[slot["tensor"]]
+            raw[at:at + 128] = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"],
+                                          t["itemsize"])
         elif kind == "i32":
             fields = slot["fields"]
             struct.pack_into(f"<{len(fields)}i", raw, at, *[values[f] for f in fields])

@@ -125,25 +125,6 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     assert grid_of(post, {"seqlen_q": 300, "heads_q": 4, "batch": 5}) == (5, 4, 5)  # 64-row blocks
 
 
-def test_backward_dq_accumulator_maps_are_encoded_once(built, monkeypatch):
-    """The row-layout backward has two slots for the accumulator's tensor map (its reduces
-    and its first-share stores): the same bytes, encoded once per launch."""
-    row = Manifest(built[0]).rows["bwd.sm90a.fp16.d64"]
-    main = row["launches"][1]
-    encoded = []
-    monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: encoded.append(recipe["tensor"])
-                        or bytes([ord(recipe["tensor"][0]), len(encoded)]) * 64)
-    names = {s["tensor"] for s in main["params"] if s["kind"] == "tensormap"}
-    tensors = {n: {"ptr": 0x1000, "shape": None, "strides": None, "itemsize": 2} for n in names}
-    tensors.update({n: {"ptr": 0x2000} for n in ("lse2", "dsum", "dq_semaphore", "dq_done")})
-    values = {f: 1 for s in main["params"] if s["kind"] == "i32" for f in s["fields"]}
-    buffer, _ = pack_params(row, main, {**values, "scale": 1.0, "scale_log2": 1.0}, tensors)
-    by_name = {p["name"]: p for p in main["params"]}
-    at = lambda name: bytes(buffer[by_name[name]["offset"]:][:128])  # noqa: E731
-    assert at("tma_dq_accum") == at("tma_dq_accum_store")
-    assert encoded.count("dq_accum") == 1 and len(encoded) == len(names)
-
-
 def test_persistent_backward_grid_is_one_cta_per_multiprocessor(built):
     main = Manifest(built[0]).rows["bwd.sm90a.bf16.d64.causal"]["launches"][1]
     assert main["grid"][0][0] == "persistent"
