@@ -11,15 +11,19 @@ power), so /matmul is taken against the higher of the two (the stricter ratio).
 
 Method: bf16 unless --dtype says otherwise; layout (batch, seqlen, heads, head_dim);
 batch*seqlen = 16384 tokens and heads*head_dim = 2048, seqlen_q = seqlen_k, random normal
-inputs. Time = median of CUDA-event timings (triton.testing.do_bench, warmup 25 ms,
-rep 100 ms, return_mode="median"). FLOPs = 4*B*H*S*S*D, halved when causal, and 2.5x
-that for the backward (the convention of the baselines in ../shared/baselines/). The
-backward is timed alone: for ours the three backward kernels with outputs preallocated,
-for cuDNN autograd's backward of its own forward (retain_graph).
+inputs. Time = median of CUDA-event timings (triton.testing.do_bench, warmup 50 ms,
+rep 200 ms, return_mode="median": the method of the baselines file). With --rounds N the
+whole grid runs N times over (round after round, so each cell meets the GPU in N thermal
+states) and every time is the median of its N rounds; the JSON keeps each round's
+figure. FLOPs = 4*B*H*S*S*D, halved when causal, and 2.5x that for the backward (the
+convention of the baselines in ../shared/baselines/). The backward is timed alone: for
+ours the three backward kernels with outputs preallocated, for cuDNN autograd's backward
+of its own forward (retain_graph).
 """
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -59,8 +63,33 @@ def flops(b, h, s, d, causal):
     return f / 2 if causal else f
 
 
-def bench(fn, warmup=25, rep=100):
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+# do_bench's warm-up and measuring windows (ms); --warmup-ms / --rep-ms set them
+TIMING = {"warmup": 50, "rep": 200}
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=TIMING["warmup"], rep=TIMING["rep"], return_mode="median")
+
+
+def rounds_median(rounds, flop_keys):
+    """One row per cell from ``rounds`` (lists of rows in the same cell order): each time
+    the median of its rounds, each TFLOP/s figure recomputed from it, and the rounds'
+    figures kept (``<key>_rounds``). flop_keys: time key -> TFLOP/s key."""
+    rows = []
+    for cells in zip(*rounds):
+        row = dict(cells[0])
+        for ms_key, tf_key in flop_keys.items():
+            row[ms_key] = statistics.median(c[ms_key] for c in cells)
+            row[tf_key] = row["flop"] / row[ms_key] / 1e9
+            row[tf_key + "_rounds"] = [c[tf_key] for c in cells]
+        rows.append(row)
+    return rows
+
+
+def spread(row, key):
+    """'lo-hi' of a figure's rounds, or '-' for one round."""
+    figures = row.get(key + "_rounds", [])
+    return f"{min(figures):.0f}-{max(figures):.0f}" if len(figures) > 1 else "-"
 
 
 def matmul_tflops():
@@ -83,7 +112,7 @@ def run_case(d, s, causal, dtype):
         cudnn = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal))
     f = flops(b, h, s, d, causal)
     return {"head_dim": d, "seqlen": s, "causal": causal, "dtype": str(dtype).split(".")[-1],
-            "batch": b, "heads": h, "ms": ours, "cudnn_ms": cudnn,
+            "batch": b, "heads": h, "flop": f, "ms": ours, "cudnn_ms": cudnn,
             "tflops": f / ours / 1e9, "cudnn_tflops": f / cudnn / 1e9}
 
 
@@ -106,31 +135,34 @@ def run_bwd_case(d, s, causal, dtype):
         g = dout.transpose(1, 2)
         cudnn = bench(lambda: torch.autograd.grad(o, (qt, kt, vt), g, retain_graph=True))
     f = 2.5 * flops(b, h, s, d, causal)
-    return {"head_dim": d, "seqlen": s, "causal": causal, "batch": b, "heads": h,
+    return {"head_dim": d, "seqlen": s, "causal": causal, "batch": b, "heads": h, "flop": f,
             "ms": timing[False], "det_ms": timing[True], "cudnn_ms": cudnn,
             "tflops": f / timing[False] / 1e9, "det_tflops": f / timing[True] / 1e9,
             "cudnn_tflops": f / cudnn / 1e9}
 
 
+def cells(args):
+    return [(d, s, causal) for d in args.head_dims for s in args.seqlens for causal in (False, True)]
+
+
 def bwd_table(args, dtype, mm):
-    rows = []
-    for d in args.head_dims:
-        for s in args.seqlens:
-            for causal in (False, True):
-                r = run_bwd_case(d, s, causal, dtype)
-                r["fa4_upstream_tflops"] = FA4_UPSTREAM_BWD.get((d, s, causal)) if args.dtype == "bf16" else None
-                r["fa4_upstream_det_tflops"] = FA4_UPSTREAM_BWD_DET.get((d, s, causal)) if args.dtype == "bf16" else None
-                rows.append(r)
-    (args.out / f"bwd-{args.dtype}{args.tag}.json").write_text(json.dumps({"matmul_tflops": mm, "rows": rows}, indent=1))
-    print("\nbackward")
-    print("| head_dim | seqlen | causal | fa4_aot | /cuDNN | /FA4 | deterministic | det/nondet | /FA4 det |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rounds = [[run_bwd_case(d, s, causal, dtype) for d, s, causal in cells(args)] for _ in range(args.rounds)]
+    rows = rounds_median(rounds, {"ms": "tflops", "det_ms": "det_tflops", "cudnn_ms": "cudnn_tflops"})
+    for r in rows:
+        cell = (r["head_dim"], r["seqlen"], r["causal"])
+        r["fa4_upstream_tflops"] = FA4_UPSTREAM_BWD.get(cell) if args.dtype == "bf16" else None
+        r["fa4_upstream_det_tflops"] = FA4_UPSTREAM_BWD_DET.get(cell) if args.dtype == "bf16" else None
+    result = {"matmul_tflops": mm, "rounds": args.rounds, "timing_ms": TIMING, "rows": rows}
+    (args.out / f"bwd-{args.dtype}{args.tag}.json").write_text(json.dumps(result, indent=1))
+    print(f"\nbackward (median of {args.rounds} round(s); rounds: the range of ours over them)")
+    print("| head_dim | seqlen | causal | fa4_aot | rounds | /cuDNN | /FA4 | deterministic | det/nondet | /FA4 det |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         fa4 = f"{r['tflops'] / r['fa4_upstream_tflops']:.2f}" if r["fa4_upstream_tflops"] else "-"
         fa4d = f"{r['det_tflops'] / r['fa4_upstream_det_tflops']:.2f}" if r["fa4_upstream_det_tflops"] else "-"
         print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
-              f"{r['tflops'] / r['cudnn_tflops']:.2f} ({r['cudnn_tflops']:.0f}) | {fa4} | {r['det_tflops']:.0f} | "
-              f"{r['det_tflops'] / r['tflops']:.2f} | {fa4d} |")
+              f"{spread(r, 'tflops')} | {r['tflops'] / r['cudnn_tflops']:.2f} ({r['cudnn_tflops']:.0f}) | {fa4} | "
+              f"{r['det_tflops']:.0f} | {r['det_tflops'] / r['tflops']:.2f} | {fa4d} |")
 
 
 def main():
@@ -143,7 +175,13 @@ def main():
     p.add_argument("--no-fwd", action="store_true", help="skip the forward table")
     p.add_argument("--kernels", type=Path, help="time the cubins of this build folder (default: the package's)")
     p.add_argument("--tag", default="", help="suffix of the result files")
+    p.add_argument("--rounds", type=int, default=1, help="runs of the whole grid; each time their median")
+    p.add_argument("--warmup-ms", type=float, default=TIMING["warmup"], help="do_bench warm-up per timing")
+    p.add_argument("--rep-ms", type=float, default=TIMING["rep"], help="do_bench measuring window per timing")
     args = p.parse_args()
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    TIMING.update(warmup=args.warmup_ms, rep=args.rep_ms)
     if args.kernels:
         import fa4_aot.api
         from fa4_aot.loader import KernelLibrary
@@ -156,32 +194,32 @@ def main():
         bwd_table(args, dtype, mm)
     if args.no_fwd:
         return
-    rows = []
-    for d in args.head_dims:
-        for s in args.seqlens:
-            for causal in (False, True):
-                r = run_case(d, s, causal, dtype)
-                r["vs_cudnn"] = r["tflops"] / r["cudnn_tflops"]
-                base = FA4_UPSTREAM_FWD.get((d, s, causal)) if args.dtype == "bf16" else None
-                r["fa4_upstream_tflops"] = base
-                r["vs_fa4_upstream"] = r["tflops"] / base if base else None
-                rows.append(r)
+    rounds = [[run_case(d, s, causal, dtype) for d, s, causal in cells(args)] for _ in range(args.rounds)]
+    rows = rounds_median(rounds, {"ms": "tflops", "cudnn_ms": "cudnn_tflops"})
+    for r in rows:
+        r["vs_cudnn"] = r["tflops"] / r["cudnn_tflops"]
+        base = FA4_UPSTREAM_FWD.get((r["head_dim"], r["seqlen"], r["causal"])) if args.dtype == "bf16" else None
+        r["fa4_upstream_tflops"] = base
+        r["vs_fa4_upstream"] = r["tflops"] / base if base else None
     mm_runs = [mm, matmul_tflops()]
     mm = max(mm_runs)
     for r in rows:
         r["vs_matmul"] = r["tflops"] / mm
     result = {"matmul_tflops": mm, "matmul_tflops_runs": mm_runs, "device": torch.cuda.get_device_name(), "rows": rows,
-              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version()}
+              "rounds": args.rounds, "timing_ms": TIMING, "torch": torch.__version__,
+              "cudnn": torch.backends.cudnn.version()}
     (args.out / f"fwd-{args.dtype}{args.tag}.json").write_text(json.dumps(result, indent=1))
     print(f"bf16 8192^3 matmul: {mm_runs[0]:.0f} TFLOP/s before the tables, {mm_runs[1]:.0f} after the forward's, "
           f"on {result['device']} (/matmul: against {mm:.0f})")
-    print("| head_dim | seqlen | causal | fa4_aot | cuDNN | /cuDNN | FA4 upstream | /FA4 | /matmul |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"forward (median of {args.rounds} round(s); rounds: the range of ours over them)")
+    print("| head_dim | seqlen | causal | fa4_aot | rounds | cuDNN | /cuDNN | FA4 upstream | /FA4 | /matmul |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         base = f"{r['fa4_upstream_tflops']}" if r["fa4_upstream_tflops"] else "-"
         vs = f"{r['vs_fa4_upstream']:.2f}" if r["vs_fa4_upstream"] else "-"
         print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
-              f"{r['cudnn_tflops']:.0f} | {r['vs_cudnn']:.2f} | {base} | {vs} | {r['vs_matmul']:.2f} |")
+              f"{spread(r, 'tflops')} | {r['cudnn_tflops']:.0f} | {r['vs_cudnn']:.2f} | {base} | {vs} | "
+              f"{r['vs_matmul']:.2f} |")
     plot(rows, args.out / f"fwd-{args.dtype}{args.tag}.png", mm)
 
 

@@ -413,22 +413,16 @@ class FlashFwdSm90:
 
     @cute.jit
     def _idle_tile(self, pipe_k, pipe_v, kv_state, n_blocks, wg):
-        """attend's key loop for a warpgroup with no rows in the sequence: the same K/V
-        waits and releases (the stages are refilled once every consumer has released
-        them) and the same scheduler barrier hand-offs, in the same order, without the
-        GEMMs and the softmax. Returns kv_state advanced as the loop advances it."""
+        """attend's key loop for a warpgroup with no rows in the sequence: every key tile but
+        the last passes by as in _skip_key_tile (its K and V waited for and released, one
+        scheduler hand-off each), the last one's K and V as the loop's final P V takes them
+        (no hand-off): the same K/V releases (the stages are refilled once every consumer
+        has released them) and the same hand-offs, in the same order, without the GEMMs and
+        the softmax. Returns kv_state at the last key tile, as the loop leaves it."""
+        for _ in cutlass.range(n_blocks - 1, unroll=1):
+            kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
         pipe_k.consumer_wait(kv_state)
         pipe_k.consumer_release(kv_state)
-        for _ in cutlass.range(n_blocks - 1, unroll=1):
-            v_state = kv_state.clone()
-            kv_state.advance()
-            pipe_k.consumer_wait(kv_state)
-            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-            pipe_v.consumer_wait(v_state)
-            cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
-                                     number_of_threads=2 * WARPGROUP)
-            pipe_k.consumer_release(kv_state)
-            pipe_v.consumer_release(v_state)
         pipe_v.consumer_wait(kv_state)
         pipe_v.consumer_release(kv_state)
         return kv_state
