@@ -217,16 +217,24 @@ class BwdRowsSm90:
         elif row < seqlen_q:
             d = self.head_dim
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
-            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * vec
+            cols = [(part + i * THREADS_PER_ROW) * vec for i in range(d // vec // THREADS_PER_ROW)]
+            # every chunk of every copy read first, whether or not the copy was written (in
+            # bounds either way), so the loads and the tickets' are in flight together
+            loaded = []
+            for col in cols:
+                for copy in cutlass.range_constexpr(self.chains):
+                    more = cute.make_rmem_tensor((vec,), Float32)
+                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
+                                                                           heads_q) + col, Float32, vec), more)
+                    loaded.append(more)
+            written = [self._written(coverage, copy, bidx, batch, head, seqlen_q, heads_q)
+                       for copy in range(self.chains)]
+            for i, col in enumerate(cols):
                 acc = cute.make_rmem_tensor((vec,), Float32)
                 acc.fill(0.0)
                 for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                    if self._written(coverage, copy, bidx, batch, head, seqlen_q, heads_q):
-                        more = cute.make_rmem_tensor((vec,), Float32)
-                        cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
-                                                                               heads_q) + col, Float32, vec), more)
-                        acc.store(acc.load() + more.load())
+                    if written[copy]:
+                        acc.store(acc.load() + loaded[i * self.chains + copy].load())
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
@@ -276,15 +284,22 @@ class BwdRowsSm90:
         tile_elems = self.tile_m * d
         first = frag_offset(batch, 0, head, m_block, heads_q, m_blocks, self.chains, tile_elems) \
             + wg * frags.part_elems + t * 4
+        # every chunk read first, written or not (as in postprocess: one memory latency)
+        loaded = []
+        for i in cutlass.range_constexpr(frags.values // 4):
+            for copy in cutlass.range_constexpr(self.chains):
+                more = cute.make_rmem_tensor((4,), Float32)
+                cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
+                                              + i * 4 * WARPGROUP, Float32, 4), more)
+                loaded.append(more)
+        written = [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q)
+                   for copy in range(self.chains)]
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
             acc.fill(0.0)
             for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                if self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q):
-                    more = cute.make_rmem_tensor((4,), Float32)
-                    cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
-                                                  + i * 4 * WARPGROUP, Float32, 4), more)
-                    acc.store(acc.load() + more.load())
+                if written[copy]:
+                    acc.store(acc.load() + loaded[i * self.chains + copy].load())
             for j in cutlass.range_constexpr(4):
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)
