@@ -113,7 +113,13 @@ class BwdRowsSm90:
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
-        bidx, head, batch = cute.arch.block_idx()
+        # Blocks in launch order take the heads of a query tile first, then the next tile:
+        # the blocks running together then read whole (s, h, d) rows of O and dO, where a
+        # head's tiles first read 2d bytes in every heads_q * 2d (a DRAM page touched once
+        # per head). The grid is still (query tiles, heads, batch).
+        x, y, batch = cute.arch.block_idx()
+        linear = x + cute.arch.grid_dim()[0] * y
+        bidx, head = linear // heads_q, linear % heads_q
         row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         d = self.head_dim
