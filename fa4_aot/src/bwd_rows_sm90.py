@@ -233,14 +233,10 @@ class BwdRowsSm90:
                     cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
                                                                            heads_q) + col, Float32, vec), more)
                     loaded.append(more)
-            written = [self._written(coverage, copy, bidx, batch, head, seqlen_q, heads_q)
-                       for copy in range(self.chains)]
+            written = self._written_copies(coverage, bidx, batch, head, seqlen_q, heads_q)
             for i, col in enumerate(cols):
                 acc = cute.make_rmem_tensor((vec,), Float32)
-                acc.fill(0.0)
-                for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                    if written[copy]:
-                        acc.store(acc.load() + loaded[i * self.chains + copy].load())
+                self._sum_copies(acc, loaded[i * self.chains:(i + 1) * self.chains], written)
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
@@ -248,6 +244,19 @@ class BwdRowsSm90:
             # this grid must not end before the main kernel (its dK and dV stores) does: the
             # work after it on the stream waits for this grid only
             cute.arch.griddepcontrol_wait()
+
+    def _written_copies(self, coverage, m_block, batch, head, seqlen_q, heads_q) -> list:
+        """``_written`` for every accumulator copy of query tile m_block, in copy order."""
+        return [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q) for copy in range(self.chains)]
+
+    @cute.jit
+    def _sum_copies(self, acc, copies: list, written: list):
+        """acc = the sum of one chunk's ``copies`` (loaded, whether written or not) that the
+        main kernel wrote, in copy order (so the bits are fixed: deterministic)."""
+        acc.fill(0.0)
+        for copy in cutlass.range_constexpr(self.chains):
+            if written[copy]:
+                acc.store(acc.load() + copies[copy].load())
 
     @cute.jit
     def _written(self, coverage, copy: int, m_block, batch, head, seqlen_q, heads_q):
@@ -298,14 +307,10 @@ class BwdRowsSm90:
                 cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
                                               + i * 4 * WARPGROUP, Float32, 4), more)
                 loaded.append(more)
-        written = [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q)
-                   for copy in range(self.chains)]
+        written = self._written_copies(coverage, m_block, batch, head, seqlen_q, heads_q)
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
-            acc.fill(0.0)
-            for copy in cutlass.range_constexpr(self.chains):  # in copy order: fixed bits
-                if written[copy]:
-                    acc.store(acc.load() + loaded[i * self.chains + copy].load())
+            self._sum_copies(acc, loaded[i * self.chains:(i + 1) * self.chains], written)
             for j in cutlass.range_constexpr(4):
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)

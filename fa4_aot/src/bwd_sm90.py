@@ -431,7 +431,6 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                         done = done + mine[-1]
                 else:
                     self.dq_writer(*args, *work, 0)
-                cute.arch.cp_async_bulk_wait_group(0, read=False)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS[self.num_consumers])

@@ -324,8 +324,6 @@ class FlashFwdSm90:
             if n_blocks > 0:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
-                    if const_expr(t + 1 < self.q_tiles):
-                        kv_state.advance()  # the next tile's first K
                 else:
                     if const_expr(self.causal):
                         if n_own < n_blocks:
@@ -375,8 +373,8 @@ class FlashFwdSm90:
                     pipe_v.consumer_wait(kv_state)
                     wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
                     pipe_v.consumer_release(kv_state)
-                    if const_expr(t + 1 < self.q_tiles):
-                        kv_state.advance()  # the next tile's first K
+                if const_expr(t + 1 < self.q_tiles):
+                    kv_state.advance()  # the next tile's first K
 
             inv_sum = cute.make_rmem_tensor((rows,), Float32)
             lse = cute.make_rmem_tensor((rows,), Float32)
