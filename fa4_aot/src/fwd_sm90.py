@@ -269,7 +269,10 @@ class FlashFwdSm90:
         """tidx: 0..255 over the consumer warpgroups; m_blocks: this CTA's query tiles, in
         order; gO: (s_q, d); mLSE: (s_q,)."""
         mma_qk, mma_pv = self._tiled_mmas()
-        wg_first_thread = (tidx // WARPGROUP) * WARPGROUP
+        # warp-uniform, so the warpgroup's shared-memory descriptors (its Q rows) are built
+        # in uniform registers: from tidx alone they took an R2UR per descriptor per GEMM
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wg_first_thread = wg * WARPGROUP
         wg_qk = mma_qk.get_slice(wg_first_thread)
         wg_pv = mma_pv.get_slice(wg_first_thread)
         thr_qk = mma_qk.get_slice(tidx)
@@ -282,7 +285,6 @@ class FlashFwdSm90:
         mask = TileMask(self.tile_m, self.tile_n, self.causal)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         if wg == 0:
             # The first consumer issues first. Once, not per tile: every tile leaves the last
             # consumer's final arrive on this barrier pending, which starts the next tile alike.
