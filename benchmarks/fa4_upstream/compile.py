@@ -20,7 +20,8 @@ import sys
 import time
 
 sys.path[:0] = [p for p in os.environ.get("FA4_PATH", "").split(":") if p]
-import cutlass, cutlass.cute as cute
+import cutlass  # noqa: E402 (after FA4_PATH)
+import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32
 import cuda.bindings.driver as cuda
 from quack.compile_utils import make_fake_tensor as fake

@@ -6,7 +6,6 @@ same registers indexed as (rows, cols); the PV GEMM wants them as the A operand 
 RS-wgmma, ((2, 2, 2), MMA_M, (V / 2, MMA_N)). Both are views: no register moves.
 """
 
-import cutlass
 import cutlass.cute as cute
 
 
