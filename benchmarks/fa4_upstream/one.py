@@ -1,6 +1,8 @@
 """One cell of one implementation, four calls (for ncu):
-    one.py DIR ours|fa4 fwd|bwd HEAD_DIM SEQLEN CAUSAL(0|1) [DET(0|1)]"""
-import math, sys
+    [KERNELS=build/x] one.py DIR ours|fa4 fwd|bwd HEAD_DIM SEQLEN CAUSAL(0|1) [DET(0|1)]"""
+import math
+import os
+import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
@@ -8,6 +10,11 @@ import ffi
 from fa4_aot.torch import flash_attn_fwd, flash_attn_bwd
 
 spec = ffi.open_dir(sys.argv[1])
+if os.environ.get("KERNELS"):  # ours from another build folder (as --kernels elsewhere)
+    import fa4_aot.api
+    from fa4_aot.loader import KernelLibrary
+
+    fa4_aot.api._default_library = KernelLibrary(Path(os.environ["KERNELS"]))
 impl, kind, d, s, causal = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 det = len(sys.argv) > 7 and sys.argv[7] == "1"
 b, h = 16384 // s, 2048 // d
