@@ -9,7 +9,7 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ManifestError, ShapeError
 from .loader import KernelLibrary
-from .variants import BWD_QUERY_ROWS, dq_chains
+from .variants import bwd_query_rows, dq_chains
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -94,7 +94,8 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
     backward keeps more than one copy of its fp32 dQ accumulator)."""
     chains = dq_chains(bool(causal), bool(deterministic))
-    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, chains))
+    rows = bwd_query_rows(head_dim, bool(causal))
+    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, chains, rows))
 
 
 def _workspace_bytes(regions) -> int:
@@ -102,7 +103,7 @@ def _workspace_bytes(regions) -> int:
     return sum(-(-size // 256) * 256 for _, size in regions[:-1]) + regions[-1][1]
 
 
-def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m: int = BWD_QUERY_ROWS):
+def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int, tile_m: int):
     # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
     # values into shared memory with one bulk copy (4 * tile_m bytes), 16-byte aligned.
     m_blocks = -(-sq // tile_m)
@@ -115,8 +116,8 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int = 1, tile_m
             ("dq_semaphore", chains * b * hq * m_blocks * 4), ("dq_done", b * hq * 4)]
 
 
-def _carve(workspace: DeviceArray, problem, chains: int = 1) -> dict:
-    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, chains)
+def _carve(workspace: DeviceArray, problem, chains: int, tile_m: int) -> dict:
+    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, chains, tile_m)
     need = _workspace_bytes(regions)
     have = math.prod(workspace.shape) * workspace.itemsize
     if have < need:
@@ -178,7 +179,6 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
         return
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
     chains = dq_chains(bool(causal), bool(deterministic))
-    regions = _carve(arrays["workspace"], problem, chains)
     device = device_of(arrays)
     row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
                                 head_dim=problem.head_dim, causal=bool(causal),
@@ -186,6 +186,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     if row.get("dq_chains", 1) != chains:
         raise ManifestError(f"{row['name']} was built with {row.get('dq_chains', 1)} dQ accumulator copies; this "
                             f"fa4_aot sizes the workspace for {chains}: rebuild the kernels with this version")
+    # the workspace laid out by the row's query tile (the cubin's contract); _carve checks its size
+    regions = _carve(arrays["workspace"], problem, chains, row["tiling"]["tile_m"])
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")

@@ -78,17 +78,32 @@ FWD_SM90_TILING = {
 # docs/perf-notes.md). head_dim 192 and 256: dK, dV and dQ computed with the head dim on
 # the GEMMs' M side; 192: 96 keys per CTA, three consumer warpgroups (dK^T, dV^T fp32 64 x
 # 96 each; 194 KB of smem); 256: 80 keys, two (128 x 80 each; 214 KB); one Q/dO buffer.
-# Query rows per backward step, for every head dim: also the unit of the LSE2 / D padding,
-# of the dQ semaphores and of the row kernels' blocks, which the runtime sizes the
-# workspace by (fa4_aot.api.backward_workspace_bytes).
-BWD_QUERY_ROWS = 64
+# head_dim 128 not causal: 80 query rows per step (dQ computed transposed, split by head
+# dims; its staging single-buffered to fit), as FA4 upstream takes there: a step's fixed
+# costs spread over 25% more queries. Causal keeps 64 (more tiles cross the diagonal).
+# The query rows of a step are also the unit of the LSE2 / D padding, of the dQ semaphores
+# and of the row kernels' blocks, which the runtime sizes the workspace by
+# (fa4_aot.api.backward_workspace_bytes, through bwd_query_rows).
 BWD_SM90_TILING = {
-    64: Tiling(BWD_QUERY_ROWS, 128, 4),
-    96: Tiling(BWD_QUERY_ROWS, 128, 2),
-    128: Tiling(BWD_QUERY_ROWS, 128, 2),
-    192: Tiling(BWD_QUERY_ROWS, 96, 1),
-    256: Tiling(BWD_QUERY_ROWS, 80, 1),
+    64: Tiling(64, 128, 4),
+    96: Tiling(64, 128, 2),
+    128: Tiling(64, 128, 2),
+    192: Tiling(64, 96, 1),
+    256: Tiling(64, 80, 1),
 }
+BWD_SM90_TILING_NOT_CAUSAL = {128: Tiling(80, 128, 2)}
+
+
+def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
+    """The sm90a backward's tile shape of a head dim, causal or not."""
+    if not causal and head_dim in BWD_SM90_TILING_NOT_CAUSAL:
+        return BWD_SM90_TILING_NOT_CAUSAL[head_dim]
+    return BWD_SM90_TILING[head_dim]
+
+
+def bwd_query_rows(head_dim: int, causal: bool) -> int:
+    """Query rows per backward step: the workspace's unit (see BWD_SM90_TILING)."""
+    return bwd_tiling(head_dim, causal).tile_m
 
 
 # Deterministic backward, not causal: the key tiles of a head add their dQ into DET_DQ_CHAINS
@@ -155,7 +170,7 @@ class Variant:
         if self.kind == "fwd" and self.arch == "sm90a":
             return FWD_SM90_TILING[self.head_dim]
         if self.kind == "bwd" and self.arch == "sm90a":
-            return BWD_SM90_TILING[self.head_dim]
+            return bwd_tiling(self.head_dim, self.causal)
         raise NotImplementedError(f"no kernel for {self.name}")
 
     @property

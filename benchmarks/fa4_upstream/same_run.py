@@ -5,8 +5,11 @@ call as its interface does), interleaved rounds, do_bench 50/200 ms medians. Eac
 first round also compares FA4's outputs with ours.
 
     python benchmarks/fa4_upstream/same_run.py DIR ROUNDS OUT_JSON [fwd] [bwd]
+
+Environment: HEAD_DIMS=64,128 keeps those head dims' cells; KERNELS_B=FOLDER times that
+build's cubins too ("b" beside "ours", e.g. the previous commit's), in the same rounds.
 """
-import json, math, statistics, sys
+import json, math, os, statistics, sys
 from pathlib import Path
 import torch, triton.testing
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
@@ -22,6 +25,23 @@ torch.empty(1, device="cuda")
 bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
 stream = lambda: torch.cuda.current_stream().cuda_stream
 cells = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
+if os.environ.get("HEAD_DIMS"):
+    cells = [c for c in cells if c[0] in {int(x) for x in os.environ["HEAD_DIMS"].split(",")}]
+import fa4_aot.api as api
+from fa4_aot.loader import KernelLibrary
+lib_a = api.default_library()
+lib_b = KernelLibrary(Path(os.environ["KERNELS_B"])) if os.environ.get("KERNELS_B") else None
+
+
+def on_b(fn):
+    """fn run with KERNELS_B's cubins as the adapters' library."""
+    def run(*args):
+        api._default_library = lib_b
+        try:
+            return fn(*args)
+        finally:
+            api._default_library = lib_a
+    return run
 
 
 def fwd_cell(d, s, causal, r, res):
@@ -100,6 +120,8 @@ def bwd_cell(d, s, causal, r, res):
             order += [("ours_det", lambda: ours(True)), ("fa4_det", lambda: fa4(True))]
         if r % 2:
             order = [(order[i ^ 1]) for i in range(len(order))]
+        if lib_b is not None:
+            order += [("b", on_b(ours))] + ([("b_det", on_b(lambda: ours(True)))] if d <= 128 else [])
         order.append(("cudnn", cud))
         times = {n: bench(fn) for n, fn in order}
     fl = 2.5 * flops(b, h, s, d, causal)
@@ -134,5 +156,6 @@ for kind, base in (("fwd", FA4_UPSTREAM_FWD), ("bwd", FA4_UPSTREAM_BWD)):
         o, f4, cu = med(p + "ours"), med(p + "fa4"), med(p + "cudnn")
         od, fd = med(p + "ours_det"), med(p + "fa4_det")
         bf = base[(d, s, c)]
+        extra = f" b {med(p + 'b'):.0f} b_det {med(p + 'b_det'):.0f} |" if lib_b is not None else ""
         print(f"| {d} | {s} | {'yes' if c else 'no'} | {o:.0f} | {f4:.0f} | {o / f4:.3f} | {bf} | {f4 / bf:.3f} | {cu:.0f} | "
-              f"{od:.0f} | {fd:.0f} | {od / fd:.3f} |")
+              f"{od:.0f} | {fd:.0f} | {od / fd:.3f} |{extra}")

@@ -117,7 +117,7 @@ class DqHandoff:
 
     def _dq_at(self, part, m_block):
         """Where part ``part`` of query tile m_block lies in the accumulator, in dq_tile units."""
-        if const_expr(self.dq_transposed):
+        if const_expr(self.dq_kt_in_registers):
             return (2 * m_block + part, 0)  # query rows [32 part, 32 part + 32) of the tile
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 

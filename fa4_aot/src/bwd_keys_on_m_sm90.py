@@ -2,14 +2,15 @@
 of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``, ``_grads``
 and the dQ hand-off of ``bwd_dq_handoff``).
 
-128 keys per CTA, the keys on the GEMMs' M side. Per query tile of 64 rows, warpgroup w
-(its 64 keys):
+128 keys per CTA, the keys on the GEMMs' M side. Per query tile of 64 rows (80 at 128 not
+causal), warpgroup w (its 64 keys):
     S^T = K_w Q^T, dP^T = V_w dO^T      (keys x queries; K_w, V_w from shared memory, or
                                          registers at 64)
     P^T, dS^T = P^T (dP^T - D)          (registers: the A operands of dV and dK)
     dV_w += P^T dO, dK_w += dS^T Q
     dS^T to shared memory; dQ = dS K over all keys, split along head dims (96, 128), or
-    dQ^T = K^T dS^T split along queries with K^T in registers (64)
+    dQ^T = K^T dS^T split along queries with K^T in registers (64), or split along head
+    dims with K^T in shared memory (128 with 80-row tiles: the GEMM's M is 64 per warpgroup)
 See ``bwd_sm90`` for the knobs (staggered warpgroups at 96, the overlapped S^T at 64).
 """
 
@@ -20,7 +21,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
 from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, stage_and_store, tiled_mma, wgmma
+from .sm90_common import WARPGROUP, convert_into, stage_and_store, tiled_mma, wgmma
 
 
 class KeysOnMCompute:
@@ -68,11 +69,17 @@ class KeysOnMCompute:
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
         tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((tn, tm)))
-        if const_expr(self.dq_transposed):
+        if const_expr(self.dq_kt_in_registers):
             # dQ^T: K^T (all head dims, all keys; registers, loaded below) x dS^T (this
             # warpgroup's query rows of dS, keys contiguous: the B operand, K-major)
             tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(cute.local_tile(sdS, (tm // 2, tn), (wg, 0, None))))
             tQrKt = wg_dq.make_fragment_A(wg_dq.partition_shape_A((d, tn)))
+        elif const_expr(self.dq_transposed):
+            # dQ^T: K^T (this warpgroup's head-dim half, all keys; shared memory, d
+            # contiguous: the A operand, MN-major) x dS^T (all queries of dS, K-major)
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            tQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(
+                cute.local_tile(transpose_smem(sK), (self.dq_cols, tn), (wg, 0))))
         else:
             # dQ: dS (queries, all keys) x K^T (this warpgroup's head-dim half, all keys)
             tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
@@ -92,7 +99,7 @@ class KeysOnMCompute:
             cute.copy(load_a, thr_load_a.partition_S(sV), thr_load_a.retile(tPrV_r))
             _, _, tSrQ, _, tPrdO = score_operands
             score_operands = (mma_rs, tSrK_r, tSrQ, tPrV_r, tPrdO)
-        if const_expr(self.dq_transposed):
+        if const_expr(self.dq_kt_in_registers):
             load_kt = cute.make_tiled_copy_A(
                 cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
                 mma_dq)
@@ -145,23 +152,44 @@ class KeysOnMCompute:
                     warpgroup.wait_group(2)
                 else:
                     warpgroup.wait_group(1)
-                self._probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
-                tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-                warpgroup.wait_group(1 if late_dq else 0)  # dP^T done
-                self._grads(acc_s, acc_dp, dsum_col)
-                wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+                # 80 query columns (stats_by_query): LSE2 and D read from shared memory where
+                # used; held in registers (40 of them) they made ptxas serialize every
+                # wgmma (C7512)
+                wide = self.stats_by_query
+                self._probs(acc_s, s_coords, sLSE2[None, state.index] if wide else lse2_col, n_block, m_block,
+                            seqlen_q, seqlen_k, scale_log2, by_query=wide)
                 ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-                ds.store(acc_dp.load().to(self.dtype))
-                tKrdS.store(acc_as_operand_a(ds).load())
+                if const_expr(wide):
+                    # dS^T first, in shared memory before dV's GEMM is issued (the fence
+                    # keeps the GEMM after it), and only then P^T in 16 bits: ptxas otherwise
+                    # issues dV's GEMM as early as P^T allows, with the fp32 P^T, dP^T and the
+                    # 16-bit P^T all live (228 registers with dV and dK), and serializes
+                    # every wgmma (C7512)
+                    warpgroup.wait_group(0)  # dP^T done
+                    self._grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
+                    convert_into(acc_dp, ds)
+                    tKrdS.store(acc_as_operand_a(ds).load())
+                    cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    convert_into(acc_as_operand_a(acc_s), tVrP)
+                    wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+                else:
+                    tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                    warpgroup.wait_group(1 if late_dq else 0)  # dP^T done
+                    self._grads(acc_s, acc_dp, dsum_col)
+                    wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
+                    ds.store(acc_dp.load().to(self.dtype))
+                    tKrdS.store(acc_as_operand_a(ds).load())
                 if const_expr(late_dq):
                     warpgroup.wait_group(1)  # the previous tile's dQ done; dV in flight
                     self._stage_dq(wg, self._turn(done, step - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
-                # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
-                # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
-                # ago, which both warpgroups waited for before they last said READY
-                # (staggered) or before the previous tile's barrier.
-                cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
-                cute.arch.fence_proxy("async.shared", space="cta")
+                if const_expr(not wide):
+                    # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
+                    # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
+                    # ago, which both warpgroups waited for before they last said READY
+                    # (staggered) or before the previous tile's barrier.
+                    cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
+                    cute.arch.fence_proxy("async.shared", space="cta")
                 if const_expr(self.stagger):
                     cute.arch.barrier(barrier_id=DS_BARRIER + wg, number_of_threads=WARPGROUP)
                     cute.arch.barrier_arrive(barrier_id=READY_BARRIER + 2 * wg + step % 2,
@@ -266,16 +294,22 @@ class KeysOnMCompute:
         wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
 
     def _mma_dq(self):
-        """The dQ GEMM of one warpgroup: (queries, dq_cols), or transposed (d, queries) with
-        K^T in registers; k = keys."""
-        if self.dq_transposed:
+        """The dQ GEMM of one warpgroup: (queries, dq_cols), or transposed (d, half the
+        queries) with K^T in registers, or (dq_cols, queries) with K^T in shared memory;
+        k = keys."""
+        if self.dq_kt_in_registers:
             return tiled_mma(self.dtype, "K", "K", (1, 1, 1), self.tile_m // 2, a_in_registers=True)
+        if self.dq_transposed:
+            return tiled_mma(self.dtype, "MN", "K", (1, 1, 1), self.tile_m)
         return tiled_mma(self.dtype, "K", "MN", (1, 1, 1), self.dq_cols)
 
     def _dq_acc_shape(self):
-        """The dQ GEMM's output tile: (queries, head-dim half), or transposed (d, queries)."""
-        if self.dq_transposed:
+        """The dQ GEMM's output tile: (queries, head-dim half), or transposed (d, half
+        the queries) or (head-dim half, queries)."""
+        if self.dq_kt_in_registers:
             return (self.head_dim, self.tile_m // 2)
+        if self.dq_transposed:
+            return (self.dq_cols, self.tile_m)
         return (self.tile_m, self.dq_cols)
 
     def _dq_gemm(self, mma_dq, acc_dq, frag_ds, frag_kt):
@@ -331,9 +365,10 @@ class KeysOnMCompute:
         wgmma(mma, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
         pipe_do.consumer_wait(state)
         wgmma(mma, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
-        for j in cutlass.range_constexpr(cute.size(lse2_col)):
-            lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
-            dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
+        if const_expr(not self.stats_by_query):
+            for j in cutlass.range_constexpr(cute.size(lse2_col)):
+                lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
+                dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
 
     @cute.jit
     def _store_dkv(self, tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale):

@@ -1,5 +1,6 @@
 """The backward's row kernels for Hopper (sm_90a), launched before and after the main one
-(``bwd_sm90.FlashBwdSm90``), one block per 64-row query tile of a (head, batch):
+(``bwd_sm90.FlashBwdSm90``), one block per query tile (the main kernel's tile_m rows) of
+a (head, batch):
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
   that saw no key, so its P is 0), the dQ semaphores cleared and, unless ``first_write``
@@ -11,7 +12,7 @@
 
 The accumulator holds copy c of batch b as (b * chains + c). Its layout is the main
 kernel's: (s_q, h_q, d) rows, which its dQ writer adds tiles into with a 2D TMA
-reduce, or, with ``DqFragments``, whole 64-row query tiles (s_q padded), each the
+reduce, or, with ``DqFragments``, whole query tiles (s_q padded), each the
 consumer warpgroups' staged dQ fragments in their register order (``frag_offset``),
 added with one 1D bulk reduce per fragment tile; the postprocess then puts each value
 at its (row, column) through shared memory.
@@ -23,16 +24,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..variants import BWD_QUERY_ROWS
 from .bwd_order import first_dq_key_tile
 from .sm90_common import WARPGROUP
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
-# one 64-row query tile (its padding included).
+# one query tile (its padding included): THREADS_PER_ROW * tile_m threads.
 THREADS_PER_ROW = 4
-ROWS_PER_BLOCK = BWD_QUERY_ROWS
-ROW_BLOCK_THREADS = THREADS_PER_ROW * ROWS_PER_BLOCK
 LOG2E = 1.4426950408889634
 
 
@@ -41,8 +39,7 @@ class DqFragments:
     fragments of one wgmma accumulator of ``acc_shape`` each (``make_mma()`` builds its
     tiled MMA; thread t's value v lies at (v // 4) * 512 + 4 t + v % 4 of its part, so a
     warp's 16-byte stores are contiguous), part p covering head dims [p c, (p + 1) c) of
-    the query tile (acc_shape (queries, c)), or, ``transposed``, query rows [p c, (p + 1)
-    c) over all head dims (acc_shape (d, c))."""
+    the query tile: acc_shape (queries, c), or, ``transposed`` (dQ^T), (c, queries)."""
 
     def __init__(self, make_mma, acc_shape: tuple[int, int], transposed: bool, parts: int):
         self.make_mma = make_mma
@@ -55,13 +52,13 @@ class DqFragments:
     def place(self, part: int, r, c):
         """(query row in the tile, head dim) of accumulator element (r, c) of ``part``."""
         if self.transposed:
-            return part * self.acc_shape[1] + c, r
+            return c, part * self.acc_shape[0] + r
         return r, part * self.acc_shape[1] + c
 
 
 def frag_offset(batch, copy, head, m_block, heads_q, m_blocks, chains: int, tile_elems: int):
     """Element offset of query tile m_block of (batch, copy, head) in a fragment-order
-    accumulator (``tile_elems`` = 64 * d per tile)."""
+    accumulator (``tile_elems`` = tile_m * d per tile)."""
     return ((Int64(batch * chains + copy) * heads_q + head) * m_blocks + m_block) * tile_elems
 
 
@@ -73,11 +70,11 @@ class BwdRowsSm90:
 
     def __init__(self, dtype, head_dim: int, tile_m: int, chains: int, fragments: DqFragments | None,
                  causal: bool, tile_n: int, tickets: bool):
-        assert tile_m == ROWS_PER_BLOCK
         assert not (tickets and chains > 1)
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
+        self.threads = THREADS_PER_ROW * tile_m  # per block
         self.chains = chains
         # first_write (run time): which tiles and copies the main kernel wrote, from the
         # tickets in the semaphore words (not deterministic) or from the turn order
@@ -85,7 +82,8 @@ class BwdRowsSm90:
         self.tile_n = tile_n
         self.tickets = tickets
         self.fragments = fragments
-        assert fragments is None or fragments.parts * WARPGROUP == ROW_BLOCK_THREADS
+        # fragment order: the postprocess's first parts * WARPGROUP threads read the fragments
+        assert fragments is None or fragments.parts * WARPGROUP <= self.threads
         # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
         # padded by 16 bytes (fewer bank conflicts as the fragments scatter into it)
         self.out_stride = head_dim + 8
@@ -107,7 +105,7 @@ class BwdRowsSm90:
         first_write: Int32,
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
-        64-row query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
+        query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
 
         Launched as usual (after all earlier work on the stream), so the main kernel may be
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
@@ -120,7 +118,7 @@ class BwdRowsSm90:
         x, y, batch = cute.arch.block_idx()
         linear = x + cute.arch.grid_dim()[0] * y
         bidx, head = linear // heads_q, linear % heads_q
-        row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
+        row = bidx * self.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         d = self.head_dim
         vec = 8  # elements of O, dO per 16-byte chunk
@@ -154,8 +152,9 @@ class BwdRowsSm90:
                 for copy in cutlass.range_constexpr(self.chains):
                     base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
                                        self.chains, tile_elems)
-                    for i in cutlass.range_constexpr(tile_elems // 4 // ROW_BLOCK_THREADS):
-                        chunk_at = base + (i * ROW_BLOCK_THREADS + tidx) * 4
+                    assert tile_elems % (4 * self.threads) == 0
+                    for i in cutlass.range_constexpr(tile_elems // 4 // self.threads):
+                        chunk_at = base + (i * self.threads + tidx) * 4
                         cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
@@ -213,7 +212,7 @@ class BwdRowsSm90:
             while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.tile_n):
                 pass
         cute.arch.sync_threads()
-        row = bidx * ROWS_PER_BLOCK + tidx // THREADS_PER_ROW
+        row = bidx * self.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
         coverage = (sem_ptr, seqlen_k, first_write)  # what _written reads
@@ -293,6 +292,25 @@ class BwdRowsSm90:
         d = self.head_dim
         s_out = cutlass.utils.SmemAllocator().allocate_tensor(
             self.dtype, cute.make_layout((self.tile_m, d), stride=(self.out_stride, 1)), byte_alignment=16)
+        if tidx < frags.parts * WARPGROUP:  # the block's other threads (80-row tiles) only write rows
+            self._scatter_fragments(tidx, m_block, head, batch, dqacc_ptr, seqlen_q, heads_q, scale, coverage, s_out)
+        cute.arch.sync_threads()
+        vec = 8
+        if row < seqlen_q:
+            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
+            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
+                col = (part + i * THREADS_PER_ROW) * vec
+                dq = cute.make_rmem_tensor((vec,), self.dtype)
+                cute.autovec_copy(cute.local_tile(s_out[tidx // THREADS_PER_ROW, None], (vec,), (col // vec,)), dq)
+                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+
+    @cute.jit
+    def _scatter_fragments(self, tidx, m_block, head, batch, dqacc_ptr, seqlen_q, heads_q, scale, coverage,
+                           s_out):
+        """Thread tidx (< parts * WARPGROUP) of the postprocess: its fragment values of every
+        accumulator copy summed, scaled and put at their (query, head dim) in ``s_out``."""
+        frags = self.fragments
+        d = self.head_dim
         wg, t = tidx // WARPGROUP, tidx % WARPGROUP
         coords = frags.make_mma().get_slice(t).partition_C(cute.make_identity_tensor(frags.acc_shape))
         m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
@@ -315,12 +333,3 @@ class BwdRowsSm90:
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)
                 s_out[q, dim] = (acc[j] * scale).to(self.dtype)
-        cute.arch.sync_threads()
-        vec = 8
-        if row < seqlen_q:
-            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
-            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
-                col = (part + i * THREADS_PER_ROW) * vec
-                dq = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(cute.local_tile(s_out[tidx // THREADS_PER_ROW, None], (vec,), (col // vec,)), dq)
-                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))

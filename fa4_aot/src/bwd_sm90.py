@@ -4,7 +4,8 @@
    domain, the dQ semaphores cleared, and the fp32 dQ accumulator unless ``first_write``
    (run time: then each tile's first dQ share is stored instead of added).
 2. ``kernel`` (one CTA per key tile, KV head and batch): K and V stay in shared memory.
-   Warp 0 streams Q and dO tiles of 64 query rows, each with the tile's LSE2 or D values
+   Warp 0 streams Q and dO tiles of 64 query rows (80 at head_dim 128 not causal: see
+   variants.BWD_SM90_TILING_NOT_CAUSAL), each with the tile's LSE2 or D values
    on the same mbarrier stage (separate pipelines, so dO can be reloaded as soon as dV's
    GEMM is done) for every query head of the KV head's group (causal: from the tile at
    the CTA's diagonal up; not causal and not deterministic: from a tile of its own,
@@ -30,7 +31,10 @@
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
      (Q, dO, K in the swizzle whose atom fits the halves: 64 bytes at 64, 32 at 96);
      at 64 it is split along queries instead, as dQ^T = K^T dS^T with K^T in registers
-     (warpgroup w: query rows [32 w, 32 w + 32)). The dQ staging is double-buffered, and
+     (warpgroup w: query rows [32 w, 32 w + 32)); with 80-row tiles (128 not causal) it
+     is dQ^T too, K^T from shared memory, warpgroup w computing head dims [64 w, 64 w +
+     64) of all 80 queries, and the staging is single-buffered (shared memory is full).
+     Elsewhere the dQ staging is double-buffered, and
      at 96 (not deterministic) the warpgroups are staggered: the dQ GEMM of a query tile
      is issued at the start of the next one, once the other warpgroup has said its dS
      half is ready (``compute``, in bwd_keys_on_m_sm90).
@@ -74,7 +78,7 @@ from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
 from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
 from .bwd_keys_on_m_sm90 import KeysOnMCompute
-from .bwd_rows_sm90 import ROW_BLOCK_THREADS, ROWS_PER_BLOCK, BwdRowsSm90, DqFragments
+from .bwd_rows_sm90 import BwdRowsSm90, DqFragments
 from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_rows_cols
 from .sm90_common import WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, tma_pipeline
@@ -101,7 +105,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # 128 (256: two, 80 keys) head dims per warpgroup (bwd_head_on_m_sm90); P and dS go
         # through shared memory (the other head dims keep P in registers).
         self.head_on_m = head_dim in (192, 256)
-        assert head_dim in (64, 96, 128, 192, 256) and tile_m == ROWS_PER_BLOCK == 64
+        # 64 query rows per step; 80 at head_dim 128 not causal (variants.BWD_SM90_TILING)
+        assert head_dim in (64, 96, 128, 192, 256) and (tile_m == 64 or (tile_m, head_dim, causal) == (80, 128, False))
         assert tile_n == {192: 96, 256: 80}.get(head_dim, 128)
         self.dtype = dtype
         self.head_dim = head_dim
@@ -130,10 +135,17 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # into registers as the A operand: the GEMM then reads only its 32 rows of dS from
         # shared memory (8 KB per warpgroup, where dQ = dS K read the whole dS tile and a
         # K^T half: 24 KB), on a kernel bound by shared-memory bandwidth.
-        self.dq_transposed = head_dim == 64
+        # 80-row tiles (head_dim 128): dQ^T = K^T dS^T too, as the GEMM's M must be a multiple
+        # of 64 (the 80 queries go on N), warpgroup w computing head dims [64 w, 64 w + 64)
+        # over all queries, with K^T from shared memory (no registers to spare).
+        self.dq_transposed = head_dim == 64 or tile_m % 64 != 0
+        self.dq_kt_in_registers = head_dim == 64
+        # 80-row tiles: a thread's S^T columns are 20 queries; their LSE2 and D values are
+        # read from shared memory where used instead of held in registers
+        self.stats_by_query = tile_m % 64 != 0
         # the (rows, cols) of dQ one warpgroup stages per step, and their place in the tile
         # (head_on_m: a warpgroup's head dims in 64-column chunks, one tile each)
-        if self.dq_transposed:
+        if self.dq_kt_in_registers:
             self.dq_tile = (tile_m // 2, head_dim)
         else:
             self.dq_tile = (tile_m, self.dq_chunk if self.head_on_m else self.dq_cols)
@@ -146,7 +158,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # +2-4%, d128 +0.5-1%, docs/perf-notes.md). Causal head_dim 64 takes three (184 KB),
         # where a head's CTAs reduce into the same query tiles at once and the writer lags
         # by more: +0.5-1.5%; not causal, -1% (session 13).
-        self.dq_stages = 1 if self.head_on_m else (3 if head_dim == 64 and causal else 2)
+        # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB).
+        self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if head_dim == 64 and causal else 2)
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
@@ -261,13 +274,13 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         first_write: Int32,  # 1: no accumulator clear, each tile's first share stored
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
-        rows_grid = (cute.ceil_div(s_q, ROWS_PER_BLOCK), h_q, b)
+        rows_grid = (cute.ceil_div(s_q, self.tile_m), h_q, b)
         self.rows.preprocess(
             mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
             mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator, s_q, h_q,
             first_write,
-        ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1])
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
         s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
@@ -319,7 +332,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
             mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2],
             s_q,
             mK.shape[1], h_q, scale, first_write,
-        ).launch(grid=rows_grid, block=[ROW_BLOCK_THREADS, 1, 1], smem=self.rows.post_smem_bytes)
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel
@@ -544,15 +557,23 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
 
     @cute.jit
     def _probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
-               queries_on_rows: cutlass.Constexpr[bool] = False):
+               queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False):
         """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
         LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
-        row). Only the last key tile (padding) and, causal, tiles that cross the diagonal
-        are masked."""
+        row), or, ``by_query``, is the stage's shared (tile_m,) values, read where used (no
+        registers held for them). Only the last key tile (padding) and, causal, tiles that
+        cross the diagonal are masked."""
         s = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+        if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[r if queries_on_rows else j], fastmath=True)
+                value = lse2[s_coords[0, j][1]]
+                for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                    s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - value, fastmath=True)
+        else:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[r if queries_on_rows else j],
+                                             fastmath=True)
         # the last key the tile's first query may see (exclusive bound, as a count)
         visible = seqlen_k
         if const_expr(self.causal):
@@ -579,10 +600,18 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         return limit
 
     @cute.jit
-    def _grads(self, acc_p, acc_dp, dsum, queries_on_rows: cutlass.Constexpr[bool] = False):
+    def _grads(self, acc_p, acc_dp, dsum, queries_on_rows: cutlass.Constexpr[bool] = False, s_coords=None,
+               by_query: cutlass.Constexpr[bool] = False):
         """dP^T -> dS^T (or, ``queries_on_rows``, dP -> dS) in place: P (dP - D); ``dsum``
-        holds this thread's queries' D values, as ``_probs`` takes LSE2."""
+        holds this thread's queries' D values, as ``_probs`` takes LSE2 (``by_query``: the
+        stage's shared values, at s_coords' queries)."""
         p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
-        for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+        if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                dp[r, j] = p[r, j] * (dp[r, j] - dsum[r if queries_on_rows else j])
+                value = dsum[s_coords[0, j][1]]
+                for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                    dp[r, j] = p[r, j] * (dp[r, j] - value)
+        else:
+            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+                    dp[r, j] = p[r, j] * (dp[r, j] - dsum[r if queries_on_rows else j])

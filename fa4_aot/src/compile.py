@@ -20,7 +20,6 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
-from . import bwd_rows_sm90
 from .bwd_sm90 import PERSISTENT_MAX_KEYS, FlashBwdSm90
 from .fwd_sm90 import FlashFwdSm90
 
@@ -158,13 +157,13 @@ def compile_bwd(variant: Variant) -> dict:
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
             _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
-    rows = [["ceil_div", "seqlen_q", bwd_rows_sm90.ROWS_PER_BLOCK], ["size", "heads_q"], ["size", "batch"]]
+    rows = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
     plans = {
         # the first launch waits for everything before it; the other two are programmatic
-        "preprocess": (abi.bwd_preprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows, 0, False),
+        "preprocess": (abi.bwd_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
         "kernel": (abi.bwd_main_plan(dq_tensor_map=not kernel.dq_fragment_order), [kernel.threads, 1, 1],
                    _bwd_main_grid(kernel), kernel.smem_bytes, True),
-        "postprocess": (abi.bwd_postprocess_plan(), [bwd_rows_sm90.ROW_BLOCK_THREADS, 1, 1], rows,
+        "postprocess": (abi.bwd_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
                         kernel.rows.post_smem_bytes, True),
     }
     order = ["preprocess", "kernel", "postprocess"]

@@ -195,6 +195,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     import fa4_aot.api as api
 
     from fa4_aot.arrays import DeviceArray
+    from fa4_aot.variants import bwd_query_rows
 
     from .test_inputs import BASE, bshd
 
@@ -238,9 +239,13 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     with pytest.raises(ManifestError, match="accumulator copies"):  # a row built for another count
         api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     stand_in["dq_chains"] = chains
+    stand_in["tiling"] = {**stand_in["tiling"], "tile_m": bwd_query_rows(d, False)}  # as the real row's
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     assert captured["values"]["dq_batch"] == b * chains
     assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)
+    # the workspace is laid out by the row's query tile: LSE2 rows padded to 80 here
+    t = captured["tensors"]
+    assert t["dsum"]["ptr"] - t["lse2"]["ptr"] == b * hq * -(-sq // 80) * 80 * 4
 
 
 def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):

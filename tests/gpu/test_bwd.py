@@ -24,6 +24,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (2, 128, 700, 2, 2),  # seqlen_q < seqlen_k
     (2, 700, 128, 2, 2),  # seqlen_q > seqlen_k: causal rows that see no key
     (1, 257, 513, 3, 1),  # one past the tile in q and k, MQA with 3 heads
+    (2, 81, 80, 2, 1),  # one past an 80-row query tile (head_dim 128 not causal), MQA
 ]
 
 
