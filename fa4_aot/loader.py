@@ -104,7 +104,8 @@ class KernelLibrary:
         return arch
 
     def _sm_count(self, device: int) -> int:
-        """The device's multiprocessors: the grid of a persistent kernel (grid_of)."""
+        """The device's multiprocessors (one driver query per device): what a persistent
+        kernel's grid takes (grid_of; other rules ignore it)."""
         count = self._sm_counts.get(device)
         if count is None:
             count = self._sm_counts[device] = multiprocessor_count(device)
@@ -200,9 +201,7 @@ class KernelLibrary:
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
                 config = cu.CUlaunchConfig()
-                persistent = any(rule[0] == "persistent" for rule in launch["grid"])
-                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(
-                    launch, values, self._sm_count(device) if persistent else None)
+                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self._sm_count(device))
                 config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
                 config.sharedMemBytes = launch["smem_bytes"]
                 config.hStream = handle

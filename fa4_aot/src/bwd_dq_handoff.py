@@ -24,7 +24,7 @@ from cutlass.experimental.primitives import (CpReduceType, cp_async_bulk_global_
                                              cp_reduce_async_bulk_global_shared_cta)
 
 from .bwd_barriers import dq_barriers
-from .bwd_order import dq_chain, dq_turn, first_dq_key_tile
+from .bwd_order import dq_chain, dq_turn, first_dq_key_tile, semaphore_word
 from .bwd_rows_sm90 import frag_offset
 from .sm90_common import WARPGROUP
 
@@ -129,8 +129,8 @@ class DqHandoff:
         current step (an acquire would hold the step's reduce behind it)."""
         ticket = Int32(0)
         if lane == 0:
-            ticket = cute.arch.atomic_add(sem_ptr + (batch * heads_q + head_q) * m_blocks + m_block, Int32(1),
-                                          sem="relaxed", scope="gpu")
+            word = sem_ptr + semaphore_word(batch, heads_q, head_q, m_blocks, m_block)
+            ticket = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
         return ticket
 
     @cute.jit
@@ -178,7 +178,7 @@ class DqHandoff:
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
-            word_at = (batch * heads_q + head_q) * m_blocks + m_block  # its ticket word (tickets)
+            word_at = semaphore_word(batch, heads_q, head_q, m_blocks, m_block)  # its ticket word (tickets)
             first = cutlass.Boolean(False)
             ticket = Int32(0)
             if const_expr(self.tickets):
@@ -192,7 +192,7 @@ class DqHandoff:
             if const_expr(self.deterministic):
                 run = m_block // turn_tiles
                 chain = dq_chain(n_block, self.chains)
-                sem = sem_ptr + ((batch * heads_q + head_q) * m_blocks + run) * self.chains + chain
+                sem = sem_ptr + semaphore_word(batch, heads_q, head_q, m_blocks, run, self.chains, chain)
                 if first_write != 0:
                     # the first turn at this tile (in this copy) stores; this turn's release
                     # waits for its completion, as for the adds

@@ -57,3 +57,11 @@ def first_dq_key_tile(m_block, chain, n_blocks, seqlen_q, seqlen_k, tile_m: int,
         last_key = cutlass.max((m_block + 1) * tile_m + seqlen_k - seqlen_q, 0)
         return cutlass.min(cute.ceil_div(last_key, tile_n), n_blocks) - 1
     return chain
+
+
+def semaphore_word(batch, heads_q, head, m_blocks, tile, chains: int = 1, chain=0):
+    """Index of the dQ semaphore word of (batch, query head, query tile or deterministic
+    run ``tile``, accumulator copy ``chain``) in the workspace's int32 words, laid out
+    (batch, head, tile, copy): the tickets of the non-deterministic kernel (one copy),
+    the turns of the deterministic one (a run's word is its first tile's; runs < tiles)."""
+    return ((batch * heads_q + head) * m_blocks + tile) * chains + chain

@@ -24,7 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from .bwd_order import first_dq_key_tile
+from .bwd_order import first_dq_key_tile, semaphore_word
 from .sm90_common import WARPGROUP
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
@@ -172,7 +172,7 @@ class BwdRowsSm90:
                     done[batch * heads_q + head] = Int32(0)
                 if row % self.tile_m == 0:
                     m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-                    sem_at = ((batch * heads_q + head) * m_blocks + row // self.tile_m) * self.chains
+                    sem_at = semaphore_word(batch, heads_q, head, m_blocks, row // self.tile_m, self.chains)
                     sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.chains))
                     for copy in cutlass.range_constexpr(self.chains):
                         sem[sem_at + copy] = Int32(0)
@@ -270,7 +270,7 @@ class BwdRowsSm90:
         if first_write != 0:
             m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
             if const_expr(self.tickets):
-                at = (batch * heads_q + head) * m_blocks + m_block
+                at = semaphore_word(batch, heads_q, head, m_blocks, m_block)
                 result = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
             else:
                 n_blocks = cute.ceil_div(seqlen_k, self.tile_n)

@@ -354,6 +354,7 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     launches, packs, checks = [], [], []
     monkeypatch.setattr(loader, "_Context", _FakeContext)
     monkeypatch.setattr(library, "arch", lambda device: "sm90a")
+    monkeypatch.setattr(library, "_sm_count", lambda device: 132)
     monkeypatch.setattr(library, "functions", lambda row, device, context=None: [f"fn{i}" for i in range(len(row["launches"]))])
     monkeypatch.setattr(loader, "call", lambda fn, *args: launches.append(args) if fn is loader.cu.cuLaunchKernelEx else None)
     monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes(128))
