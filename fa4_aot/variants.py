@@ -85,7 +85,7 @@ FWD_SM90_TILING = {
 # and of the row kernels' blocks, which the runtime sizes the workspace by
 # (fa4_aot.api.backward_workspace_bytes, through bwd_query_rows).
 BWD_SM90_TILING = {
-    64: Tiling(64, 128, 4),
+    64: Tiling(64, 128, 2),
     96: Tiling(64, 128, 2),
     128: Tiling(64, 128, 2),
     192: Tiling(64, 96, 1),
