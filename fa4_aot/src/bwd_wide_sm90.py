@@ -153,15 +153,16 @@ class WideCompute:
             convert_into(acc_s, p16)
             # P^T and dS^T each read by its GEMM as an A fragment in place (a view)
             wgmma(mma_dkv, acc_dv, acc_as_operand_a(p16), tVrdOt[None, None, None, state.index], True, wait=False)
-            wgmma(mma_dkv, acc_dk, acc_as_operand_a(ds), tKrQt[None, None, None, state.index], True, wait=False)
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
-            warpgroup.wait_group(0)  # dV, dK and dQ done
+            wgmma(mma_dkv, acc_dk, acc_as_operand_a(ds), tKrQt[None, None, None, state.index], True, wait=False)
+            warpgroup.wait_group(1)  # dV and dQ done; dK in flight
             pipe_do.consumer_release(state)
-            pipe_q.consumer_release(state)
             if wg < 1 + real:  # warpgroup 1's tile only if there is one
                 self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
         kv_state.advance()
