@@ -232,7 +232,7 @@ class DqHandoff:
                 if const_expr(self.dq_fragment_order):
                     part_elems = self.dq_tile[0] * self.dq_tile[1]
                     at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
-                                     self.tile_m * self.head_dim) + part * part_elems
+                                     self.tile_m * self.head_dim) + (0 if self.wide else part * part_elems)
                     if lane == 0:
                         if first:
                             dst = cute.make_ptr(Float32, dqacc_ptr.toint() + at * 4, cute.AddressSpace.gmem,

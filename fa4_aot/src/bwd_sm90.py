@@ -232,10 +232,12 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # place: +2-5% at 128, +3-6% at 96 (deterministic +3-12%). 64 keeps the row layout
         # (its transposed staging has no conflicts; measured -2 to +2%), and so do 192 and
         # 256 (-3 to +2%) (docs/perf-notes.md, session 11).
-        self.dq_fragment_order = dq_fragment_order(head_dim)
+        # wide: each warpgroup's whole query tile, one part
+        self.dq_fragment_order = dq_fragment_order(head_dim) or self.wide
         fragments = None
         if self.dq_fragment_order:
-            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)
+            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed,
+                                    1 if self.wide else self.num_consumers)
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, causal, tile_n,
                                 self.tickets)  # pre/postprocess
         self.tma_boxes = {}

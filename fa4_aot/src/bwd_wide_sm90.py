@@ -122,7 +122,7 @@ class WideCompute:
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
         (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, _,
          _) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
-        tdQ_smem = thr_dq_copy.partition_D(sdQ)  # (..., buffer)
+        tdQ_smem = sdQ[None, tidx % WARPGROUP, None, None]  # fragment order: (4, chunk, buffer)
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
         pipe_kv.consumer_wait(kv_state)
