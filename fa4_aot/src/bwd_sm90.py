@@ -25,7 +25,10 @@
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
    causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
    Per head dim:
-   - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
+   - 64 not causal (``compute_wide``, in bwd_wide_sm90): two query tiles per step, 128
+     queries: each warpgroup computes S^T, dP^T of its 64 keys over both, and the dQ of
+     one whole tile, staged in fragment order.
+   - 64 (causal), 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
      the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is
      split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
@@ -46,7 +49,7 @@
      consumer warpgroups, dQ staged in three 16 KB buffers the step's four parts take in
      turn (214 KB).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
-   Persistent (head_dim 64, bf16, not deterministic, up to PERSISTENT_MAX_KEYS keys): one
+   Persistent (head_dim 64 causal, bf16, not deterministic, up to PERSISTENT_MAX_KEYS keys): one
    CTA per SM walks these (key tile, KV head, batch) items in launch order, K and V
    double-buffered and dK, dV staged over the item's K and V, so that one item's start and
    end overlap the steps of the next and the last (``persistent`` in __init__).
@@ -117,16 +120,15 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         self.tile_n = tile_n
         self.stages = stages
         self.num_consumers = 3 if head_dim == 192 else 2
-        # head_dim 64: two query tiles per step (``wide``, bwd_wide_sm90; FA4's Hopper shape):
-        # S^T and dP^T of 64 keys x 128 queries per warpgroup, the per-step work (waits,
-        # barriers, descriptors) paid once per 128 rows, twice the independent work in
-        # each thread's chains. Each warpgroup then computes the dQ of one whole query tile
-        # (dS rows from shared memory, K), and the writer adds tiles as before. Q and dO
-        # stages are 128 rows, two of each.
-        self.wide = head_dim == 64
+        # head_dim 64 not causal: two query tiles per step (``wide``, bwd_wide_sm90; FA4's
+        # Hopper shape): S^T and dP^T of 64 keys x 128 queries per warpgroup, the per-step
+        # work (waits, barriers, descriptors) paid once per 128 rows. Each warpgroup then
+        # computes the dQ of one whole query tile (dS rows from shared memory, K) and stages
+        # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
+        # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
+        # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
+        self.wide = head_dim == 64 and not causal
         self.step_rows = 2 * tile_m if self.wide else tile_m
-        if self.wide:
-            self.stages = stages = 2
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
         # [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory, so the
@@ -232,8 +234,10 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # place: +2-5% at 128, +3-6% at 96 (deterministic +3-12%). 64 keeps the row layout
         # (its transposed staging has no conflicts; measured -2 to +2%), and so do 192 and
         # 256 (-3 to +2%) (docs/perf-notes.md, session 11).
-        # wide: each warpgroup's whole query tile, one part
-        self.dq_fragment_order = dq_fragment_order(head_dim) or self.wide
+        # (wide: each warpgroup's whole query tile is one part; in fragment order its 16-byte
+        # stores replaced the row layout's 64-bit ones, which conflicted two ways in the
+        # banks: +5-7% at 4k-16k keys, session 17)
+        self.dq_fragment_order = dq_fragment_order(head_dim, causal)
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed,

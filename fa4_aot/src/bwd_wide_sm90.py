@@ -1,6 +1,6 @@
-"""The backward's head_dim 64 loop with two query tiles per step (sm_90a): ``load_wide`` and
-``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``,
-``_grads``, ``_key_limit``, ``_store_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
+"""The backward's head_dim 64 loop, not causal, with two query tiles per step (sm_90a):
+``load_wide`` and ``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs,
+pipelines, ``_m_block``, ``_store_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 A CTA's query tiles (64 rows; ``steps`` of them over the KV head's query heads, as for
 the other head dims) are taken in pairs: step s holds tiles 2s and 2s + 1 of the CTA's
@@ -10,7 +10,10 @@ sequence, each loaded by its own TMA box into one half of a 128-row Q (dO) stage
     P^T, dS^T = P^T (dP^T - D)          (registers: the A operands of dV and dK)
     dV_w += P^T dO, dK_w += dS^T Q      (k = 128 queries)
     dS^T to shared memory; dQ of tile 2s + w = dS[64 w:64 w + 64, :] K over all keys
-and stages that whole tile for the writer warp (which adds tile by tile: bwd_dq_handoff).
+and stages that whole tile for the writer warp in fragment order (which adds tile by
+tile, one 1D bulk reduce each: bwd_dq_handoff).
+The order within a step keeps ptxas's wgmmas asynchronous: dS^T is written to shared
+memory, with its fence, before P^T is made 16-bit and dV's GEMM issued (see compute_wide).
 With an odd number of tiles the last step's second half is loaded from past the end of
 Q and dO (TMA fills zeros) with the first half's statistics: its S^T, P^T, dS^T stay
 finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not staged.
@@ -18,7 +21,7 @@ finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not s
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .bwd_barriers import DS_BARRIER
@@ -127,7 +130,7 @@ class WideCompute:
 
         pipe_kv.consumer_wait(kv_state)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
-            _, m_a, _, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
+            real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)[-1]
             ds_stage = step % self.ds_stages
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -136,8 +139,7 @@ class WideCompute:
             pipe_do.consumer_wait(state)
             wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
             warpgroup.wait_group(1)  # S^T done
-            self._probs_wide(acc_s, s_coords, sLSE2[None, state.index], n_block, m_a, m_b, seqlen_q, seqlen_k,
-                             scale_log2)
+            self._probs_wide(acc_s, s_coords, sLSE2[None, state.index], n_block, seqlen_k, scale_log2)
             warpgroup.wait_group(0)  # dP^T done
             self._grads_wide(acc_s, acc_dp, s_coords, sDsum[None, state.index])
             # dS^T in shared memory (the fence keeps the GEMMs after it) before P^T is made
@@ -180,27 +182,17 @@ class WideCompute:
                 dp[r, j] = p[r, j] * (dp[r, j] - dsum)
 
     @cute.jit
-    def _probs_wide(self, acc_s, s_coords, s_lse2, n_block, m_a, m_b, seqlen_q, seqlen_k, scale_log2):
-        """S^T -> P^T in place for a step's two query tiles (columns [0, 64): m_a, [64,
-        128): m_b), as ``_probs`` for one, each column's LSE2 read from shared memory
-        (``s_lse2``: the stage's 128) where it is used; masked only where the last key
-        tile's padding or (causal) either tile's diagonal reaches this key tile."""
+    def _probs_wide(self, acc_s, s_coords, s_lse2, n_block, seqlen_k, scale_log2):
+        """S^T -> P^T in place for a step's two query tiles, as ``_probs`` for one, each
+        column's LSE2 read from shared memory (``s_lse2``: the stage's 128) where it is
+        used; the last key tile's padding keys masked (not causal: nothing else is)."""
         s = acc_as_rows_cols(acc_s)
         for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
             lse2 = s_lse2[s_coords[0, j][1]]
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
-        visible = seqlen_k
-        if const_expr(self.causal):
-            visible = cutlass.min(visible, cutlass.min(m_a, m_b) * self.tile_m + 1 + seqlen_k - seqlen_q)
-        if (n_block + 1) * self.tile_n > visible:
-            tm = self.tile_m
+        if (n_block + 1) * self.tile_n > seqlen_k:
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 key = n_block * self.tile_n + s_coords[r, 0][0]
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    col = s_coords[r, j][1]
-                    second = col >= tm
-                    m_block = Int32(cutlass.select_(second, m_b, m_a))
-                    query = Int32(cutlass.select_(second, col - tm, col))
-                    limit = self._key_limit(query, m_block, seqlen_q, seqlen_k)
-                    s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
+                    s[r, j] = select_f32(key >= seqlen_k, Float32(0.0), s[r, j])
