@@ -91,7 +91,11 @@ BWD_SM90_TILING = {
     192: Tiling(64, 96, 1),
     256: Tiling(64, 80, 1),
 }
-BWD_SM90_TILING_NOT_CAUSAL = {128: Tiling(80, 128, 2)}
+# head_dim 64 not causal: two 64-row query tiles per step (128 queries, FA4's shape: the
+# step's fixed costs spread over twice the rows; fa4_aot/src/bwd_wide_sm90.py), two Q/dO
+# stages of 128 rows; the 64-row tile stays the workspace's unit. Causal keeps one tile per
+# step (measured: wide +0-2% causal above 1k keys, -4% at 1k; session 17).
+BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
 
 
 def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
@@ -122,10 +126,10 @@ def dq_chains(causal: bool, deterministic: bool) -> int:
     return DET_DQ_CHAINS if deterministic and not causal else 1
 
 
-def dq_fragment_order(head_dim: int) -> bool:
+def dq_fragment_order(head_dim: int, causal: bool) -> bool:
     """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
     address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
-    return head_dim in (96, 128)
+    return head_dim in (96, 128) or (head_dim == 64 and not causal)
 
 
 @dataclass(frozen=True, order=True)

@@ -25,7 +25,10 @@
    per-(run of query tiles, head, copy) semaphore (shortest-processing-time order for
    causal; two copies when not causal, variants.dq_chains; see ``bwd_dq_handoff``).
    Per head dim:
-   - 64, 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
+   - 64 not causal (``compute_wide``, in bwd_wide_sm90): two query tiles per step, 128
+     queries: each warpgroup computes S^T, dP^T of its 64 keys over both, and the dQ of
+     one whole tile, staged in fragment order.
+   - 64 (causal), 96, 128: 128 keys per CTA, 64 per warpgroup; P^T and dS^T stay in registers as
      the A operands of dV and dK (at 64, K and V too, as those of S^T and dP^T). dQ is
      split along head_dim: warpgroup w computes
      columns [w d/2, (w+1) d/2) from the whole dS tile, so the two reduces are disjoint
@@ -46,7 +49,7 @@
      consumer warpgroups, dQ staged in three 16 KB buffers the step's four parts take in
      turn (214 KB).
    dK (times scale) and dV are written once, by TMA, after the last query tile.
-   Persistent (head_dim 64, bf16, not deterministic, up to PERSISTENT_MAX_KEYS keys): one
+   Persistent (head_dim 64 causal, bf16, not deterministic, up to PERSISTENT_MAX_KEYS keys): one
    CTA per SM walks these (key tile, KV head, batch) items in launch order, K and V
    double-buffered and dK, dV staged over the item's K and V, so that one item's start and
    end overlap the steps of the next and the last (``persistent`` in __init__).
@@ -79,6 +82,7 @@ from .bwd_order import first_query_tile, key_tile_of_launch
 from .bwd_head_on_m_sm90 import HeadOnMCompute
 from .bwd_keys_on_m_sm90 import KeysOnMCompute
 from .bwd_rows_sm90 import BwdRowsSm90, DqFragments
+from .bwd_wide_sm90 import WideCompute
 from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_rows_cols
 from .sm90_common import WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, tma_pipeline
@@ -95,7 +99,7 @@ PERSISTENT_MAX_KEYS = 2048
 ROTATION_TILES = 2
 
 
-class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
+class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
@@ -116,6 +120,15 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         self.tile_n = tile_n
         self.stages = stages
         self.num_consumers = 3 if head_dim == 192 else 2
+        # head_dim 64 not causal: two query tiles per step (``wide``, bwd_wide_sm90; FA4's
+        # Hopper shape): S^T and dP^T of 64 keys x 128 queries per warpgroup, the per-step
+        # work (waits, barriers, descriptors) paid once per 128 rows. Each warpgroup then
+        # computes the dQ of one whole query tile (dS rows from shared memory, K) and stages
+        # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
+        # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
+        # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
+        self.wide = head_dim == 64 and not causal
+        self.step_rows = 2 * tile_m if self.wide else tile_m
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
         # [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory, so the
@@ -128,8 +141,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # Q, dO, K are wgmma operands in head_dim halves, so the swizzle atom must divide
         # d/2: the 64-byte swizzle at 64 and 192, the 32-byte one at 96; 128 and 256 keep
         # the 128-byte one (64-column halves or chunks).
-        self.col_parts = 1 if head_dim == 128 or self.head_on_m else 2
-        self.dq_cols = head_dim // 2
+        self.col_parts = 1 if head_dim == 128 or self.head_on_m or self.wide else 2
+        self.dq_cols = head_dim if self.wide else head_dim // 2
         # head_dim 64: dQ^T = K^T dS^T instead, warpgroup w computing query rows
         # [32 w, 32 w + 32) of the tile over all head dims, with K^T (64 x 128 keys) read once
         # into registers as the A operand: the GEMM then reads only its 32 rows of dS from
@@ -138,8 +151,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # 80-row tiles (head_dim 128): dQ^T = K^T dS^T too, as the GEMM's M must be a multiple
         # of 64 (the 80 queries go on N), warpgroup w computing head dims [64 w, 64 w + 64)
         # over all queries, with K^T from shared memory (no registers to spare).
-        self.dq_transposed = head_dim == 64 or tile_m % 64 != 0
-        self.dq_kt_in_registers = head_dim == 64
+        self.dq_transposed = (head_dim == 64 and not self.wide) or tile_m % 64 != 0
+        self.dq_kt_in_registers = head_dim == 64 and not self.wide
         # 80-row tiles: a thread's S^T columns are 20 queries; their LSE2 and D values are
         # read from shared memory where used instead of held in registers
         self.stats_by_query = tile_m % 64 != 0
@@ -160,6 +173,10 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # by more: +0.5-1.5%; not causal, -1% (session 13).
         # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB).
         self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if head_dim == 64 and causal else 2)
+        if self.wide:
+            # one buffer per warpgroup (FA4's): two do not fit next to 128-row stages and
+            # double-buffered dS (226 KB)
+            self.dq_stages = 1
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
@@ -168,7 +185,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # pipe 76% busy, 1796 wavefronts a step for 1280 tensor cycles; this takes 252
         # off): +0-5% non-deterministic, +4-9% deterministic. Wider heads have no
         # registers to spare (at 128 ptxas serializes every wgmma).
-        self.kv_in_registers = head_dim == 64
+        self.kv_in_registers = head_dim == 64 and not self.wide
         # Staggered warpgroups (64, 96): a warpgroup issues the dQ GEMM of a query tile at
         # the start of the next tile, once the other warpgroup has put its half of that
         # tile's dS in shared memory, instead of both meeting at a barrier every tile; so
@@ -190,7 +207,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # registers (8 bytes; 16 with session 11's early try-waits, reloaded once a step).
         # The same code in fp16 runs out of registers (ptxas serializes every wgmma, C7512);
         # wider heads too.
-        self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16
+        self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16 and not self.wide
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         # Where the run-time flag first_write is set (fa4_aot.api), the preprocess does
         # not clear the dQ accumulator (half its bytes: the 128 MB accumulator at 16k
@@ -208,7 +225,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # registers): a CTA's start (K, V loads) and end (dK, dV stores, exit) overlap its
         # neighbours' steps, which at 1k keys are ~16% of the kernel (ncu, session 13).
         # Not deterministic: a turn may wait for an item of a CTA that is not resident.
-        self.persistent = head_dim == 64 and not deterministic and dtype is cutlass.BFloat16
+        self.persistent = head_dim == 64 and not deterministic and dtype is cutlass.BFloat16 and not self.wide
         self.kv_stages = 2 if self.persistent else 1
         # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
         # bytes a store, contiguous across the warp (no bank conflicts, half the stores of
@@ -217,10 +234,14 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         # place: +2-5% at 128, +3-6% at 96 (deterministic +3-12%). 64 keeps the row layout
         # (its transposed staging has no conflicts; measured -2 to +2%), and so do 192 and
         # 256 (-3 to +2%) (docs/perf-notes.md, session 11).
-        self.dq_fragment_order = dq_fragment_order(head_dim)
+        # (wide: each warpgroup's whole query tile is one part; in fragment order its 16-byte
+        # stores replaced the row layout's 64-bit ones, which conflicted two ways in the
+        # banks: +5-7% at 4k-16k keys, session 17)
+        self.dq_fragment_order = dq_fragment_order(head_dim, causal)
         fragments = None
         if self.dq_fragment_order:
-            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.num_consumers)
+            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed,
+                                    1 if self.wide else self.num_consumers)
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, causal, tile_n,
                                 self.tickets)  # pre/postprocess
         self.tma_boxes = {}
@@ -231,7 +252,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
             return smem_buffer(layout, dtype)
 
         stages, p_in_smem = self.stages, self.head_on_m
-        stats = cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * stages], 128]
+        stats = cute.struct.Align[cute.struct.MemRange[Float32, self.step_rows * stages], 128]
 
         @cute.struct
         class Storage:
@@ -283,8 +304,9 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
-        s_q_tile = smem_layout(self.dtype, self.tile_m, self.head_dim, self.stages, self.col_parts)
-        s_q_one = cute.select(s_q_tile, mode=[0, 1])
+        s_q_tile = smem_layout(self.dtype, self.step_rows, self.head_dim, self.stages, self.col_parts)
+        # one query tile: the TMA box (wide: each stage holds two, loaded apart)
+        s_q_one = smem_layout(self.dtype, self.tile_m, self.head_dim, col_parts=self.col_parts)
         s_kv = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)
         s_kv_all = s_kv
         if const_expr(self.persistent):
@@ -292,7 +314,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         if const_expr(self.head_on_m):
             s_ds = smem_layout(self.dtype, self.tile_n, self.tile_m)  # (keys, queries)
         else:
-            s_ds = smem_layout(self.dtype, self.tile_m, self.tile_n, self.ds_stages)  # (queries, keys, stage)
+            s_ds = smem_layout(self.dtype, self.step_rows, self.tile_n, self.ds_stages)  # (queries, keys, stage)
         s_dq = smem_layout(Float32, *self.dq_tile, self.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
@@ -381,7 +403,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
         pipe_kv = tma_pipeline(storage.mbar_kv, self.kv_stages, self.num_consumers, 2 * self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
         # Each Q (dO) stage also carries its tile's LSE2 (D) values: 4 * tile_m bytes more.
-        pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, self.q_bytes + 4 * self.tile_m)
+        step_bytes = (self.q_bytes + 4 * self.tile_m) * (self.step_rows // self.tile_m)
+        pipe_q, pipe_do = [tma_pipeline(bar, self.stages, self.num_consumers, step_bytes)
                            for bar in (storage.mbar_q, storage.mbar_do)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
@@ -396,7 +419,7 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                 (4, WARPGROUP, part // WARPGROUP // 4, self.dq_slots), stride=(1, 4, 4 * WARPGROUP, part)))
         else:
             sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
-        stats_layout = cute.make_layout((self.tile_m, self.stages))
+        stats_layout = cute.make_layout((self.step_rows, self.stages))
         sLSE2, sDsum = storage.sLSE2.get_tensor(stats_layout), storage.sDsum.get_tensor(stats_layout)
         staging = smem_layout(self.dtype, self.tile_n, self.head_dim, col_parts=self.col_parts)  # dK, dV over spent Q, dO
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
@@ -429,6 +452,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                     for item in cutlass.range(first, items, stride, unroll=1):
                         mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
                         kv_state, state = self.load(sources, stats, kv_state, state, *mine)
+                elif const_expr(self.wide):
+                    self.load_wide(sources, stats, kv_state, state, *work)
                 else:
                     self.load(sources, stats, kv_state, state, *work)
             if warp == DQ_WRITER_WARP:
@@ -468,6 +493,8 @@ class FlashBwdSm90(KeysOnMCompute, HeadOnMCompute, DqHandoff):
                         kv_state, state = self.compute(*args, kv_state, state, *mine, done)
                         done = done + mine[-1]
                     self._drain_dq((tidx - WARPGROUP) // WARPGROUP, done)
+                elif const_expr(self.wide):
+                    self.compute_wide(*args, kv_state, state, *work)
                 else:
                     self.compute(*args, kv_state, state, *work, 0)
 

@@ -1,0 +1,198 @@
+"""The backward's head_dim 64 loop, not causal, with two query tiles per step (sm_90a):
+``load_wide`` and ``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs,
+pipelines, ``_m_block``, ``_store_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
+
+A CTA's query tiles (64 rows; ``steps`` of them over the KV head's query heads, as for
+the other head dims) are taken in pairs: step s holds tiles 2s and 2s + 1 of the CTA's
+sequence, each loaded by its own TMA box into one half of a 128-row Q (dO) stage with its
+64 statistics. 128 keys per CTA; warpgroup w (its 64 keys):
+    S^T = K_w Q^T, dP^T = V_w dO^T      (64 keys x 128 queries; all operands in shared memory)
+    P^T, dS^T = P^T (dP^T - D)          (registers: the A operands of dV and dK)
+    dV_w += P^T dO, dK_w += dS^T Q      (k = 128 queries)
+    dS^T to shared memory; dQ of tile 2s + w = dS[64 w:64 w + 64, :] K over all keys
+and stages that whole tile for the writer warp in fragment order (which adds tile by
+tile, one 1D bulk reduce each: bwd_dq_handoff).
+The order within a step keeps ptxas's wgmmas asynchronous: dS^T is written to shared
+memory, with its fence, before P^T is made 16-bit and dV's GEMM issued (see compute_wide).
+With an odd number of tiles the last step's second half is loaded from past the end of
+Q and dO (TMA fills zeros) with the first half's statistics: its S^T, P^T, dS^T stay
+finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not staged.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .bwd_barriers import DS_BARRIER
+from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from .sm90_common import WARPGROUP, bulk_copy_g2s, convert_into, select_f32, tiled_mma, wgmma
+
+
+class WideCompute:
+    """Producer and consumer roles of the head_dim 64 backward (``wide``)."""
+
+    @cute.jit
+    def _pair(self, step, m_first, span, m_blocks, steps, head_kv, group):
+        """(query head, query tile) of each half of ``step`` and whether the second half
+        is a real tile (1, else 0); a missing second half reads as the first's head and
+        the tile past the end (m_blocks)."""
+        first = 2 * step
+        second = cutlass.min(first + 1, steps - 1)
+        real = Int32(cutlass.select_(first + 1 < steps, 1, 0))
+        head_a = head_kv * group + first // span
+        head_b = head_kv * group + second // span
+        m_a = self._m_block(first, m_first, span, m_blocks)
+        m_b = Int32(cutlass.select_(real == 1, self._m_block(second, m_first, span, m_blocks), m_blocks))
+        return head_a, m_a, head_b, m_b, real
+
+    @cute.jit
+    def load_wide(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
+        """Warp 0: K and V, then per step the dO and Q tiles of both halves (each with its
+        64 statistics) onto one mbarrier stage; the first step's statistics only after
+        the wait for the preprocess (as ``load``)."""
+        tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do = sources
+        lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
+        gK, gV = gK[None, None, head_kv, batch], gV[None, None, head_kv, batch]
+        whole = cute.make_layout(1)
+        tm, d = self.tile_m, self.head_dim
+        pipe_kv.producer_acquire(kv_state)
+        for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
+            tile = cute.local_tile(g, (self.tile_n, d), (n_block, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(s, 0, 2), cute.group_modes(tile, 0, 2))
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        kv_state.advance()
+        for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
+            head_a, m_a, head_b, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
+            # statistics of the missing half: the first half's (finite; see module doc)
+            m_b_stats = Int32(cutlass.select_(real == 1, m_b, m_a))
+            halves = ((head_a, m_a, m_a), (head_b, m_b, m_b_stats))
+            loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
+            for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
+                pipe.producer_acquire(state)
+                for h in cutlass.range_constexpr(2):
+                    head_q, m_load, m_stats = halves[h]
+                    q_tile = cute.local_tile(g_all[None, None, head_q, batch], (tm, d), (m_load, 0))
+                    s_half = cute.local_tile(s_all[None, None, state.index], (tm, d), (h, 0))
+                    part_s, part_g = cpasync.tma_partition(
+                        atom, 0, whole, cute.group_modes(s_half, 0, 2), cute.group_modes(q_tile, 0, 2))
+                    cute.copy(atom, part_g, part_s, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    if step > 0:
+                        self._load_half_stats(s_stats, stats_ptr, pipe, state, h, batch, heads_q, head_q, m_stats,
+                                              m_blocks)
+            if step == 0:
+                cute.arch.griddepcontrol_wait()
+                for _, _, _, pipe, stats_ptr, s_stats in loads:
+                    for h in cutlass.range_constexpr(2):
+                        head_q, _, m_stats = halves[h]
+                        self._load_half_stats(s_stats, stats_ptr, pipe, state, h, batch, heads_q, head_q, m_stats,
+                                              m_blocks)
+            state.advance()
+        return kv_state, state
+
+    def _load_half_stats(self, s_stats, stats_ptr, pipe, state, half, batch, heads_q, head_q, m_block, m_blocks):
+        """Query tile m_block's 64 statistics into half ``half`` of the stage's 128."""
+        at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
+        with cute.arch.elect_one():
+            bulk_copy_g2s(s_stats[None, state.index].iterator + half * self.tile_m, stats_ptr + at,
+                          pipe.producer_get_barrier(state), 4 * self.tile_m)
+
+    @cute.jit
+    def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
+                     seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV, kv_state, state,
+                     n_block, head_kv, batch, m_first, span, steps):
+        """One CTA (key tile). tidx: 0..255 over the consumer warpgroups. Per step, in issue
+        order: S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS
+        to shared memory, barrier -> dQ of this warpgroup's tile (async) -> dK += dS^T Q
+        (async) -> once dQ is done, stage it for the writer while dK runs."""
+        d, tm, tn, rows = self.head_dim, self.tile_m, self.tile_n, self.step_rows
+        gdK, gdV = gdK[None, None, head_kv, batch], gdV[None, None, head_kv, batch]
+        m_blocks = cute.ceil_div(seqlen_q, tm)
+        mma_sdp = tiled_mma(self.dtype, "K", "K", (2, 1, 1), rows)  # (keys, queries), k = d
+        mma_dkv = tiled_mma(self.dtype, "K", "MN", (2, 1, 1), d, a_in_registers=True)  # (keys, d), k = queries
+        mma_dq = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), d)  # (queries, d), k = keys
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        wg_first = wg * WARPGROUP
+        wg_sdp, wg_dkv = (m.get_slice(wg_first) for m in (mma_sdp, mma_dkv))
+        thr_sdp, thr_dkv = (m.get_slice(tidx) for m in (mma_sdp, mma_dkv))
+        wg_dq, thr_dq = mma_dq.get_slice(0), mma_dq.get_slice(tidx % WARPGROUP)
+        tSrK, tSrQ = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV, tPrdO = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV)), wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        # dQ of this warpgroup's tile: its 64 query rows of dS (keys contiguous), K^T
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(cute.local_tile(sdS, (tm, tn), (wg, 0, None))))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        (acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, _,
+         _) = self._step_tensors(tidx, mma_sdp, thr_sdp, thr_dkv, mma_dq)
+        tdQ_smem = sdQ[None, tidx % WARPGROUP, None, None]  # fragment order: (4, chunk, buffer)
+        tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
+
+        pipe_kv.consumer_wait(kv_state)
+        for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
+            real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)[-1]
+            ds_stage = step % self.ds_stages
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_q.consumer_wait(state)
+            wgmma(mma_sdp, acc_s, tSrK, tSrQ[None, None, None, state.index], False, wait=False)
+            pipe_do.consumer_wait(state)
+            wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
+            warpgroup.wait_group(1)  # S^T done
+            self._probs_wide(acc_s, s_coords, sLSE2[None, state.index], n_block, seqlen_k, scale_log2)
+            warpgroup.wait_group(0)  # dP^T done
+            self._grads_wide(acc_s, acc_dp, s_coords, sDsum[None, state.index])
+            # dS^T in shared memory (the fence keeps the GEMMs after it) before P^T is made
+            # 16-bit and dV's GEMM issued: ptxas otherwise issues that GEMM as early as P^T
+            # allows, with the fp32 and 16-bit P^T and dP^T all live, and serializes every
+            # wgmma (C7512). The stage written here was last read by the dQ GEMMs two steps
+            # ago, which both warpgroups waited for before the previous step's barrier.
+            ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            convert_into(acc_dp, ds)
+            cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
+            cute.arch.fence_proxy("async.shared", space="cta")
+            p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            convert_into(acc_s, p16)
+            # P^T and dS^T each read by its GEMM as an A fragment in place (a view)
+            wgmma(mma_dkv, acc_dv, acc_as_operand_a(p16), tVrdOt[None, None, None, state.index], True, wait=False)
+            cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
+            wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
+            wgmma(mma_dkv, acc_dk, acc_as_operand_a(ds), tKrQt[None, None, None, state.index], True, wait=False)
+            warpgroup.wait_group(1)  # dV and dQ done; dK in flight
+            pipe_do.consumer_release(state)
+            if wg < 1 + real:  # warpgroup 1's tile only if there is one
+                self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            warpgroup.wait_group(0)
+            pipe_q.consumer_release(state)
+            state.advance()
+        self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+        kv_state.advance()
+        return kv_state, state
+
+    @cute.jit
+    def _grads_wide(self, acc_p, acc_dp, s_coords, s_dsum):
+        """dP^T -> dS^T in place, P (dP - D), each column's D read from shared
+        memory (``s_dsum``: the stage's 128) where it is used: 32 columns' values held at
+        once do not fit next to the accumulators."""
+        p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
+        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
+            dsum = s_dsum[s_coords[0, j][1]]
+            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
+                dp[r, j] = p[r, j] * (dp[r, j] - dsum)
+
+    @cute.jit
+    def _probs_wide(self, acc_s, s_coords, s_lse2, n_block, seqlen_k, scale_log2):
+        """S^T -> P^T in place for a step's two query tiles, as ``_probs`` for one, each
+        column's LSE2 read from shared memory (``s_lse2``: the stage's 128) where it is
+        used; the last key tile's padding keys masked (not causal: nothing else is)."""
+        s = acc_as_rows_cols(acc_s)
+        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+            lse2 = s_lse2[s_coords[0, j][1]]
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
+        if (n_block + 1) * self.tile_n > seqlen_k:
+            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+                key = n_block * self.tile_n + s_coords[r, 0][0]
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, j] = select_f32(key >= seqlen_k, Float32(0.0), s[r, j])
