@@ -155,11 +155,11 @@ class KeysOnMCompute:
                 # 80 query columns (stats_by_query): LSE2 and D read from shared memory where
                 # used; held in registers (40 of them) they made ptxas serialize every
                 # wgmma (C7512)
-                wide = self.stats_by_query
-                self._probs(acc_s, s_coords, sLSE2[None, state.index] if wide else lse2_col, n_block, m_block,
-                            seqlen_q, seqlen_k, scale_log2, by_query=wide)
+                by_query = self.stats_by_query
+                self._probs(acc_s, s_coords, sLSE2[None, state.index] if by_query else lse2_col, n_block, m_block,
+                            seqlen_q, seqlen_k, scale_log2, by_query=by_query)
                 ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-                if const_expr(wide):
+                if const_expr(by_query):
                     # dS^T first, in shared memory before dV's GEMM is issued (the fence
                     # keeps the GEMM after it), and only then P^T in 16 bits: ptxas otherwise
                     # issues dV's GEMM as early as P^T allows, with the fp32 P^T, dP^T and the
@@ -183,7 +183,7 @@ class KeysOnMCompute:
                 if const_expr(late_dq):
                     warpgroup.wait_group(1)  # the previous tile's dQ done; dV in flight
                     self._stage_dq(wg, self._turn(done, step - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
-                if const_expr(not wide):
+                if const_expr(not by_query):
                     # dS^T in registers is the A operand of dK's GEMM; dS through shared memory
                     # is dQ's. The stage written here was last read by the dQ GEMMs two tiles
                     # ago, which both warpgroups waited for before they last said READY
