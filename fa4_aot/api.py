@@ -108,8 +108,9 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int, tile_m: in
     # values into shared memory with one bulk copy (4 * tile_m bytes), 16-byte aligned.
     m_blocks = -(-sq // tile_m)
     rows = b * hq * m_blocks * tile_m * 4
-    # the accumulator padded to whole query tiles too: at head_dim 96 and 128 the kernels
-    # keep it as whole tiles in fragment order (fa4_aot/src/bwd_rows_sm90.py), else as rows
+    # the accumulator padded to whole query tiles too: where variants.dq_fragment_order the
+    # kernels keep it as whole tiles in fragment order (fa4_aot/src/bwd_rows_sm90.py), else
+    # as rows
     # dq_done: per (batch, query head), the key tiles whose dQ adds are complete (the
     # postprocess converts a head's tiles once all have counted themselves)
     return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tile_m * hq * d * 4),

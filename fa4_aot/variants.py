@@ -78,9 +78,6 @@ FWD_SM90_TILING = {
 # docs/perf-notes.md). head_dim 192 and 256: dK, dV and dQ computed with the head dim on
 # the GEMMs' M side; 192: 96 keys per CTA, three consumer warpgroups (dK^T, dV^T fp32 64 x
 # 96 each; 194 KB of smem); 256: 80 keys, two (128 x 80 each; 214 KB); one Q/dO buffer.
-# head_dim 128 not causal: 80 query rows per step (dQ computed transposed, split by head
-# dims; its staging single-buffered to fit), as FA4 upstream takes there: a step's fixed
-# costs spread over 25% more queries. Causal keeps 64 (more tiles cross the diagonal).
 # The query rows of a step are also the unit of the LSE2 / D padding, of the dQ semaphores
 # and of the row kernels' blocks, which the runtime sizes the workspace by
 # (fa4_aot.api.backward_workspace_bytes, through bwd_query_rows).
@@ -95,6 +92,9 @@ BWD_SM90_TILING = {
 # step's fixed costs spread over twice the rows; fa4_aot/src/bwd_wide_sm90.py), two Q/dO
 # stages of 128 rows; the 64-row tile stays the workspace's unit. Causal keeps one tile per
 # step (measured: wide +0-2% causal above 1k keys, -4% at 1k; session 17).
+# head_dim 128 not causal: 80 query rows per step (dQ computed transposed, split by head
+# dims; its staging single-buffered to fit), as FA4 upstream takes there: a step's fixed
+# costs spread over 25% more queries (+1-2% measured, session 17). Causal keeps 64.
 BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
 
 

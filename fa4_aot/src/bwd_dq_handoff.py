@@ -117,8 +117,6 @@ class DqHandoff:
 
     def _dq_at(self, part, m_block):
         """Where part ``part`` of query tile m_block lies in the accumulator, in dq_tile units."""
-        if const_expr(self.wide):
-            return (m_block, 0)  # the whole tile (one warpgroup's)
         if const_expr(self.dq_kt_in_registers):
             return (2 * m_block + part, 0)  # query rows [32 part, 32 part + 32) of the tile
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
@@ -213,15 +211,10 @@ class DqHandoff:
             # The turn is taken before the staged tile is waited for: waiting for the tile
             # first put the turn's poll on every step's critical path (measured slower).
             count = self._turn(done, step)  # of the CTA's steps: the buffers' turn
-            # wide: this tile is one part, staged by warpgroup step % 2 at the consumers'
-            # step step // 2
-            buffer = self._dq_buffer(step % 2, step // 2) if const_expr(self.wide) else 0
-            for p in cutlass.range_constexpr(1 if self.wide else self.dq_parts):
-                part = step % 2 if const_expr(self.wide) else p
-                if const_expr(not self.wide):
-                    buffer = self._dq_buffer(part, count)
+            for part in cutlass.range_constexpr(self.dq_parts):
+                buffer = self._dq_buffer(part, count)
                 cute.arch.barrier(barrier_id=self._dq_full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
-                if const_expr(self.tickets and p == 0):
+                if const_expr(self.tickets and part == 0):
                     if ticket != 0 and (ticket & FIRST_STORED) == 0:
                         # the first's store was not marked when the ticket was taken
                         if lane == 0:
@@ -232,7 +225,7 @@ class DqHandoff:
                 if const_expr(self.dq_fragment_order):
                     part_elems = self.dq_tile[0] * self.dq_tile[1]
                     at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, self.chains,
-                                     self.tile_m * self.head_dim) + (0 if self.wide else part * part_elems)
+                                     self.tile_m * self.head_dim) + part * part_elems
                     if lane == 0:
                         if first:
                             dst = cute.make_ptr(Float32, dqacc_ptr.toint() + at * 4, cute.AddressSpace.gmem,
@@ -272,10 +265,6 @@ class DqHandoff:
                 # known here) by the consumers' drain after their last item
                 if const_expr(self.persistent):
                     self._return_dq(count)
-                elif const_expr(self.wide):
-                    if step + self.dq_parts * self.dq_stages < steps:  # its warpgroup stages again
-                        cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + buffer,
-                                                 number_of_threads=WARPGROUP + 32)
                 else:
                     if step + self.dq_stages < steps:
                         self._return_dq(count)

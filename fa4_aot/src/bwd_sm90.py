@@ -129,6 +129,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
         self.wide = head_dim == 64 and not causal
         self.step_rows = 2 * tile_m if self.wide else tile_m
+        # the one-tile head_dim 64 kernel (causal), which the knobs below name "head_dim 64"
+        one_tile_64 = head_dim == 64 and not self.wide
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
         # [w d/2, (w+1) d/2) over all keys, from the whole dS tile in shared memory, so the
@@ -151,8 +153,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # 80-row tiles (head_dim 128): dQ^T = K^T dS^T too, as the GEMM's M must be a multiple
         # of 64 (the 80 queries go on N), warpgroup w computing head dims [64 w, 64 w + 64)
         # over all queries, with K^T from shared memory (no registers to spare).
-        self.dq_transposed = (head_dim == 64 and not self.wide) or tile_m % 64 != 0
-        self.dq_kt_in_registers = head_dim == 64 and not self.wide
+        self.dq_transposed = one_tile_64 or tile_m % 64 != 0
+        self.dq_kt_in_registers = one_tile_64
         # 80-row tiles: a thread's S^T columns are 20 queries; their LSE2 and D values are
         # read from shared memory where used instead of held in registers
         self.stats_by_query = tile_m % 64 != 0
@@ -162,8 +164,9 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
             self.dq_tile = (tile_m // 2, head_dim)
         else:
             self.dq_tile = (tile_m, self.dq_chunk if self.head_on_m else self.dq_cols)
-        # staged tiles per step, one reduce each
-        self.dq_parts = head_dim // self.dq_chunk if self.head_on_m else self.num_consumers
+        # staged tiles per step, one reduce each (wide: the hand-off counts query tiles, each
+        # one warpgroup's whole tile, one part)
+        self.dq_parts = head_dim // self.dq_chunk if self.head_on_m else (1 if self.wide else self.num_consumers)
         # Double-buffered staging, so a warpgroup waits for the writer only when the writer
         # is two steps behind. Not head_on_m: its shared memory is full. Deterministic variants
         # too since their writer returns a buffer once read and accumulates into two
@@ -171,12 +174,10 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # +2-4%, d128 +0.5-1%, docs/perf-notes.md). Causal head_dim 64 takes three (184 KB),
         # where a head's CTAs reduce into the same query tiles at once and the writer lags
         # by more: +0.5-1.5%; not causal, -1% (session 13).
-        # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB).
+        # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB). wide: two, which
+        # the two warpgroups' tiles of a step take (a buffer per warpgroup, FA4's; two each
+        # do not fit next to 128-row stages and double-buffered dS).
         self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if head_dim == 64 and causal else 2)
-        if self.wide:
-            # one buffer per warpgroup (FA4's): two do not fit next to 128-row stages and
-            # double-buffered dS (226 KB)
-            self.dq_stages = 1
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
@@ -185,7 +186,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # pipe 76% busy, 1796 wavefronts a step for 1280 tensor cycles; this takes 252
         # off): +0-5% non-deterministic, +4-9% deterministic. Wider heads have no
         # registers to spare (at 128 ptxas serializes every wgmma).
-        self.kv_in_registers = head_dim == 64 and not self.wide
+        self.kv_in_registers = one_tile_64
         # Staggered warpgroups (64, 96): a warpgroup issues the dQ GEMM of a query tile at
         # the start of the next tile, once the other warpgroup has put its half of that
         # tile's dS in shared memory, instead of both meeting at a barrier every tile; so
@@ -207,7 +208,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # registers (8 bytes; 16 with session 11's early try-waits, reloaded once a step).
         # The same code in fp16 runs out of registers (ptxas serializes every wgmma, C7512);
         # wider heads too.
-        self.overlap_scores = head_dim == 64 and dtype is cutlass.BFloat16 and not self.wide
+        self.overlap_scores = one_tile_64 and dtype is cutlass.BFloat16
         self.chains = dq_chains(causal, deterministic)  # copies of the dQ accumulator
         # Where the run-time flag first_write is set (fa4_aot.api), the preprocess does
         # not clear the dQ accumulator (half its bytes: the 128 MB accumulator at 16k
@@ -225,7 +226,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # registers): a CTA's start (K, V loads) and end (dK, dV stores, exit) overlap its
         # neighbours' steps, which at 1k keys are ~16% of the kernel (ncu, session 13).
         # Not deterministic: a turn may wait for an item of a CTA that is not resident.
-        self.persistent = head_dim == 64 and not deterministic and dtype is cutlass.BFloat16 and not self.wide
+        self.persistent = one_tile_64 and not deterministic and dtype is cutlass.BFloat16
         self.kv_stages = 2 if self.persistent else 1
         # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
         # bytes a store, contiguous across the warp (no bank conflicts, half the stores of
@@ -240,8 +241,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         self.dq_fragment_order = dq_fragment_order(head_dim, causal)
         fragments = None
         if self.dq_fragment_order:
-            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed,
-                                    1 if self.wide else self.num_consumers)
+            fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.dq_parts)
         self.rows = BwdRowsSm90(dtype, head_dim, tile_m, self.chains, fragments, causal, tile_n,
                                 self.tickets)  # pre/postprocess
         self.tma_boxes = {}
@@ -530,20 +530,12 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         Returns the advanced pipeline states."""
         tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do = sources
         lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
-        gK, gV = gK[None, None, head_kv, batch], gV[None, None, head_kv, batch]
         whole = cute.make_layout(1)
-        pipe_kv.producer_acquire(kv_state)
-        for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
-            tile = cute.local_tile(g, (self.tile_n, self.head_dim), (n_block, 0))
-            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(s, 0, 2), cute.group_modes(tile, 0, 2))
-            if const_expr(self.persistent):
-                t_s = t_s[None, kv_state.index]
-            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        kv_state.advance()
+        self._load_kv(sources, kv_state, n_block, head_kv, batch)
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self._m_block(step, m_first, span, m_blocks)
-            stats_at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
+            stats_at = self._stats_at(batch, heads_q, head_q, m_blocks, m_block)
             # dO first: the consumers release it before Q. Each tile's statistics follow it
             # at once, except at an item's first step, where they follow both tiles (K, V and
             # the first Q and dO tiles are put in flight before the wait for the preprocess,
@@ -567,10 +559,31 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
             state.advance()
         return kv_state, state
 
-    def _load_stats(self, s_stats, src, pipe, state):
-        """A tile's tile_m statistics (LSE2 or D) onto its stage's mbarrier."""
+    def _load_kv(self, sources, kv_state, n_block, head_kv, batch):
+        """Warp 0: the item's K and V tiles onto one mbarrier stage (persistent: the
+        item's stage of two); advances kv_state."""
+        _, _, _, _, _, _, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, _, _ = sources
+        pipe_kv.producer_acquire(kv_state)
+        for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
+            tile = cute.local_tile(g[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
+                                             cute.group_modes(tile, 0, 2))
+            if const_expr(self.persistent):
+                t_s = t_s[None, kv_state.index]
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        kv_state.advance()
+
+    def _stats_at(self, batch, heads_q, head_q, m_blocks, m_block):
+        """Element offset of query tile m_block's statistics in the LSE2 or D workspace
+        ((b, h_q, s_q padded to whole tiles))."""
+        return ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
+
+    def _load_stats(self, s_stats, src, pipe, state, half: int = 0):
+        """A tile's tile_m statistics (LSE2 or D) onto its stage's mbarrier, at row
+        half * tile_m of the stage (wide: each stage holds two tiles')."""
         with cute.arch.elect_one():
-            bulk_copy_g2s(s_stats[None, state.index].iterator, src, pipe.producer_get_barrier(state), 4 * self.tile_m)
+            bulk_copy_g2s(s_stats[None, state.index].iterator + half * self.tile_m, src,
+                          pipe.producer_get_barrier(state), 4 * self.tile_m)
 
     @cute.jit
     def _m_block(self, step, m_first, span, m_blocks):

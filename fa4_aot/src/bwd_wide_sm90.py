@@ -25,8 +25,8 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .bwd_barriers import DS_BARRIER
-from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, bulk_copy_g2s, convert_into, select_f32, tiled_mma, wgmma
+from .layout import acc_as_operand_a, transpose_smem
+from .sm90_common import WARPGROUP, convert_into, tiled_mma, wgmma
 
 
 class WideCompute:
@@ -51,17 +51,11 @@ class WideCompute:
         """Warp 0: K and V, then per step the dO and Q tiles of both halves (each with its
         64 statistics) onto one mbarrier stage; the first step's statistics only after
         the wait for the preprocess (as ``load``)."""
-        tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do = sources
+        tma_q, gQ, sQ, tma_do, gdO, sdO, _, _, _, _, _, _, _, pipe_q, pipe_do = sources
         lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
-        gK, gV = gK[None, None, head_kv, batch], gV[None, None, head_kv, batch]
         whole = cute.make_layout(1)
         tm, d = self.tile_m, self.head_dim
-        pipe_kv.producer_acquire(kv_state)
-        for atom, g, s in ((tma_k, gK, sK), (tma_v, gV, sV)):
-            tile = cute.local_tile(g, (self.tile_n, d), (n_block, 0))
-            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(s, 0, 2), cute.group_modes(tile, 0, 2))
-            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        kv_state.advance()
+        self._load_kv(sources, kv_state, n_block, head_kv, batch)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
             head_a, m_a, head_b, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
             # statistics of the missing half: the first half's (finite; see module doc)
@@ -78,24 +72,17 @@ class WideCompute:
                         atom, 0, whole, cute.group_modes(s_half, 0, 2), cute.group_modes(q_tile, 0, 2))
                     cute.copy(atom, part_g, part_s, tma_bar_ptr=pipe.producer_get_barrier(state))
                     if step > 0:
-                        self._load_half_stats(s_stats, stats_ptr, pipe, state, h, batch, heads_q, head_q, m_stats,
-                                              m_blocks)
+                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
+                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
             if step == 0:
                 cute.arch.griddepcontrol_wait()
                 for _, _, _, pipe, stats_ptr, s_stats in loads:
                     for h in cutlass.range_constexpr(2):
                         head_q, _, m_stats = halves[h]
-                        self._load_half_stats(s_stats, stats_ptr, pipe, state, h, batch, heads_q, head_q, m_stats,
-                                              m_blocks)
+                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
+                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
             state.advance()
         return kv_state, state
-
-    def _load_half_stats(self, s_stats, stats_ptr, pipe, state, half, batch, heads_q, head_q, m_block, m_blocks):
-        """Query tile m_block's 64 statistics into half ``half`` of the stage's 128."""
-        at = ((batch * heads_q + head_q) * m_blocks + m_block) * self.tile_m
-        with cute.arch.elect_one():
-            bulk_copy_g2s(s_stats[None, state.index].iterator + half * self.tile_m, stats_ptr + at,
-                          pipe.producer_get_barrier(state), 4 * self.tile_m)
 
     @cute.jit
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
@@ -130,7 +117,7 @@ class WideCompute:
 
         pipe_kv.consumer_wait(kv_state)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
-            real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)[-1]
+            _, m_a, _, _, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
             ds_stage = step % self.ds_stages
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -139,9 +126,13 @@ class WideCompute:
             pipe_do.consumer_wait(state)
             wgmma(mma_sdp, acc_dp, tPrV, tPrdO[None, None, None, state.index], False, wait=False)
             warpgroup.wait_group(1)  # S^T done
-            self._probs_wide(acc_s, s_coords, sLSE2[None, state.index], n_block, seqlen_k, scale_log2)
+            # each column's LSE2 and D read from shared memory where used (128 columns' values
+            # held at once do not fit beside the accumulators); not causal, m_a only names
+            # the step (the mask is the last key tile's padding)
+            self._probs(acc_s, s_coords, sLSE2[None, state.index], n_block, m_a, seqlen_q, seqlen_k, scale_log2,
+                        by_query=True)
             warpgroup.wait_group(0)  # dP^T done
-            self._grads_wide(acc_s, acc_dp, s_coords, sDsum[None, state.index])
+            self._grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
             # dS^T in shared memory (the fence keeps the GEMMs after it) before P^T is made
             # 16-bit and dV's GEMM issued: ptxas otherwise issues that GEMM as early as P^T
             # allows, with the fp32 and 16-bit P^T and dP^T all live, and serializes every
@@ -162,37 +153,11 @@ class WideCompute:
             warpgroup.wait_group(1)  # dV and dQ done; dK in flight
             pipe_do.consumer_release(state)
             if wg < 1 + real:  # warpgroup 1's tile only if there is one
-                self._stage_dq(wg, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+                # the hand-off counts tiles: this one is 2 step + wg, one part each
+                self._stage_dq(0, 2 * step + wg, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
         self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
         kv_state.advance()
         return kv_state, state
-
-    @cute.jit
-    def _grads_wide(self, acc_p, acc_dp, s_coords, s_dsum):
-        """dP^T -> dS^T in place, P (dP - D), each column's D read from shared
-        memory (``s_dsum``: the stage's 128) where it is used: 32 columns' values held at
-        once do not fit next to the accumulators."""
-        p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
-        for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-            dsum = s_dsum[s_coords[0, j][1]]
-            for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
-                dp[r, j] = p[r, j] * (dp[r, j] - dsum)
-
-    @cute.jit
-    def _probs_wide(self, acc_s, s_coords, s_lse2, n_block, seqlen_k, scale_log2):
-        """S^T -> P^T in place for a step's two query tiles, as ``_probs`` for one, each
-        column's LSE2 read from shared memory (``s_lse2``: the stage's 128) where it is
-        used; the last key tile's padding keys masked (not causal: nothing else is)."""
-        s = acc_as_rows_cols(acc_s)
-        for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-            lse2 = s_lse2[s_coords[0, j][1]]
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2, fastmath=True)
-        if (n_block + 1) * self.tile_n > seqlen_k:
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-                key = n_block * self.tile_n + s_coords[r, 0][0]
-                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    s[r, j] = select_f32(key >= seqlen_k, Float32(0.0), s[r, j])
