@@ -53,7 +53,8 @@ def _strides(tensor: str) -> list[dict]:
 def bwd_preprocess_plan() -> list[dict]:
     """FlashBwdSm90.preprocess: O and dO rows, LSE in, workspaces out."""
     slots = [_slot("o", "ptr", tensor="o"), *_strides("o"), _slot("do", "ptr", tensor="do"), *_strides("do")]
-    slots += [_slot(n, "ptr", tensor=n) for n in ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done")]
+    slots += [_slot(n, "ptr", tensor=n)
+              for n in ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "tail_counters")]
     slots += [_slot("seqlen_q", "i32", fields=["seqlen_q"]), _slot("heads_q", "i32", fields=["heads_q"]),
               _slot("first_write", "i32", fields=["first_write"])]
     return with_offsets(slots)
@@ -82,6 +83,10 @@ def bwd_main_plan(dq_tensor_map: bool = True) -> list[dict]:
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     slots.append(_slot("turn_tiles", "i32", fields=["turn_tiles"]))
     slots.append(_slot("first_write", "i32", fields=["first_write"]))
+    # the split last wave (variants.tail_split): its counters and dK, dV partial sums; the
+    # split tiles and pieces per tile (0 and 1: none)
+    slots += [_slot(n, "ptr", tensor=n) for n in ("tail_counters", "dkv_partial")]
+    slots += [_slot("tail_tiles", "i32", fields=["tail_tiles"]), _slot("tail_pieces", "i32", fields=["tail_pieces"])]
     return with_offsets(slots)
 
 

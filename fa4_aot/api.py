@@ -9,7 +9,7 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ManifestError, ShapeError
 from .loader import KernelLibrary
-from .variants import bwd_query_rows, dq_chains
+from .variants import TAIL_COUNTERS, TAIL_MAX_TILES, bwd_step_tiles, bwd_tail_split, bwd_tiling, dq_chains, tail_split
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -93,9 +93,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
     backward keeps more than one copy of its fp32 dQ accumulator)."""
-    chains = dq_chains(bool(causal), bool(deterministic))
-    rows = bwd_query_rows(head_dim, bool(causal))
-    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, chains, rows))
+    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, bool(causal), bool(deterministic)))
 
 
 def _workspace_bytes(regions) -> int:
@@ -103,22 +101,29 @@ def _workspace_bytes(regions) -> int:
     return sum(-(-size // 256) * 256 for _, size in regions[:-1]) + regions[-1][1]
 
 
-def _workspace_regions(b: int, sq: int, hq: int, d: int, chains: int, tile_m: int):
+def _workspace_regions(b: int, sq: int, hq: int, d: int, causal: bool, deterministic: bool):
+    chains = dq_chains(causal, deterministic)
+    tiling = bwd_tiling(d, causal)
     # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
     # values into shared memory with one bulk copy (4 * tile_m bytes), 16-byte aligned.
-    m_blocks = -(-sq // tile_m)
-    rows = b * hq * m_blocks * tile_m * 4
+    m_blocks = -(-sq // tiling.tile_m)
+    rows = b * hq * m_blocks * tiling.tile_m * 4
     # the accumulator padded to whole query tiles too: where variants.dq_fragment_order the
     # kernels keep it as whole tiles in fragment order (fa4_aot/src/bwd_rows_sm90.py), else
     # as rows
     # dq_done: per (batch, query head), the key tiles whose dQ adds are complete (the
     # postprocess converts a head's tiles once all have counted themselves)
-    return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tile_m * hq * d * 4),
-            ("dq_semaphore", chains * b * hq * m_blocks * 4), ("dq_done", b * hq * 4)]
+    # tail_counters, dkv_partial: the split last wave's (variants.tail_split): counters per
+    # split tile (cleared by the preprocess) and its dK, dV partial sums in fp32
+    partial = TAIL_MAX_TILES * 2 * tiling.tile_n * d * 4 if bwd_tail_split(d, causal, deterministic) else 0
+    return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tiling.tile_m * hq * d * 4),
+            ("dq_semaphore", chains * b * hq * m_blocks * 4), ("dq_done", b * hq * 4),
+            ("tail_counters", TAIL_MAX_TILES * TAIL_COUNTERS * 4), ("dkv_partial", partial)]
 
 
-def _carve(workspace: DeviceArray, problem, chains: int, tile_m: int) -> dict:
-    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, chains, tile_m)
+def _carve(workspace: DeviceArray, problem, causal: bool, deterministic: bool) -> dict:
+    regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, causal,
+                                 deterministic)
     need = _workspace_bytes(regions)
     have = math.prod(workspace.shape) * workspace.itemsize
     if have < need:
@@ -131,6 +136,7 @@ def _carve(workspace: DeviceArray, problem, chains: int, tile_m: int) -> dict:
         out[name] = {"ptr": at, "shape": None, "strides": None, "itemsize": 4}
         at += -(-size // 256) * 256
     b, sq, hq, d = problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim
+    chains = dq_chains(causal, deterministic)
     # TMA reduce target: copy c of batch i is batch i * chains + c
     out["dq_accum"].update(shape=(b * chains, sq, hq, d), strides=(sq * hq * d, hq * d, d, 1))
     return out
@@ -187,8 +193,13 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     if row.get("dq_chains", 1) != chains:
         raise ManifestError(f"{row['name']} was built with {row.get('dq_chains', 1)} dQ accumulator copies; this "
                             f"fa4_aot sizes the workspace for {chains}: rebuild the kernels with this version")
-    # the workspace laid out by the row's query tile (the cubin's contract); _carve checks its size
-    regions = _carve(arrays["workspace"], problem, chains, row["tiling"]["tile_m"])
+    # the workspace is laid out by the variant's tiles and tail split, which the cubin must share
+    split = bwd_tail_split(problem.head_dim, bool(causal), bool(deterministic))
+    if (row["tiling"]["tile_m"] != bwd_tiling(problem.head_dim, bool(causal)).tile_m
+            or (row["launches"][1]["grid"][0][0] == "split_tail") != split):
+        raise ManifestError(f"{row['name']} was built with another tile or tail split than this fa4_aot lays "
+                            "its workspace out for: rebuild the kernels with this version")
+    regions = _carve(arrays["workspace"], problem, bool(causal), bool(deterministic))
     scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
     if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
@@ -199,8 +210,15 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     tensors.update(regions)
     turn_tiles = deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
     first_write = first_write_dq(bool(deterministic), problem.seqlen_k)
+    tail_tiles, tail_pieces = 0, 1
+    if split and problem.heads_q == problem.heads_kv:  # (a piece walks one query head's tiles)
+        tiling = bwd_tiling(problem.head_dim, bool(causal))
+        items = -(-problem.seqlen_k // tiling.tile_n) * problem.heads_kv * problem.batch
+        units = -(-problem.seqlen_q // (tiling.tile_m * bwd_step_tiles(problem.head_dim, bool(causal))))
+        tail_tiles, tail_pieces = tail_split(items, library.sm_count(device), units)
     values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
-              "first_write": int(first_write), "dq_batch": problem.batch * chains}
+              "first_write": int(first_write), "dq_batch": problem.batch * chains,
+              "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride

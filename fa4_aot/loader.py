@@ -103,9 +103,10 @@ class KernelLibrary:
             self._archs[device] = arch
         return arch
 
-    def _sm_count(self, device: int) -> int:
+    def sm_count(self, device: int) -> int:
         """The device's multiprocessors (one driver query per device): what a persistent
-        kernel's grid takes (grid_of; other rules ignore it)."""
+        kernel's grid takes (grid_of; other rules ignore it), and the backward's tail split
+        (fa4_aot.api)."""
         count = self._sm_counts.get(device)
         if count is None:
             count = self._sm_counts[device] = multiprocessor_count(device)
@@ -201,7 +202,7 @@ class KernelLibrary:
             for fn, launch in zip(fns, row["launches"]):
                 buffer, pointers = pack_params(row, launch, values, tensors)
                 config = cu.CUlaunchConfig()
-                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self._sm_count(device))
+                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self.sm_count(device))
                 config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
                 config.sharedMemBytes = launch["smem_bytes"]
                 config.hStream = handle
@@ -257,10 +258,12 @@ def launch_attributes(launch: dict) -> list:
 
 def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int, int, int]:
     """The launch's grid from its manifest rules and the problem's sizes: ["ceil_div",
-    size, n], ["size", size], ["const", n], or ["persistent", [rules], [size, bound]]: the
+    size, n], ["size", size], ["const", n], ["persistent", [rules], [size, bound]]: the
     product of the rules (the kernel's work items), and while ``size`` is at most ``bound``
     at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
-    in steps of the grid."""
+    in steps of the grid; or ["split_tail", [rules], tiles, pieces]: the product, with the
+    last ``tiles`` items in ``pieces`` blocks each (the run-time values of those names;
+    variants.tail_split)."""
     def rule(op, *args):
         if op == "ceil_div":
             return -(-sizes[args[0]] // args[1])
@@ -275,6 +278,9 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
             items = math.prod(rule(*r) for r in args[0])
             (size, bound), = args[1:]
             return min(items, sm_count) if sizes[size] <= bound else items
+        if op == "split_tail":
+            tiles, pieces = sizes[args[1]], sizes[args[2]]
+            return math.prod(rule(*r) for r in args[0]) + tiles * (pieces - 1)
         raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
 
     return tuple(rule(*r) for r in launch["grid"])

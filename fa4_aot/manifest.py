@@ -15,11 +15,12 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 8  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 9  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
-# dq_done counters (the postprocess waits per head, not for the whole main grid)
+# dq_done counters (the postprocess waits per head, not for the whole main grid); 9: the
+# backward's split last wave (grid rule "split_tail", its counters and partial sums)
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )

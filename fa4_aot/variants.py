@@ -105,6 +105,12 @@ def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
     return BWD_SM90_TILING[head_dim]
 
 
+def bwd_step_tiles(head_dim: int, causal: bool) -> int:
+    """Query tiles per backward step: two at head_dim 64 not causal (128 queries, FA4's
+    Hopper shape: fa4_aot/src/bwd_wide_sm90.py), else one."""
+    return 2 if head_dim == 64 and not causal else 1
+
+
 def bwd_query_rows(head_dim: int, causal: bool) -> int:
     """Query rows per backward step: the workspace's unit (see BWD_SM90_TILING)."""
     return bwd_tiling(head_dim, causal).tile_m
@@ -124,6 +130,35 @@ DET_DQ_CHAINS = 2
 def dq_chains(causal: bool, deterministic: bool) -> int:
     """Copies of the backward's fp32 dQ accumulator (and of its semaphores)."""
     return DET_DQ_CHAINS if deterministic and not causal else 1
+
+
+# Backward, not causal, not deterministic (head_dim 64, 96, 128): when the key tiles (one
+# CTA each, all the same length) leave a last partial wave of at most TAIL_MAX_TILES CTAs,
+# those tiles are each split by query range into pieces that fill the otherwise idle SMs;
+# their dK, dV partial sums meet in an fp32 workspace region (TAIL_MAX_TILES tiles: 4 MB
+# at head_dim 128, part of every such backward's workspace, whose size is reported before
+# the problem's key count is known).
+# 4096 key tiles on 132 SMs are 31.03 waves: the 32nd, 4 CTAs long, cost 2.6-2.8% of every
+# such backward (docs/perf-notes.md, session 18).
+TAIL_MAX_TILES = 32
+TAIL_COUNTERS = 4  # int32 words per split tile (bwd_tail)
+
+
+def bwd_tail_split(head_dim: int, causal: bool, deterministic: bool) -> bool:
+    """Whether the sm90a backward variant splits its last partial wave (see TAIL_MAX_TILES)."""
+    return not causal and not deterministic and head_dim in (64, 96, 128)
+
+
+def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
+    """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs are split into
+    ``pieces`` each (units: the most pieces a tile's query range splits into), or (0, 1).
+    Split only after at least one full wave, when the last one leaves at least half of the
+    SMs idle."""
+    waves, tail = divmod(items, sm_count)
+    if waves == 0 or tail == 0 or tail > TAIL_MAX_TILES:
+        return 0, 1
+    pieces = min(sm_count // tail, units)
+    return (tail, pieces) if pieces > 1 else (0, 1)
 
 
 def dq_fragment_order(head_dim: int, causal: bool) -> bool:

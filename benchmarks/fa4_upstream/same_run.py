@@ -7,7 +7,9 @@ first round also compares FA4's outputs with ours.
     python benchmarks/fa4_upstream/same_run.py DIR ROUNDS OUT_JSON [fwd] [bwd]
 
 Environment: HEAD_DIMS=64,128 keeps those head dims' cells; KERNELS_B=FOLDER times that
-build's cubins too ("b" beside "ours", e.g. the previous commit's), in the same rounds.
+build's cubins too ("b" beside "ours", e.g. the previous commit's), in the same rounds;
+B_TAIL_SPLIT=0 times as "b" our kernels with the backward's split last wave turned off
+(variants.tail_split; same cubins).
 """
 import json, math, os, statistics, sys
 from pathlib import Path
@@ -31,16 +33,24 @@ import fa4_aot.api as api
 from fa4_aot.loader import KernelLibrary
 lib_a = api.default_library()
 lib_b = KernelLibrary(Path(os.environ["KERNELS_B"])) if os.environ.get("KERNELS_B") else None
+no_split = os.environ.get("B_TAIL_SPLIT") == "0"
+if no_split:
+    lib_b = lib_a
 
 
 def on_b(fn):
-    """fn run with KERNELS_B's cubins as the adapters' library."""
+    """fn run with KERNELS_B's cubins as the adapters' library (or without the tail split)."""
+    split = api.tail_split
+
     def run(*args):
         api._default_library = lib_b
+        if no_split:
+            api.tail_split = lambda *_: (0, 1)
         try:
             return fn(*args)
         finally:
             api._default_library = lib_a
+            api.tail_split = split
     return run
 
 
@@ -101,6 +111,9 @@ def bwd_cell(d, s, causal, r, res):
 
     ours = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
                                              dq=g1[0], dk=g1[1], dv=g1[2])
+    g3 = [torch.empty_like(x) for x in (q, k, v)]  # b's own: the loader keeps launch plans by arrays
+    ours_b = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+                                               dq=g3[0], dk=g3[1], dv=g3[2])
     if r == 0:
         for det in dets:
             for g in g2:
@@ -121,7 +134,7 @@ def bwd_cell(d, s, causal, r, res):
         if r % 2:
             order = [(order[i ^ 1]) for i in range(len(order))]
         if lib_b is not None:
-            order += [("b", on_b(ours))] + ([("b_det", on_b(lambda: ours(True)))] if d <= 128 else [])
+            order += [("b", on_b(ours_b))] + ([("b_det", on_b(lambda: ours_b(True)))] if d <= 128 else [])
         order.append(("cudnn", cud))
         times = {n: bench(fn) for n, fn in order}
     fl = 2.5 * flops(b, h, s, d, causal)

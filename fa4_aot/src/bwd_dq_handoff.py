@@ -135,9 +135,10 @@ class DqHandoff:
 
     @cute.jit
     def dq_writer(self, tidx, sdQ, tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, group, seqlen_q,
-                  seqlen_k, heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done):
+                  seqlen_k, heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done,
+                  tail):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
-        the staging buffers in turn over all their steps). Add each staged dQ tile into
+        the staging buffers in turn over all their steps; ``tail``: bwd_tail's, or None). Add each staged dQ tile into
         the fp32 accumulator by a bulk reduce-add, off the consumers' critical path: they
         only wait for the buffer to be read.
 
@@ -287,10 +288,7 @@ class DqHandoff:
         # the postprocess (bwd_rows_sm90), which converts a head once all are counted
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
-        if lane == 0:
-            for g in cutlass.range(group, unroll=1):
-                cute.arch.atomic_add(done_ptr + batch * heads_q + head_kv * group + g, Int32(1),
-                                     sem="release", scope="gpu")
+        self._count_dq_done(done_ptr, batch, heads_q, head_kv, group, lane, tail)
 
     @cute.jit
     def _mark_stored(self, word, lane):

@@ -30,10 +30,10 @@ class KeysOnMCompute:
     @cute.jit
     def compute(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
                 seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV, kv_state, state,
-                n_block, head_kv, batch, m_first, span, steps, done):
+                n_block, head_kv, batch, m_first, span, steps, done, tail):
         """One item (key tile) of the CTA. tidx: 0..255 over the consumer warpgroups;
         ``done``: the CTA's steps before this item (the dS and dQ buffers are taken in
-        turn over all of them). Returns the advanced pipeline states. Per query tile, in
+        turn over all of them); ``tail``: a piece's (bwd_tail), or None. Returns the advanced pipeline states. Per query tile, in
         issue order:
         S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
         memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
@@ -216,7 +216,8 @@ class KeysOnMCompute:
                 warpgroup.wait_group(0)
                 self._stage_dq(wg, self._turn(done, steps - 1), acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
 
-        self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+        self._finish_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale,
+                         sLSE2[None, 0], tail)
         if const_expr(self.persistent):
             # the stores have read this item's K and V stage (warp 0 waited): the producer
             # may refill it

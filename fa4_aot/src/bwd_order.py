@@ -65,3 +65,23 @@ def semaphore_word(batch, heads_q, head, m_blocks, tile, chains: int = 1, chain=
     (batch, head, tile, copy): the tickets of the non-deterministic kernel (one copy),
     the turns of the deterministic one (a run's word is its first tile's; runs < tiles)."""
     return ((batch * heads_q + head) * m_blocks + tile) * chains + chain
+
+
+def tail_item(linear, items, tail_tiles, pieces):
+    """(item, tail tile, piece) of block ``linear`` of a split-tail grid (variants.tail_split):
+    the first items - tail_tiles blocks take those items whole (tail tile -1, piece 0); the
+    next tail_tiles * pieces blocks take the last tail_tiles items, tile by tile, in
+    ``pieces`` pieces each. (Branch-free: the kernels call it on Int32 values.)"""
+    at = cutlass.max(linear - (items - tail_tiles), -1)  # -1: a whole item
+    split = cutlass.min(at + 1, 1)  # 1 for a piece
+    t = cutlass.max(at, 0) // pieces
+    return linear - split * (at - t), split * (t + 1) - 1, cutlass.max(at, 0) - t * pieces
+
+
+def piece_tiles(piece, pieces, m_blocks, unit: int):
+    """(first query tile, tiles) of piece ``piece`` of ``pieces`` of a key tile's query
+    range (m_blocks tiles), cut at multiples of ``unit`` tiles (a step's)."""
+    units = (m_blocks + unit - 1) // unit
+    first = piece * units // pieces * unit
+    last = cutlass.min((piece + 1) * units // pieces * unit, m_blocks)
+    return first, last - first

@@ -24,6 +24,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ..variants import TAIL_COUNTERS, TAIL_MAX_TILES
 from .bwd_order import first_dq_key_tile, semaphore_word
 from .sm90_common import WARPGROUP
 
@@ -74,6 +75,7 @@ class BwdRowsSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
+        assert tile_m >= TAIL_MAX_TILES  # the preprocess clears a split tile's counters per row
         self.threads = THREADS_PER_ROW * tile_m  # per block
         self.chains = chains
         # first_write (run time): which tiles and copies the main kernel wrote, from the
@@ -101,11 +103,12 @@ class BwdRowsSm90:
         self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
         do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
         lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, seqlen_q: Int32, heads_q: Int32,
-        first_write: Int32,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, tail_ptr: cute.Pointer,
+        seqlen_q: Int32, heads_q: Int32, first_write: Int32,
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
-        query tile; THREADS_PER_ROW threads per row, 16-byte accesses.
+        query tile; THREADS_PER_ROW threads per row, 16-byte accesses. The first tile of
+        the first head also clears the split tiles' counters (bwd_tail), one tile a row.
 
         Launched as usual (after all earlier work on the stream), so the main kernel may be
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
@@ -159,6 +162,10 @@ class BwdRowsSm90:
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
+            if batch == 0 and linear == 0 and row < TAIL_MAX_TILES:
+                counters = cute.make_tensor(tail_ptr + row * TAIL_COUNTERS, cute.make_layout(TAIL_COUNTERS))
+                for k in cutlass.range_constexpr(TAIL_COUNTERS):
+                    counters[k] = Int32(0)
             if row < seqlen_q:
                 at = (batch * heads_q + head) * seqlen_q + row
                 lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))

@@ -76,12 +76,13 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ..variants import dq_chains, dq_fragment_order
+from ..variants import bwd_step_tiles, bwd_tail_split, dq_chains, dq_fragment_order
 from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
-from .bwd_order import first_query_tile, key_tile_of_launch
+from .bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
 from .bwd_head_on_m_sm90 import HeadOnMCompute
 from .bwd_keys_on_m_sm90 import KeysOnMCompute
 from .bwd_rows_sm90 import BwdRowsSm90, DqFragments
+from .bwd_tail import TailPieces
 from .bwd_wide_sm90 import WideCompute
 from .launch_order import backward_head_group, launch_in_head_groups
 from .layout import acc_as_rows_cols
@@ -99,7 +100,7 @@ PERSISTENT_MAX_KEYS = 2048
 ROTATION_TILES = 2
 
 
-class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
+class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailPieces):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
@@ -127,7 +128,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
         # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
-        self.wide = head_dim == 64 and not causal
+        self.wide = bwd_step_tiles(head_dim, causal) == 2
         self.step_rows = 2 * tile_m if self.wide else tile_m
         # the one-tile head_dim 64 kernel (causal), which the knobs below name "head_dim 64"
         one_tile_64 = head_dim == 64 and not self.wide
@@ -228,6 +229,10 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         # Not deterministic: a turn may wait for an item of a CTA that is not resident.
         self.persistent = one_tile_64 and not deterministic and dtype is cutlass.BFloat16
         self.kv_stages = 2 if self.persistent else 1
+        # The last partial wave's key tiles split by query range (bwd_tail; variants.tail_split):
+        # the grid is then one-dimensional, the split's run-time values decide its length.
+        self.tail_split = bwd_tail_split(head_dim, causal, deterministic)
+        assert not (self.tail_split and (self.persistent or self.head_on_m))
         # head_dim 96 and 128: each thread stages its dQ fragment in register order, 16
         # bytes a store, contiguous across the warp (no bank conflicts, half the stores of
         # the 64-bit row-layout ones), and the writer adds each staged tile with one 1D
@@ -293,14 +298,18 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         scale_log2: Float32,  # softmax_scale * log2(e)
         turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
         first_write: Int32,  # 1: no accumulator clear, each tile's first share stored
+        mTail: cute.Tensor,  # (TAIL_MAX_TILES * TAIL_COUNTERS,) int32 workspace: the split tiles' counters
+        mPartial: cute.Tensor,  # (TAIL_MAX_TILES * 2 * tile_n * d,) float32 workspace: their dK, dV sums
+        tail_tiles: Int32,  # key tiles split (the last ones in launch order; 0: none)
+        tail_pieces: Int32,  # pieces per split tile
     ):
         b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
         rows_grid = (cute.ceil_div(s_q, self.tile_m), h_q, b)
         self.rows.preprocess(
             mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
             mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
-            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator, s_q, h_q,
-            first_write,
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
+            mTail.iterator, s_q, h_q, first_write,
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
@@ -346,8 +355,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         self.kernel(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
             mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
-            turn_tiles,
-            first_write, s_q_tile, s_kv_all, s_ds, s_dq,
+            turn_tiles, first_write, mTail.iterator, mPartial.iterator, tail_tiles, tail_pieces,
+            s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess(
@@ -377,6 +386,10 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
         scale_log2: Float32,
         turn_tiles: Int32,
         first_write: Int32,
+        tail_ptr: cute.Pointer,  # int32 (TAIL_MAX_TILES, TAIL_COUNTERS): the split tiles' counters
+        partial_ptr: cute.Pointer,  # float32: the split tiles' dK, dV sums (bwd_tail)
+        tail_tiles: Int32,  # the last tail_tiles key tiles in launch order are split (0: none)
+        tail_pieces: Int32,  # into this many pieces each
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
         sds_layout: cute.ComposedLayout,
@@ -436,8 +449,20 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
             items, first, stride = n_tiles * heads_kv * gK.shape[3], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
         else:
             launch, head_kv, batch = cute.arch.block_idx()
-            work = self._work(launch, head_kv, batch, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
-                              seqlen_q, seqlen_k, group, m_blocks)
+            n_tiles, heads_kv = cute.ceil_div(seqlen_k, self.tile_n), gK.shape[2]
+            tail = None
+            if const_expr(self.tail_split):
+                # one-dimensional grid: whole items, then the last tail_tiles in pieces
+                whole, split, piece = tail_item(launch, n_tiles * heads_kv * gK.shape[3], tail_tiles, tail_pieces)
+                launch, head_kv, batch = whole % n_tiles, (whole // n_tiles) % heads_kv, whole // (n_tiles * heads_kv)
+                tail = (split, tail_ptr, partial_ptr, tail_pieces)
+            work = self._work(launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+            if const_expr(self.tail_split):
+                # a piece: its query tiles only (the run time splits only where a CTA walks
+                # one query head's tiles, group 1)
+                piece_first, piece_count = piece_tiles(piece, tail_pieces, m_blocks, self.step_rows // self.tile_m)
+                work = (*work[:3], cutlass.select_(split >= 0, piece_first, work[3]),
+                        work[4], cutlass.select_(split >= 0, piece_count, work[5]))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
@@ -465,10 +490,10 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
                     done = Int32(0)  # the CTA's steps before this item
                     for item in cutlass.range(first, items, stride, unroll=1):
                         mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
-                        self.dq_writer(*args, *mine, done)
+                        self.dq_writer(*args, *mine, done, None)
                         done = done + mine[-1]
                 else:
-                    self.dq_writer(*args, *work, 0)
+                    self.dq_writer(*args, *work, 0, tail)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(CONSUMER_REGS[self.num_consumers])
@@ -490,13 +515,13 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff):
                     done = Int32(0)
                     for item in cutlass.range(first, items, stride, unroll=1):
                         mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
-                        kv_state, state = self.compute(*args, kv_state, state, *mine, done)
+                        kv_state, state = self.compute(*args, kv_state, state, *mine, done, None)
                         done = done + mine[-1]
                     self._drain_dq((tidx - WARPGROUP) // WARPGROUP, done)
                 elif const_expr(self.wide):
-                    self.compute_wide(*args, kv_state, state, *work)
+                    self.compute_wide(*args, kv_state, state, *work, tail)
                 else:
-                    self.compute(*args, kv_state, state, *work, 0)
+                    self.compute(*args, kv_state, state, *work, 0, tail)
 
     @cute.jit
     def _work_of_item(self, item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks):

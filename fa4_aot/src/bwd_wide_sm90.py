@@ -1,6 +1,6 @@
 """The backward's head_dim 64 loop, not causal, with two query tiles per step (sm_90a):
 ``load_wide`` and ``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs,
-pipelines, ``_m_block``, ``_store_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
+pipelines, ``_m_block``, ``_finish_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 A CTA's query tiles (64 rows; ``steps`` of them over the KV head's query heads, as for
 the other head dims) are taken in pairs: step s holds tiles 2s and 2s + 1 of the CTA's
@@ -87,8 +87,8 @@ class WideCompute:
     @cute.jit
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
                      seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV, kv_state, state,
-                     n_block, head_kv, batch, m_first, span, steps):
-        """One CTA (key tile). tidx: 0..255 over the consumer warpgroups. Per step, in issue
+                     n_block, head_kv, batch, m_first, span, steps, tail):
+        """One CTA (key tile; ``tail``: a piece's, bwd_tail, or None). tidx: 0..255 over the consumer warpgroups. Per step, in issue
         order: S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS
         to shared memory, barrier -> dQ of this warpgroup's tile (async) -> dK += dS^T Q
         (async) -> once dQ is done, stage it for the writer while dK runs."""
@@ -158,6 +158,7 @@ class WideCompute:
             warpgroup.wait_group(0)
             pipe_q.consumer_release(state)
             state.advance()
-        self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+        self._finish_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale,
+                         sLSE2[None, 0], tail)
         kv_state.advance()
         return kv_state, state

@@ -155,7 +155,8 @@ def compile_bwd(variant: Variant) -> dict:
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1)]
+            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
+            _fake_rows(cutlass.Int32, 1), _fake_rows(Float32, 1), cutlass.Int32(0), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     rows = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
     plans = {
@@ -182,10 +183,13 @@ def compile_bwd(variant: Variant) -> dict:
 
 def _bwd_main_grid(kernel: FlashBwdSm90) -> list:
     """One CTA per (key tile, KV head, batch), or (persistent, up to PERSISTENT_MAX_KEYS
-    keys) one per SM, at most one per item: the CTAs walk the items in launch order."""
+    keys) one per SM, at most one per item: the CTAs walk the items in launch order; or
+    (tail split) one per item but the last partial wave's, split into pieces."""
     items = [["ceil_div", "seqlen_k", kernel.tile_n], ["size", "heads_kv"], ["size", "batch"]]
     if kernel.persistent:
         return [["persistent", items, ["seqlen_k", PERSISTENT_MAX_KEYS]], ["const", 1], ["const", 1]]
+    if kernel.tail_split:
+        return [["split_tail", items, "tail_tiles", "tail_pieces"], ["const", 1], ["const", 1]]
     return items
 
 

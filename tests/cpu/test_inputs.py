@@ -109,19 +109,16 @@ def test_workspace_is_carved_aligned_and_checked():
     from fa4_aot.api import _carve, backward_workspace_bytes
     from fa4_aot.checks import check_forward
 
-    from fa4_aot.variants import bwd_query_rows
-
     p = check_forward(**problem())
     need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
-    rows = bwd_query_rows(p.head_dim, False)
-    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, 1, rows)
+    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, False, False)
     starts = sorted(r["ptr"] for r in regions.values())
     assert all(s % 256 == 0 for s in starts) and starts[0] == BASE
     assert regions["dq_accum"]["shape"] == (2, 100, 8, 128)
     with pytest.raises(ShapeError, match="workspace has"):
-        _carve(DeviceArray(BASE, (need - 1,), (1,), "u8"), p, 1, rows)
+        _carve(DeviceArray(BASE, (need - 1,), (1,), "u8"), p, False, False)
     with pytest.raises(LayoutError, match="256-byte"):
-        _carve(DeviceArray(BASE + 16, (need,), (1,), "u8"), p, 1, rows)
+        _carve(DeviceArray(BASE + 16, (need,), (1,), "u8"), p, False, False)
 
 
 def test_deterministic_non_causal_workspace_holds_every_dq_copy():
@@ -129,52 +126,56 @@ def test_deterministic_non_causal_workspace_holds_every_dq_copy():
     one tensor) with as many semaphores; a workspace sized for another mode is refused."""
     from fa4_aot.api import _carve, backward_workspace_bytes
     from fa4_aot.checks import check_forward
-    from fa4_aot.variants import bwd_query_rows, dq_chains
+    from fa4_aot.variants import dq_chains
 
     p = check_forward(**problem())
     chains = dq_chains(False, True)
-    rows = bwd_query_rows(p.head_dim, False)
     assert chains > 1 and dq_chains(True, True) == dq_chains(False, False) == 1
-    plain = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    causal = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=True)
     assert backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=True, deterministic=True) \
-        == backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=True)
+        == causal
     need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, deterministic=True)
-    assert need > plain
-    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, chains, rows)
+    assert need > causal
+    regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, False, True)
     assert regions["dq_accum"]["shape"] == (2 * chains, 100, 8, 128)
     assert regions["dq_semaphore"]["ptr"] - regions["dq_accum"]["ptr"] >= chains * 2 * 100 * 8 * 128 * 4
     with pytest.raises(ShapeError, match="same causal and deterministic"):
-        _carve(DeviceArray(BASE, (plain,), (1,), "u8"), p, chains, rows)
+        _carve(DeviceArray(BASE, (causal,), (1,), "u8"), p, False, True)
 
 
-@pytest.mark.parametrize("tile_m", [64, 80])
-def test_workspace_statistics_rows_are_padded_to_whole_query_tiles(tile_m):
+@pytest.mark.parametrize("causal", [False, True])
+def test_workspace_statistics_rows_are_padded_to_whole_query_tiles(causal):
     """The kernel copies each query tile's LSE2 / D values with one bulk copy (4 * tile_m
     bytes): every (batch, head) row of them must be a whole number of tiles, 16-byte
     aligned."""
     from fa4_aot.api import _workspace_regions
+    from fa4_aot.variants import bwd_query_rows
 
+    tile_m = bwd_query_rows(128, causal)  # 80, 64
     for seqlen_q in (1, 63, 64, 65, 79, 80, 81, 100, 1000):
-        regions = dict(_workspace_regions(2, seqlen_q, 8, 128, 1, tile_m))
+        regions = dict(_workspace_regions(2, seqlen_q, 8, 128, causal, False))
         padded = -(-seqlen_q // tile_m) * tile_m
         assert regions["lse2"] == regions["dsum"] == 2 * 8 * padded * 4
         assert padded * 4 % 16 == 0
         assert regions["dq_semaphore"] == 2 * 8 * (padded // tile_m) * 4
 
 
-@pytest.mark.parametrize("tile_m", [64, 80])
-def test_workspace_accumulator_holds_whole_query_tiles(tile_m):
+@pytest.mark.parametrize("causal", [False, True])
+def test_workspace_accumulator_holds_whole_query_tiles(causal):
     """At head_dim 96 and 128 the dQ writer adds whole query tiles (fragment order) into
     the accumulator, the last one past seqlen_q: every copy must hold them all, and still
     the (b * copies, s_q, h, d) rows the 2D TMA reduce of the other head dims addresses."""
     from fa4_aot.api import _workspace_regions
+    from fa4_aot.variants import bwd_query_rows, dq_chains
 
+    tile_m = bwd_query_rows(128, causal)
     for seqlen_q in (1, 63, 64, 65, 81, 1000):
-        for chains in (1, 2):
-            regions = dict(_workspace_regions(3, seqlen_q, 4, 96, chains, tile_m))
+        for deterministic in (False, True):
+            chains = dq_chains(causal, deterministic)
+            regions = dict(_workspace_regions(3, seqlen_q, 4, 128, causal, deterministic))
             padded = -(-seqlen_q // tile_m) * tile_m
-            assert regions["dq_accum"] == chains * 3 * 4 * padded * 96 * 4
-            assert regions["dq_accum"] >= chains * 3 * seqlen_q * 4 * 96 * 4
+            assert regions["dq_accum"] == chains * 3 * 4 * padded * 128 * 4
+            assert regions["dq_accum"] >= chains * 3 * seqlen_q * 4 * 128 * 4
 
 
 def test_workspace_is_sized_by_the_variants_query_tile():
@@ -187,16 +188,16 @@ def test_workspace_is_sized_by_the_variants_query_tile():
     assert {v.tiling.tile_m for v in MATRIX if v.kind == "bwd" and v.head_dim == 128 and not v.causal} == {80}
     assert {v.tiling.tile_m for v in MATRIX if v.kind == "bwd" and v.head_dim != 128} == {64}
     for causal, rows in ((False, 80), (True, 64)):
-        assert backward_workspace_bytes(2, 1000, 8, 128, causal=causal) == _workspace_bytes(
-            _workspace_regions(2, 1000, 8, 128, 1, rows))
+        regions = _workspace_regions(2, 1000, 8, 128, causal, False)
+        assert backward_workspace_bytes(2, 1000, 8, 128, causal=causal) == _workspace_bytes(regions)
+        assert dict(regions)["lse2"] == 2 * 8 * -(-1000 // rows) * rows * 4
 
 
 def test_workspace_regions_fit_the_reported_size():
     """_carve starts every region at a 256-byte boundary: the size the API reports must
-    count that padding, or the last region (the dq_done counters) would run past a
-    workspace of exactly that size."""
-    from fa4_aot.api import _carve, backward_workspace_bytes
-    from fa4_aot.variants import bwd_query_rows, dq_chains
+    count that padding, or the last region would run past a workspace of exactly that
+    size."""
+    from fa4_aot.api import _carve, _workspace_regions, backward_workspace_bytes
 
     for b, s, h, d in ((1, 1, 1, 64), (3, 17, 3, 96), (2, 1000, 5, 128), (1, 257, 7, 256)):
         for causal, deterministic in ((False, False), (True, True), (False, True)):
@@ -204,10 +205,10 @@ def test_workspace_regions_fit_the_reported_size():
             lse = DeviceArray(BASE, (b, h, s), (h * s, s, 1), "fp32")
             p = check_forward(**problem(q=bshd(b, s, h, d), k=bshd(b, s, h, d), v=bshd(b, s, h, d),
                                         out=bshd(b, s, h, d), lse=lse))
-            regions = _carve(DeviceArray(BASE, (size,), (1,), "u8"), p, dq_chains(causal, deterministic),
-                             bwd_query_rows(d, causal))
+            regions = _carve(DeviceArray(BASE, (size,), (1,), "u8"), p, causal, deterministic)
             assert all(r["ptr"] % 256 == 0 for r in regions.values())
-            assert regions["dq_done"]["ptr"] + b * h * 4 <= BASE + size
+            for name, bytes_ in _workspace_regions(b, s, h, d, causal, deterministic):
+                assert regions[name]["ptr"] + bytes_ <= BASE + size
 
 
 def test_size_one_axes_get_a_valid_descriptor_stride():

@@ -115,7 +115,7 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     values = {"seqlen_q": 100, "heads_q": 4, "stride.o.b": 1 << 33, "stride.o.s": 512, "stride.o.h": 128,
               "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9, "first_write": 1}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
-        ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done"))}
+        ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "tail_counters"))}
     buffer, _ = pack_params(row, pre, values, tensors)
     by_name = {p["name"]: p for p in pre["params"]}
     assert buffer[by_name["o_stride_b"]["offset"]:][:8].view(np.int64)[0] == 1 << 33
@@ -123,6 +123,17 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     assert buffer[by_name["first_write"]["offset"]:][:4].view(np.int32)[0] == 1
     assert grid_of(main, {"seqlen_k": 300, "heads_kv": 2, "batch": 5}) == (3, 2, 5)
     assert grid_of(post, {"seqlen_q": 300, "heads_q": 4, "batch": 5}) == (5, 4, 5)  # 64-row blocks
+
+
+def test_split_tail_backward_grid_adds_the_pieces(built):
+    """Not causal, not deterministic: one CTA per key tile, the last ``tail_tiles`` of them
+    in ``tail_pieces`` each (variants.tail_split decides both at run time)."""
+    main = Manifest(built[0]).rows["bwd.sm90a.fp16.d64"]["launches"][1]
+    assert main["grid"][0][0] == "split_tail"
+    sizes = {"seqlen_k": 16384, "heads_kv": 16, "batch": 1, "tail_tiles": 0, "tail_pieces": 1}
+    assert grid_of(main, sizes) == (2048, 1, 1)
+    assert grid_of(main, {**sizes, "tail_tiles": 68, "tail_pieces": 2}) == (2048 + 68, 1, 1)
+    assert grid_of(main, {**sizes, "heads_kv": 32, "tail_tiles": 4, "tail_pieces": 33}) == (4096 + 4 * 32, 1, 1)
 
 
 def test_persistent_backward_grid_is_one_cta_per_multiprocessor(built):
@@ -354,7 +365,7 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     launches, packs, checks = [], [], []
     monkeypatch.setattr(loader, "_Context", _FakeContext)
     monkeypatch.setattr(library, "arch", lambda device: "sm90a")
-    monkeypatch.setattr(library, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(library, "sm_count", lambda device: 132)
     monkeypatch.setattr(library, "functions", lambda row, device, context=None: [f"fn{i}" for i in range(len(row["launches"]))])
     monkeypatch.setattr(loader, "call", lambda fn, *args: launches.append(args) if fn is loader.cu.cuLaunchKernelEx else None)
     monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes(128))

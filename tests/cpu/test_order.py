@@ -145,3 +145,49 @@ def test_semaphore_words_fill_the_workspace_region_once():
         words = [bwd.semaphore_word(i, hq, h, m_blocks, t, chains, c)
                  for i in range(b) for h in range(hq) for t in range(m_blocks) for c in range(chains)]
         assert sorted(words) == list(range(b * hq * m_blocks * chains))
+
+
+@pytest.mark.parametrize("sm_count", [132, 148, 4, 7])
+@pytest.mark.parametrize("items,seqlen_q,unit", [
+    (4096, 16384, 2), (4096, 1024, 2), (4096, 16384, 1), (2048, 4096, 1), (133, 300, 1), (133, 64, 1),
+    (140, 1000, 2), (9, 17, 1), (264, 4096, 1), (131, 4096, 1), (1, 100, 1)])
+def test_split_tail_covers_every_query_tile_of_every_item_once(items, seqlen_q, unit, sm_count):
+    """The split last wave (variants.tail_split, bwd_order.tail_item and piece_tiles):
+    every block maps to one item; an unsplit item's block takes all its query tiles, a split
+    item's pieces take disjoint, non-empty ranges cut at multiples of ``unit`` that cover
+    them; the grid the loader launches has exactly these blocks; pieces fill at most one
+    wave."""
+    from fa4_aot.variants import TAIL_MAX_TILES, tail_split
+
+    tile_m = 64
+    m_blocks = ceil_div(seqlen_q, tile_m)
+    tiles, pieces = tail_split(items, sm_count, ceil_div(m_blocks, unit))
+    assert (tiles, pieces) == (0, 1) or (1 <= tiles <= TAIL_MAX_TILES and pieces >= 2
+                                         and tiles == items % sm_count and tiles * pieces <= sm_count
+                                         and items >= sm_count)
+    grid = items + tiles * (pieces - 1)  # loader.grid_of's "split_tail"
+    seen = {}
+    for block in range(grid):
+        item, t, piece = bwd.tail_item(block, items, tiles, pieces)
+        assert 0 <= item < items
+        if t < 0:
+            assert item < items - tiles and piece == 0
+            first, count = 0, m_blocks
+        else:
+            assert item == items - tiles + t and 0 <= piece < pieces
+            first, count = bwd.piece_tiles(piece, pieces, m_blocks, unit)
+            assert count > 0 and first % unit == 0
+        seen.setdefault(item, []).extend(range(first, first + count))
+    assert sorted(seen) == list(range(items))
+    assert all(sorted(v) == list(range(m_blocks)) for v in seen.values())
+
+
+def test_split_tail_is_taken_only_for_a_short_last_wave():
+    from fa4_aot.variants import tail_split
+
+    assert tail_split(4096, 132, 128) == (4, 33)  # 16k tokens x 2048, 128-key tiles, on the H200
+    assert tail_split(4096, 132, 8) == (4, 8)  # 1k queries: one step (two tiles) a piece
+    assert tail_split(2048 + 100, 2048, 64) == (0, 1)  # 100 left > TAIL_MAX_TILES
+    assert tail_split(132 * 3, 132, 64) == (0, 1)  # whole waves
+    assert tail_split(100, 132, 64) == (0, 1)  # less than one wave: every SM already busy
+    assert tail_split(132 + 70, 132, 64) == (0, 1)  # the last wave is more than half full

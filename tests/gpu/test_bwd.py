@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd  # noqa: E402
-from fa4_aot.variants import MATRIX  # noqa: E402
+from fa4_aot.variants import MATRIX, bwd_tail_split  # noqa: E402
 
 from ..reference import attention_ref  # noqa: E402
 
@@ -92,6 +92,43 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
+
+
+SPLIT = [v for v in BWD if bwd_tail_split(v.head_dim, v.causal, v.deterministic)]
+SPLIT_CASES = [  # (sm_count or None for the device's, (batch, seqlen_q, seqlen_k, heads_q, heads_kv))
+    (4, (1, 700, 1100, 1, 1)),  # 9 key tiles on 4 SMs: the last one in 4 pieces, ragged tiles
+    (4, (2, 1000, 300, 3, 3)),  # 18 items: the last 2 in 2 pieces each
+    (4, (1, 130, 1100, 1, 1)),  # pieces of one step
+    (40, (1, 2000, 41 * 128, 1, 1)),  # 32 pieces add into one tile's sums at once
+    (None, (1, 300, 133 * 128, 1, 1)),  # the device's count (132 on an H200: 1 tile left over)
+]
+
+
+@pytest.mark.parametrize("variant", SPLIT, ids=lambda v: v.name)
+@pytest.mark.parametrize("sm_count,shape", SPLIT_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("first_write", [False, True])
+def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, gen, monkeypatch):
+    """The last partial wave's key tiles split by query range (variants.tail_split), their
+    dK, dV summed in fp32 across pieces: a multiprocessor count made small so that small
+    problems split, and the device's own; both first_write settings; poisoned workspace."""
+    import fa4_aot.api
+    from fa4_aot.variants import bwd_step_tiles, bwd_tiling, tail_split
+
+    library = fa4_aot.api.default_library()
+    if sm_count is not None:
+        monkeypatch.setattr(library, "sm_count", lambda device: sm_count)
+    monkeypatch.setattr(library, "launch_again", lambda key: False)  # plans are kept by arrays, not counts
+    monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
+    b, sq, sk, hq, hkv = shape
+    tiling = bwd_tiling(variant.head_dim, False)
+    units = -(-sq // (tiling.tile_m * bwd_step_tiles(variant.head_dim, False)))
+    tiles, pieces = tail_split(-(-sk // tiling.tile_n) * hkv * b, library.sm_count(0), units)
+    assert tiles > 0 and pieces > 1, "the case does not split"
+    q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], False, gen)
+    dq, dk, dv = _poisoned_grads(q, k, v)
+    flash_attn_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False))
+    torch.cuda.synchronize()
+    check_grads((dq, dk, dv), q, k, v, dout, False)
 
 
 @pytest.mark.parametrize("variant", BWD, ids=lambda v: v.name)
