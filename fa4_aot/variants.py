@@ -134,14 +134,17 @@ def dq_chains(causal: bool, deterministic: bool) -> int:
 
 # Backward, not causal, not deterministic (head_dim 64, 96, 128): when the key tiles (one
 # CTA each, all the same length) leave a last partial wave of at most TAIL_MAX_TILES CTAs,
-# those tiles are each split by query range into pieces that fill the otherwise idle SMs;
-# their dK, dV partial sums meet in an fp32 workspace region (TAIL_MAX_TILES tiles: 4 MB
+# those tiles are each split by query range into pieces that spread over all the SMs;
+# their dK, dV partial sums meet in an fp32 workspace region (TAIL_MAX_TILES tiles: 12.6 MB
 # at head_dim 128, part of every such backward's workspace, whose size is reported before
-# the problem's key count is known).
-# 4096 key tiles on 132 SMs are 31.03 waves: the 32nd, 4 CTAs long, cost 2.6-2.8% of every
-# such backward (docs/perf-notes.md, session 18).
-TAIL_MAX_TILES = 32
+# the problem's key count is known). 4096 key tiles on 132 SMs are 31.03 waves: the 32nd,
+# 4 CTAs long, cost 2.6-2.8% of every such backward (docs/perf-notes.md, session 18); 2048
+# leave 68.
+TAIL_MAX_TILES = 96
 TAIL_COUNTERS = 4  # int32 words per split tile (bwd_tail)
+# A piece's own cost (K, V loads, the partial sums, its start and end), in steps: what
+# splitting finer pays per piece (the per-CTA timelines of session 18: 3-5 us, ~2 steps).
+PIECE_COST_STEPS = 2
 
 
 def bwd_tail_split(head_dim: int, causal: bool, deterministic: bool) -> bool:
@@ -150,15 +153,20 @@ def bwd_tail_split(head_dim: int, causal: bool, deterministic: bool) -> bool:
 
 
 def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
-    """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs are split into
-    ``pieces`` each (units: the most pieces a tile's query range splits into), or (0, 1).
-    Split only after at least one full wave, when the last one leaves at least half of the
-    SMs idle."""
+    """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs of ``units`` steps each
+    are split into ``pieces`` each, or (0, 1). The pieces run in rounds of ``sm_count``;
+    taken where rounds x (steps a piece + PIECE_COST_STEPS) is least and under ``units``
+    (the last wave unsplit), after at least one full wave."""
     waves, tail = divmod(items, sm_count)
     if waves == 0 or tail == 0 or tail > TAIL_MAX_TILES:
         return 0, 1
-    pieces = min(sm_count // tail, units)
-    return (tail, pieces) if pieces > 1 else (0, 1)
+    best, cost = 1, units
+    for pieces in range(2, units + 1):
+        rounds = -(-tail * pieces // sm_count)
+        split_cost = rounds * (-(-units // pieces) + PIECE_COST_STEPS)
+        if split_cost < cost:
+            best, cost = pieces, split_cost
+    return (tail, best) if best > 1 else (0, 1)
 
 
 def dq_fragment_order(head_dim: int, causal: bool) -> bool:

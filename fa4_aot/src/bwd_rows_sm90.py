@@ -75,7 +75,6 @@ class BwdRowsSm90:
         self.dtype = dtype
         self.head_dim = head_dim
         self.tile_m = tile_m
-        assert tile_m >= TAIL_MAX_TILES  # the preprocess clears a split tile's counters per row
         self.threads = THREADS_PER_ROW * tile_m  # per block
         self.chains = chains
         # first_write (run time): which tiles and copies the main kernel wrote, from the
@@ -108,7 +107,7 @@ class BwdRowsSm90:
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
         query tile; THREADS_PER_ROW threads per row, 16-byte accesses. The first tile of
-        the first head also clears the split tiles' counters (bwd_tail), one tile a row.
+        the first head also clears the split tiles' counters (bwd_tail).
 
         Launched as usual (after all earlier work on the stream), so the main kernel may be
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
@@ -159,13 +158,15 @@ class BwdRowsSm90:
                     for i in cutlass.range_constexpr(tile_elems // 4 // self.threads):
                         chunk_at = base + (i * self.threads + tidx) * 4
                         cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
+        if batch == 0 and linear == 0:
+            words = TAIL_MAX_TILES * TAIL_COUNTERS
+            counters = cute.make_tensor(tail_ptr, cute.make_layout(words))
+            for k in cutlass.range_constexpr(-(-words // self.threads)):
+                if tidx + k * self.threads < words:
+                    counters[tidx + k * self.threads] = Int32(0)
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
-            if batch == 0 and linear == 0 and row < TAIL_MAX_TILES:
-                counters = cute.make_tensor(tail_ptr + row * TAIL_COUNTERS, cute.make_layout(TAIL_COUNTERS))
-                for k in cutlass.range_constexpr(TAIL_COUNTERS):
-                    counters[k] = Int32(0)
             if row < seqlen_q:
                 at = (batch * heads_q + head) * seqlen_q + row
                 lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))

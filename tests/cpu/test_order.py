@@ -163,8 +163,7 @@ def test_split_tail_covers_every_query_tile_of_every_item_once(items, seqlen_q, 
     m_blocks = ceil_div(seqlen_q, tile_m)
     tiles, pieces = tail_split(items, sm_count, ceil_div(m_blocks, unit))
     assert (tiles, pieces) == (0, 1) or (1 <= tiles <= TAIL_MAX_TILES and pieces >= 2
-                                         and tiles == items % sm_count and tiles * pieces <= sm_count
-                                         and items >= sm_count)
+                                         and tiles == items % sm_count and items >= sm_count)
     grid = items + tiles * (pieces - 1)  # loader.grid_of's "split_tail"
     seen = {}
     for block in range(grid):
@@ -182,12 +181,14 @@ def test_split_tail_covers_every_query_tile_of_every_item_once(items, seqlen_q, 
     assert all(sorted(v) == list(range(m_blocks)) for v in seen.values())
 
 
-def test_split_tail_is_taken_only_for_a_short_last_wave():
-    from fa4_aot.variants import tail_split
+def test_split_tail_is_taken_where_it_shortens_the_last_wave():
+    from fa4_aot.variants import PIECE_COST_STEPS, tail_split
 
-    assert tail_split(4096, 132, 128) == (4, 33)  # 16k tokens x 2048, 128-key tiles, on the H200
+    assert PIECE_COST_STEPS == 2  # the figures below
+    assert tail_split(4096, 132, 128) == (4, 32)  # 16k tokens x 2048, d64: 4 tiles left, 1 round
     assert tail_split(4096, 132, 8) == (4, 8)  # 1k queries: one step (two tiles) a piece
+    assert tail_split(2048, 132, 205) == (68, 9)  # d128 (80-row steps) at 16k: 5 rounds
+    assert tail_split(2048, 132, 13) == (0, 1)  # ... at 1k: no split pays for its pieces
     assert tail_split(2048 + 100, 2048, 64) == (0, 1)  # 100 left > TAIL_MAX_TILES
     assert tail_split(132 * 3, 132, 64) == (0, 1)  # whole waves
     assert tail_split(100, 132, 64) == (0, 1)  # less than one wave: every SM already busy
-    assert tail_split(132 + 70, 132, 64) == (0, 1)  # the last wave is more than half full

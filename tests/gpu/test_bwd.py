@@ -98,9 +98,10 @@ SPLIT = [v for v in BWD if bwd_tail_split(v.head_dim, v.causal, v.deterministic)
 SPLIT_CASES = [  # (sm_count or None for the device's, (batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     (4, (1, 700, 1100, 1, 1)),  # 9 key tiles on 4 SMs: the last one in 4 pieces, ragged tiles
     (4, (2, 1000, 300, 3, 3)),  # 18 items: the last 2 in 2 pieces each
-    (4, (1, 130, 1100, 1, 1)),  # pieces of one step
+    (4, (1, 400, 1100, 1, 1)),  # pieces of one or two steps
+    (4, (1, 4096, 7 * 128, 1, 1)),  # 7 items: the last 3 in pieces that take 3 rounds of 4 SMs
     (40, (1, 2000, 41 * 128, 1, 1)),  # 32 pieces add into one tile's sums at once
-    (None, (1, 300, 133 * 128, 1, 1)),  # the device's count (132 on an H200: 1 tile left over)
+    (None, (1, 1000, 133 * 128, 1, 1)),  # the device's count (132 on an H200: 1 tile left over)
 ]
 
 
