@@ -142,6 +142,18 @@ def _carve(workspace: DeviceArray, problem, causal: bool, deterministic: bool) -
     return out
 
 
+def backward_tail_split(sizes: dict, causal: bool, deterministic: bool, sm_count: int) -> tuple[int, int]:
+    """(tiles, pieces) of the backward's split last wave for a problem's sizes (batch,
+    seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) on ``sm_count`` SMs: variants.tail_split
+    where the variant splits and a CTA walks one query head's tiles (not GQA), else (0, 1)."""
+    d = sizes["head_dim"]
+    if not bwd_tail_split(d, causal, deterministic) or sizes["heads_q"] != sizes["heads_kv"]:
+        return 0, 1
+    tiling = bwd_tiling(d, causal)
+    items = -(-sizes["seqlen_k"] // tiling.tile_n) * sizes["heads_kv"] * sizes["batch"]
+    return tail_split(items, sm_count, -(-sizes["seqlen_q"] // (tiling.tile_m * bwd_step_tiles(d, causal))))
+
+
 def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
     faster than 1 (up to head_dim 192, not causal, and 16k keys and more), else 1 (causal
@@ -210,12 +222,8 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     tensors.update(regions)
     turn_tiles = deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
     first_write = first_write_dq(bool(deterministic), problem.seqlen_k)
-    tail_tiles, tail_pieces = 0, 1
-    if split and problem.heads_q == problem.heads_kv:  # (a piece walks one query head's tiles)
-        tiling = bwd_tiling(problem.head_dim, bool(causal))
-        items = -(-problem.seqlen_k // tiling.tile_n) * problem.heads_kv * problem.batch
-        units = -(-problem.seqlen_q // (tiling.tile_m * bwd_step_tiles(problem.head_dim, bool(causal))))
-        tail_tiles, tail_pieces = tail_split(items, library.sm_count(device), units)
+    tail_tiles, tail_pieces = backward_tail_split(problem.sizes, bool(causal), bool(deterministic),
+                                                  library.sm_count(device))
     values = {**problem.sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
               "first_write": int(first_write), "dq_batch": problem.batch * chains,
               "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}

@@ -192,3 +192,20 @@ def test_split_tail_is_taken_where_it_shortens_the_last_wave():
     assert tail_split(2048 + 100, 2048, 64) == (0, 1)  # 100 left > TAIL_MAX_TILES
     assert tail_split(132 * 3, 132, 64) == (0, 1)  # whole waves
     assert tail_split(100, 132, 64) == (0, 1)  # less than one wave: every SM already busy
+
+
+def test_backward_tail_split_by_problem():
+    """fa4_aot.api.backward_tail_split on the baselines grid (16k tokens, heads x head_dim
+    = 2048) on 132 SMs: what the backward launches; none causal, deterministic or GQA."""
+    from fa4_aot.api import backward_tail_split
+
+    def split(d, s, causal=False, det=False, heads_kv=None, sm=132):
+        h = 2048 // d
+        sizes = {"batch": 16384 // s, "seqlen_q": s, "seqlen_k": s, "heads_q": h, "heads_kv": heads_kv or h,
+                 "head_dim": d}
+        return backward_tail_split(sizes, causal, det, sm)
+
+    assert [split(64, s) for s in (1024, 4096, 16384)] == [(4, 8), (4, 32), (4, 32)]
+    assert [split(128, s) for s in (1024, 4096, 16384)] == [(0, 1), (68, 5), (68, 9)]
+    assert split(64, 4096, causal=True) == split(64, 4096, det=True) == split(256, 4096) == (0, 1)
+    assert split(64, 4096, heads_kv=8) == (0, 1)

@@ -113,7 +113,7 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
     dK, dV summed in fp32 across pieces: a multiprocessor count made small so that small
     problems split, and the device's own; both first_write settings; poisoned workspace."""
     import fa4_aot.api
-    from fa4_aot.variants import bwd_step_tiles, bwd_tiling, tail_split
+    from fa4_aot.api import backward_tail_split
 
     library = fa4_aot.api.default_library()
     if sm_count is not None:
@@ -121,9 +121,8 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
     monkeypatch.setattr(library, "launch_again", lambda key: False)  # plans are kept by arrays, not counts
     monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
     b, sq, sk, hq, hkv = shape
-    tiling = bwd_tiling(variant.head_dim, False)
-    units = -(-sq // (tiling.tile_m * bwd_step_tiles(variant.head_dim, False)))
-    tiles, pieces = tail_split(-(-sk // tiling.tile_n) * hkv * b, library.sm_count(0), units)
+    sizes = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads_q": hq, "heads_kv": hkv, "head_dim": variant.head_dim}
+    tiles, pieces = backward_tail_split(sizes, False, False, library.sm_count(0))
     assert tiles > 0 and pieces > 1, "the case does not split"
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], False, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
