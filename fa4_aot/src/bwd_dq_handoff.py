@@ -138,9 +138,9 @@ class DqHandoff:
                   seqlen_k, heads_q, turn_tiles, first_write, n_block, head_kv, batch, m_first, span, steps, done,
                   tail):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
-        the staging buffers in turn over all their steps; ``tail``: bwd_tail's, or None). Add each staged dQ tile into
-        the fp32 accumulator by a bulk reduce-add, off the consumers' critical path: they
-        only wait for the buffer to be read.
+        the staging buffers in turn over all their steps; ``tail``: bwd_tail's, or None).
+        Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
+        consumers' critical path: they only wait for the buffer to be read.
 
         Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
         tiles add into it in a fixed order, one turn per CTA per run, counted by a

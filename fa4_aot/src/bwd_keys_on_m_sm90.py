@@ -33,8 +33,8 @@ class KeysOnMCompute:
                 n_block, head_kv, batch, m_first, span, steps, done, tail):
         """One item (key tile) of the CTA. tidx: 0..255 over the consumer warpgroups;
         ``done``: the CTA's steps before this item (the dS and dQ buffers are taken in
-        turn over all of them); ``tail``: a piece's (bwd_tail), or None. Returns the advanced pipeline states. Per query tile, in
-        issue order:
+        turn over all of them); ``tail``: a piece's (bwd_tail), or None. Returns the
+        advanced pipeline states. Per query tile, in issue order:
         S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS to shared
         memory, barrier -> dQ = dS K (async) -> dK += dS^T Q (async) -> once dQ is done,
         stage it for the writer warp while dK runs. At head_dim 64 (overlap_scores) the

@@ -88,8 +88,8 @@ class WideCompute:
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
                      seqlen_k, heads_q, sLSE2, sDsum, scale, scale_log2, tma_dk, gdK, tma_dv, gdV, kv_state, state,
                      n_block, head_kv, batch, m_first, span, steps, tail):
-        """One CTA (key tile; ``tail``: a piece's, bwd_tail, or None). tidx: 0..255 over the consumer warpgroups. Per step, in issue
-        order: S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS
+        """One CTA (key tile; ``tail``: a piece's, bwd_tail, or None). tidx: 0..255 over
+        the consumer warpgroups. Per step, in issue order: S^T, dP^T (async) -> P^T, dS^T in registers -> dV += P^T dO (async) -> dS
         to shared memory, barrier -> dQ of this warpgroup's tile (async) -> dK += dS^T Q
         (async) -> once dQ is done, stage it for the writer while dK runs."""
         d, tm, tn, rows = self.head_dim, self.tile_m, self.tile_n, self.step_rows
