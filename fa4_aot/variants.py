@@ -12,6 +12,7 @@ Imports nothing beyond the standard library: the runtime uses it to select kerne
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 ARCHS = ("sm90a", "sm100a")
@@ -152,6 +153,7 @@ def bwd_tail_split(head_dim: int, causal: bool, deterministic: bool) -> bool:
     return not causal and not deterministic and head_dim in (64, 96, 128)
 
 
+@functools.lru_cache(maxsize=1024)
 def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
     """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs of ``units`` steps each
     are split into ``pieces`` each, or (0, 1). The pieces run in rounds of ``sm_count``;

@@ -452,17 +452,14 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
             n_tiles, heads_kv = cute.ceil_div(seqlen_k, self.tile_n), gK.shape[2]
             tail = None
             if const_expr(self.tail_split):
-                # one-dimensional grid: whole items, then the last tail_tiles in pieces
+                # one-dimensional grid: whole items in launch order, then the last tail_tiles
+                # in pieces
                 whole, split, piece = tail_item(launch, n_tiles * heads_kv * gK.shape[3], tail_tiles, tail_pieces)
-                launch, head_kv, batch = whole % n_tiles, (whole // n_tiles) % heads_kv, whole // (n_tiles * heads_kv)
                 tail = (split, tail_ptr, partial_ptr, tail_pieces)
-            work = self._work(launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
-            if const_expr(self.tail_split):
-                # a piece: its query tiles only (the run time splits only where a CTA walks
-                # one query head's tiles, group 1)
-                piece_first, piece_count = piece_tiles(piece, tail_pieces, m_blocks, self.step_rows // self.tile_m)
-                work = (*work[:3], cutlass.select_(split >= 0, piece_first, work[3]),
-                        work[4], cutlass.select_(split >= 0, piece_count, work[5]))
+                work = self._work_of_item(whole, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks,
+                                          (split, piece, tail_pieces))
+            else:
+                work = self._work(launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
@@ -524,16 +521,18 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
                     self.compute(*args, kv_state, state, *work, 0, tail)
 
     @cute.jit
-    def _work_of_item(self, item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks):
-        """``_work`` of the item-th CTA in launch order (persistent)."""
+    def _work_of_item(self, item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks, piece=None):
+        """``_work`` of the item-th CTA in launch order (persistent, or the split tail's)."""
         return self._work(item % n_tiles, (item // n_tiles) % heads_kv, item // (n_tiles * heads_kv),
-                          n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
+                          n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks, piece)
 
     @cute.jit
-    def _work(self, launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks):
+    def _work(self, launch, head_kv, batch, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks, piece=None):
         """(key tile, KV head, batch, first query tile, query tiles per query head, steps)
         of the CTA launched at (launch, head_kv, batch) of a (n_tiles, heads_kv, batch)
-        grid."""
+        grid; ``piece``: (split tile or -1, piece, pieces) of the split tail (bwd_tail), whose
+        pieces take their own query tiles (the run time splits only where a CTA walks one
+        query head's tiles, group 1)."""
         if const_expr(self.causal and not self.deterministic):
             launch, head_kv = launch_in_head_groups(launch, head_kv, n_tiles, heads_kv,
                                                     backward_head_group(seqlen_q, self.head_dim, group))
@@ -546,7 +545,13 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
             # the CTAs of a head reduce into different dQ tiles at any moment (see _m_block).
             runs = cute.ceil_div(m_blocks, ROTATION_TILES)
             m_first = (n_block * runs // cute.ceil_div(seqlen_k, self.tile_n)) * ROTATION_TILES
-        return n_block, head_kv, batch, m_first, span, group * span
+        steps = group * span
+        if const_expr(piece is not None):
+            split, j, pieces = piece
+            piece_first, piece_count = piece_tiles(j, pieces, m_blocks, self.step_rows // self.tile_m)
+            m_first = cutlass.select_(split >= 0, piece_first, m_first)
+            steps = cutlass.select_(split >= 0, piece_count, steps)
+        return n_block, head_kv, batch, m_first, span, steps
 
     @cute.jit
     def load(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
