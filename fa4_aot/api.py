@@ -89,11 +89,26 @@ def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | N
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
-                             deterministic: bool = False) -> int:
+                             deterministic: bool = False, seqlen_k: int | None = None,
+                             heads_kv: int | None = None) -> int:
     """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
-    backward keeps more than one copy of its fp32 dQ accumulator)."""
-    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, bool(causal), bool(deterministic)))
+    backward keeps more than one copy of its fp32 dQ accumulator). With ``seqlen_k`` and
+    ``heads_kv`` too, the split last wave's partial sums are sized for the problem's key
+    tiles (at most variants.TAIL_MAX_TILES; none with GQA); without, for the most."""
+    tiles = TAIL_MAX_TILES
+    if seqlen_k is not None and heads_kv is not None:
+        tiles = _partial_tiles(batch, seqlen_k, heads_q, heads_kv, head_dim, bool(causal))
+    return _workspace_bytes(_workspace_regions(batch, seqlen_q, heads_q, head_dim, bool(causal), bool(deterministic),
+                                               tiles))
+
+
+def _partial_tiles(batch: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool) -> int:
+    """Split key tiles the problem can have: fewer than its key tiles (a split leaves at
+    least one full wave), at most TAIL_MAX_TILES, none with GQA (backward_tail_split)."""
+    if heads_q != heads_kv:
+        return 0
+    return min(TAIL_MAX_TILES, -(-seqlen_k // bwd_tiling(head_dim, causal).tile_n) * heads_kv * batch)
 
 
 def _workspace_bytes(regions) -> int:
@@ -101,7 +116,8 @@ def _workspace_bytes(regions) -> int:
     return sum(-(-size // 256) * 256 for _, size in regions[:-1]) + regions[-1][1]
 
 
-def _workspace_regions(b: int, sq: int, hq: int, d: int, causal: bool, deterministic: bool):
+def _workspace_regions(b: int, sq: int, hq: int, d: int, causal: bool, deterministic: bool,
+                       partial_tiles: int = TAIL_MAX_TILES):
     chains = dq_chains(causal, deterministic)
     tiling = bwd_tiling(d, causal)
     # LSE2 and D per (batch, head) padded to whole query tiles: the kernel copies a tile's
@@ -115,7 +131,7 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, causal: bool, determini
     # postprocess converts a head's tiles once all have counted themselves)
     # tail_counters, dkv_partial: the split last wave's (variants.tail_split): counters per
     # split tile (cleared by the preprocess) and its dK, dV partial sums in fp32
-    partial = TAIL_MAX_TILES * 2 * tiling.tile_n * d * 4 if bwd_tail_split(d, causal, deterministic) else 0
+    partial = partial_tiles * 2 * tiling.tile_n * d * 4 if bwd_tail_split(d, causal, deterministic) else 0
     return [("lse2", rows), ("dsum", rows), ("dq_accum", chains * b * m_blocks * tiling.tile_m * hq * d * 4),
             ("dq_semaphore", chains * b * hq * m_blocks * 4), ("dq_done", b * hq * 4),
             ("tail_counters", TAIL_MAX_TILES * TAIL_COUNTERS * 4), ("dkv_partial", partial)]
@@ -123,7 +139,8 @@ def _workspace_regions(b: int, sq: int, hq: int, d: int, causal: bool, determini
 
 def _carve(workspace: DeviceArray, problem, causal: bool, deterministic: bool) -> dict:
     regions = _workspace_regions(problem.batch, problem.seqlen_q, problem.heads_q, problem.head_dim, causal,
-                                 deterministic)
+                                 deterministic, _partial_tiles(problem.batch, problem.seqlen_k, problem.heads_q,
+                                                               problem.heads_kv, problem.head_dim, causal))
     need = _workspace_bytes(regions)
     have = math.prod(workspace.shape) * workspace.itemsize
     if have < need:

@@ -60,8 +60,9 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
     if workspace is None:
-        workspace = torch.empty(backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic),
-                                dtype=torch.uint8, device=q.device)
+        size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
+                                        seqlen_k=k.shape[1], heads_kv=k.shape[2])
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
              stream=_stream(q))

@@ -110,7 +110,8 @@ def test_workspace_is_carved_aligned_and_checked():
     from fa4_aot.checks import check_forward
 
     p = check_forward(**problem())
-    need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+    need = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, seqlen_k=p.seqlen_k,
+                                    heads_kv=p.heads_kv)
     regions = _carve(DeviceArray(BASE, (need,), (1,), "u8"), p, False, False)
     starts = sorted(r["ptr"] for r in regions.values())
     assert all(s % 256 == 0 for s in starts) and starts[0] == BASE
@@ -216,3 +217,30 @@ def test_size_one_axes_get_a_valid_descriptor_stride():
 
     t = _tma_tensor(DeviceArray(BASE, (1, 1, 1, 64), (0, 0, 0, 1), "bf16"))
     assert all(s * 2 % 16 == 0 and s > 0 for s in t["strides"][:3])
+
+
+def test_workspace_partial_sums_are_sized_by_the_problem_when_told():
+    """backward_workspace_bytes with seqlen_k and heads_kv sizes the split last wave's
+    partial sums for the problem's key tiles (fewer than TAIL_MAX_TILES when it has fewer,
+    none with GQA); without them, for the most. A workspace of either size is taken, and one
+    byte less than the exact size is refused."""
+    from fa4_aot.api import _carve, backward_workspace_bytes
+    from fa4_aot.variants import TAIL_MAX_TILES
+
+    for heads_kv in (2, 8):  # GQA: no split; MHA: 3 key tiles x 8 heads x 2 = 48 tiles
+        p = check_forward(**problem(k=bshd(2, 300, heads_kv, 128), v=bshd(2, 300, heads_kv, 128)))
+        most = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim)
+        exact = backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, seqlen_k=p.seqlen_k,
+                                         heads_kv=p.heads_kv)
+        tiles = min(TAIL_MAX_TILES, 3 * heads_kv * 2) if heads_kv == 8 else 0
+        assert most - exact == (TAIL_MAX_TILES - tiles) * 2 * 128 * 128 * 4
+        for size in (most, exact):
+            _carve(DeviceArray(BASE, (size,), (1,), "u8"), p, False, False)
+        with pytest.raises(ShapeError, match="workspace has"):
+            _carve(DeviceArray(BASE, (exact - 1,), (1,), "u8"), p, False, False)
+    # causal and deterministic variants keep no partial sums: the same size either way
+    for causal, det in ((True, False), (False, True)):
+        assert backward_workspace_bytes(p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=causal,
+                                        deterministic=det) == backward_workspace_bytes(
+            p.batch, p.seqlen_q, p.heads_q, p.head_dim, causal=causal, deterministic=det, seqlen_k=p.seqlen_k,
+            heads_kv=p.heads_kv)

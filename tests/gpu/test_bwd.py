@@ -59,14 +59,16 @@ def _poisoned_grads(q, k, v):
     return [torch.full_like(x, float("nan")) for x in (q, k, v)]
 
 
-def _poisoned_workspace(q, causal, deterministic):
+def _poisoned_workspace(q, causal, deterministic, k=None):
     """A workspace of NaN bytes (0xff): the kernels must clear or overwrite what they read
     (the non-deterministic backward stores a dQ tile's first share instead of clearing
-    the accumulator; the postprocess zeroes tiles that no key tile wrote)."""
+    the accumulator; the postprocess zeroes tiles that no key tile wrote). Given ``k``,
+    exactly the size the problem needs (its split tiles' partial sums, none beyond)."""
     from fa4_aot.api import backward_workspace_bytes
 
     b, s_q, h_q, d = q.shape
-    size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic)
+    exact = {} if k is None else {"seqlen_k": k.shape[1], "heads_kv": k.shape[2]}
+    size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic, **exact)
     return torch.full((size,), 0xFF, dtype=torch.uint8, device=q.device)
 
 
@@ -126,7 +128,7 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
     assert tiles > 0 and pieces > 1, "the case does not split"
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], False, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False))
+    flash_attn_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False, k))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, False)
 
