@@ -204,6 +204,11 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # turns must only wait for CTAs launched earlier (lower key tiles), which a
         # rotation breaks: a CTA would wait at a tile for one not yet resident (deadlock).
         self.rotate = not causal and not deterministic
+        # CTAs in L2-sized groups of heads (launch_order): causal and not deterministic, a
+        # wave then holds the heaviest tiles of several heads (session 8); deterministic and
+        # not causal, +5-6% at 4k, 1-2% at 1k (session 19; FA4's deterministic mode swizzles
+        # its heads so too). Deterministic causal measured 0-2% slower with them.
+        self.head_groups = causal != deterministic
         # head_dim 64, bf16: a tile's S^T is issued behind the previous tile's dK GEMM (see
         # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for spilled
         # registers (8 bytes; 16 with session 11's early try-waits, reloaded once a step).
@@ -533,9 +538,9 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         grid; ``piece``: (split tile or -1, piece, pieces) of the split tail (bwd_tail), whose
         pieces take their own query tiles (the run time splits only where a CTA walks one
         query head's tiles, group 1)."""
-        if const_expr(self.causal and not self.deterministic):
+        if const_expr(self.head_groups):
             launch, head_kv = launch_in_head_groups(launch, head_kv, n_tiles, heads_kv,
-                                                    backward_head_group(seqlen_q, self.head_dim, group))
+                                                    backward_head_group(seqlen_q, self.head_dim, group, self.chains))
         n_block = key_tile_of_launch(launch, n_tiles, self.causal, self.deterministic)
         m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal))
         span = cutlass.max(m_blocks - m_first, 0)

@@ -11,10 +11,10 @@ wave holds the heaviest tiles of several heads, then their next ones, and so on.
 
 import cutlass
 
-# Backward, causal, not deterministic: CTAs handed out in groups of KV heads whose Q, dO
-# (16-bit) and fp32 dQ accumulator fit this much of L2, in powers of two up to
-# BWD_MAX_HEAD_GROUP (a fixed 4 measured best at 4k, session 8; sized to L2, 16k causal
-# d256 +3% with 1, d128 equal with 2: session 10).
+# Backward, causal and not deterministic, or deterministic and not causal: CTAs handed
+# out in groups of KV heads whose Q, dO (16-bit) and fp32 dQ accumulator copies fit this
+# much of L2, in powers of two up to BWD_MAX_HEAD_GROUP (causal: a fixed 4 measured best at
+# 4k, session 8; sized to L2, 16k d256 +3% with 1, d128 equal with 2: session 10).
 BWD_L2_BYTES = 40 * 1024 * 1024
 BWD_MAX_HEAD_GROUP = 4
 # Forward, causal: as many heads per group as keep their K and V in this much of L2 (the
@@ -43,11 +43,13 @@ def forward_head_group(seqlen_k, head_dim: int):
     return _l2_head_group(seqlen_k, 4 * head_dim, FWD_L2_BYTES, FWD_MAX_HEAD_GROUP)
 
 
-def backward_head_group(seqlen_q, head_dim: int, q_heads_per_kv):
-    """KV heads per launch group of the causal backward: the largest power of two whose
-    query side (Q and dO, 16-bit, and the fp32 dQ accumulator: 8 bytes per element, for
-    each query head of the group's KV heads) fits BWD_L2_BYTES, at least 1."""
-    return _l2_head_group(seqlen_q * q_heads_per_kv, 8 * head_dim, BWD_L2_BYTES, BWD_MAX_HEAD_GROUP)
+def backward_head_group(seqlen_q, head_dim: int, q_heads_per_kv, dq_copies: int = 1):
+    """KV heads per launch group of the backward: the largest power of two whose query
+    side (Q and dO, 16-bit, and the dq_copies fp32 dQ accumulators: 4 + 4 x dq_copies bytes
+    per element, for each query head of the group's KV heads) fits BWD_L2_BYTES, at least
+    1."""
+    return _l2_head_group(seqlen_q * q_heads_per_kv, (4 + 4 * dq_copies) * head_dim, BWD_L2_BYTES,
+                          BWD_MAX_HEAD_GROUP)
 
 
 def _l2_head_group(rows, bytes_per_row: int, budget: int, cap: int):

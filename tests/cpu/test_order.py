@@ -9,6 +9,7 @@ second rule once and hung a benchmark while every GPU test passed (docs/perf-not
 session 6); these checks run on every shape class without a GPU.
 """
 
+import itertools
 import pytest
 
 bwd = pytest.importorskip("fa4_aot.src.bwd_order", reason="the CuTe DSL is needed to import the kernel source")
@@ -89,9 +90,9 @@ def test_head_groups_map_the_grid_one_to_one_keeping_each_heads_order(heads):
 def test_backward_head_groups_keep_the_groups_query_side_within_the_l2_budget():
     for head_dim in (64, 96, 128, 192, 256):
         for seqlen_q in (1, 100, 1024, 4096, 16384, 65536, 1 << 20):
-            for per_kv in (1, 4, 32):
-                group = order.backward_head_group(seqlen_q, head_dim, per_kv)
-                need = seqlen_q * per_kv * 8 * head_dim
+            for per_kv, copies in itertools.product((1, 4, 32), (1, 2)):
+                group = order.backward_head_group(seqlen_q, head_dim, per_kv, copies)
+                need = seqlen_q * per_kv * (4 + 4 * copies) * head_dim
                 assert group & (group - 1) == 0 and 1 <= group <= order.BWD_MAX_HEAD_GROUP
                 assert group == 1 or group * need <= order.BWD_L2_BYTES
                 assert 2 * group > order.BWD_MAX_HEAD_GROUP or 2 * group * need > order.BWD_L2_BYTES
