@@ -104,8 +104,8 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
 
 
 def _partial_tiles(batch: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool) -> int:
-    """Split key tiles the problem can have: fewer than its key tiles (a split leaves at
-    least one full wave), at most TAIL_MAX_TILES, none with GQA (backward_tail_split)."""
+    """Bound on the key tiles the problem's split last wave can take: its key tiles, at
+    most TAIL_MAX_TILES, none with GQA (backward_tail_split)."""
     if heads_q != heads_kv:
         return 0
     return min(TAIL_MAX_TILES, -(-seqlen_k // bwd_tiling(head_dim, causal).tile_n) * heads_kv * batch)
