@@ -1,6 +1,11 @@
 """Launches for compute-sanitizer (tests/gpu/test_sanitizer.py runs this file under it):
 the forward and both backward modes of every bf16 head dim, causal and not, on shapes
-with partial tiles each way, MQA/GQA and seqlen_q != seqlen_k.
+with partial tiles each way, MQA/GQA and seqlen_q != seqlen_k; and the backward's split
+last wave (variants.tail_split) on a multiprocessor count taken as 4, since these shapes
+are too small to leave a partial wave on a whole device. The backward's workspace is the
+exact size the problem needs (the torch adapter's), and test_sanitizer.py turns torch's
+caching allocator off, so every array is its own allocation and memcheck sees any access
+past its end.
 
 python -m tests.gpu.sanitizer_cases [KERNELS_DIR]  (default: the package's cubins)"""
 
@@ -10,9 +15,12 @@ from pathlib import Path
 import torch
 
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
-from fa4_aot.variants import MATRIX
+from fa4_aot.variants import MATRIX, bwd_tail_split
 
 SHAPES = [(3, 17, 17, 2, 1), (2, 333, 200, 4, 2), (1, 200, 333, 3, 1)]  # (b, s_q, s_k, h_q, h_kv)
+# on 4 SMs: 9 key tiles, the last in 4 ragged pieces; 18 items, the last 2 in 2 pieces each
+SPLIT_SHAPES = [(1, 700, 1100, 1, 1), (2, 1000, 300, 3, 3)]
+SPLIT_SM_COUNT = 4
 
 
 def main():
@@ -25,8 +33,30 @@ def main():
                 out, lse = flash_attn_fwd(q, k, v, causal=causal)
                 for deterministic in (False, True):
                     flash_attn_bwd(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+    split_dims = split_tail_cases()
     torch.cuda.synchronize()
-    print(f"sanitizer cases done: head dims {dims}")
+    print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
+
+
+def split_tail_cases():
+    """The split last wave of every head dim that takes it, on SPLIT_SM_COUNT SMs (the
+    library's count replaced, as tests/gpu/test_bwd.py does). Returns those head dims."""
+    import fa4_aot.api as api
+
+    library = api.default_library()
+    library.sm_count = lambda device: SPLIT_SM_COUNT
+    library.launch_again = lambda key: False  # launch plans are kept by arrays, not SM counts
+    dims = sorted({v.head_dim for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a"
+                   and bwd_tail_split(v.head_dim, False, False)})
+    for d in dims:
+        for b, sq, sk, hq, hkv in SPLIT_SHAPES:
+            sizes = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads_q": hq, "heads_kv": hkv, "head_dim": d}
+            assert api.backward_tail_split(sizes, False, False, SPLIT_SM_COUNT)[0] > 0, "the case does not split"
+            q, do = (torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            out, lse = flash_attn_fwd(q, k, v)
+            flash_attn_bwd(do, q, k, v, out, lse)
+    return dims
 
 
 if __name__ == "__main__":
