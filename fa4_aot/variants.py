@@ -101,7 +101,7 @@ BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
 
 def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
     """The sm90a backward's tile shape of a head dim, causal or not."""
-    if not causal and head_dim in BWD_SM90_TILING_NOT_CAUSAL:
+    if (not causal or head_dim == 64) and head_dim in BWD_SM90_TILING_NOT_CAUSAL:
         return BWD_SM90_TILING_NOT_CAUSAL[head_dim]
     return BWD_SM90_TILING[head_dim]
 
@@ -109,7 +109,7 @@ def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
 def bwd_step_tiles(head_dim: int, causal: bool) -> int:
     """Query tiles per backward step: two at head_dim 64 not causal (128 queries, FA4's
     Hopper shape: fa4_aot/src/bwd_wide_sm90.py), else one."""
-    return 2 if head_dim == 64 and not causal else 1
+    return 2 if head_dim == 64 else 1
 
 
 def bwd_query_rows(head_dim: int, causal: bool) -> int:
@@ -174,7 +174,7 @@ def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
 def dq_fragment_order(head_dim: int, causal: bool) -> bool:
     """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
     address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
-    return head_dim in (96, 128) or (head_dim == 64 and not causal)
+    return head_dim in (64, 96, 128)
 
 
 @dataclass(frozen=True, order=True)

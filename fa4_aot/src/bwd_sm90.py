@@ -178,7 +178,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB). wide: two, which
         # the two warpgroups' tiles of a step take (a buffer per warpgroup, FA4's; two each
         # do not fit next to 128-row stages and double-buffered dS).
-        self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if head_dim == 64 and causal else 2)
+        self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if one_tile_64 and causal else 2)
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
