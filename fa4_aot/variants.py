@@ -99,17 +99,22 @@ BWD_SM90_TILING = {
 BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
 
 
-def bwd_tiling(head_dim: int, causal: bool) -> Tiling:
-    """The sm90a backward's tile shape of a head dim, causal or not."""
-    if not causal and head_dim in BWD_SM90_TILING_NOT_CAUSAL:
+def bwd_tiling(head_dim: int, causal: bool, deterministic: bool = False) -> Tiling:
+    """The sm90a backward's tile shape of a head dim, causal or not (and deterministic or
+    not: the head_dim 64 causal kernels differ in their stages; the query tile, the
+    workspace's unit, does not depend on it)."""
+    if head_dim in BWD_SM90_TILING_NOT_CAUSAL and (not causal or bwd_step_tiles(head_dim, causal, deterministic) == 2):
         return BWD_SM90_TILING_NOT_CAUSAL[head_dim]
     return BWD_SM90_TILING[head_dim]
 
 
-def bwd_step_tiles(head_dim: int, causal: bool) -> int:
-    """Query tiles per backward step: two at head_dim 64 not causal (128 queries, FA4's
-    Hopper shape: fa4_aot/src/bwd_wide_sm90.py), else one."""
-    return 2 if head_dim == 64 and not causal else 1
+def bwd_step_tiles(head_dim: int, causal: bool, deterministic: bool = False) -> int:
+    """Query tiles per backward step: two at head_dim 64 (128 queries, FA4's Hopper shape:
+    fa4_aot/src/bwd_wide_sm90.py) except causal and not deterministic, else one. Causal
+    not deterministic keeps the 64-row kernel, whose persistent CTAs the wide one loses to
+    by 5% at 1k keys (it gains 2% at 4k-16k: session 19); deterministic causal, the wide
+    kernel measured +2% at 1k-4k and +4.6% at 16k (session 19)."""
+    return 2 if head_dim == 64 and (not causal or deterministic) else 1
 
 
 def bwd_query_rows(head_dim: int, causal: bool) -> int:
@@ -171,10 +176,10 @@ def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
     return (tail, best) if best > 1 else (0, 1)
 
 
-def dq_fragment_order(head_dim: int, causal: bool) -> bool:
+def dq_fragment_order(head_dim: int, causal: bool, deterministic: bool = False) -> bool:
     """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
     address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
-    return head_dim in (96, 128) or (head_dim == 64 and not causal)
+    return head_dim in (96, 128) or bwd_step_tiles(head_dim, causal, deterministic) == 2
 
 
 @dataclass(frozen=True, order=True)
@@ -219,7 +224,7 @@ class Variant:
         if self.kind == "fwd" and self.arch == "sm90a":
             return FWD_SM90_TILING[self.head_dim]
         if self.kind == "bwd" and self.arch == "sm90a":
-            return bwd_tiling(self.head_dim, self.causal)
+            return bwd_tiling(self.head_dim, self.causal, self.deterministic)
         raise NotImplementedError(f"no kernel for {self.name}")
 
     @property

@@ -128,7 +128,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
         # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
-        self.wide = bwd_step_tiles(head_dim, causal) == 2
+        self.wide = bwd_step_tiles(head_dim, causal, deterministic) == 2
         self.step_rows = 2 * tile_m if self.wide else tile_m
         # the one-tile head_dim 64 kernel (causal), which the knobs below name "head_dim 64"
         one_tile_64 = head_dim == 64 and not self.wide
@@ -178,7 +178,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # 80-row tiles: one (Q, dO, dS and the staging then take 225 KB). wide: two, which
         # the two warpgroups' tiles of a step take (a buffer per warpgroup, FA4's; two each
         # do not fit next to 128-row stages and double-buffered dS).
-        self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if head_dim == 64 and causal else 2)
+        self.dq_stages = 1 if self.head_on_m or tile_m == 80 else (3 if one_tile_64 and causal else 2)
         # head_on_m: three 16 KB buffers that the parts of a step take in turn (at 256 its
         # four parts: four buffers do not fit next to 80-key K and V; at 192 one per part)
         self.dq_slots = 3 if self.head_on_m else self.dq_parts * self.dq_stages
@@ -248,7 +248,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # (wide: each warpgroup's whole query tile is one part; in fragment order its 16-byte
         # stores replaced the row layout's 64-bit ones, which conflicted two ways in the
         # banks: +5-7% at 4k-16k keys, session 17)
-        self.dq_fragment_order = dq_fragment_order(head_dim, causal)
+        self.dq_fragment_order = dq_fragment_order(head_dim, causal, deterministic)
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.dq_parts)
@@ -632,12 +632,15 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
 
     @cute.jit
     def _probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
-               queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False):
+               queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False,
+               m_upper=None):
         """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
         LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
         row), or, ``by_query``, is the stage's shared (tile_m,) values, read where used (no
         registers held for them). Only the last key tile (padding) and, causal, tiles that
-        cross the diagonal are masked."""
+        cross the diagonal are masked. ``m_upper`` (wide, causal): the query tile of the
+        step's queries from tile_m on, which need not follow m_block (a pair of tiles that
+        spans two query heads of a GQA group)."""
         s = acc_as_rows_cols(acc_s)
         if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
@@ -652,7 +655,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # the last key the tile's first query may see (exclusive bound, as a count)
         visible = seqlen_k
         if const_expr(self.causal):
-            visible = cutlass.min(visible, m_block * self.tile_m + 1 + seqlen_k - seqlen_q)
+            first_tile = m_block if const_expr(m_upper is None) else cutlass.min(m_block, m_upper)
+            visible = cutlass.min(visible, first_tile * self.tile_m + 1 + seqlen_k - seqlen_q)
         if (n_block + 1) * self.tile_n > visible:
             # what depends on the row alone (its key, or its query's limit) computed once a row
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
@@ -664,7 +668,11 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
                     if const_expr(queries_on_rows):
                         key, limit = n_block * self.tile_n + s_coords[r, j][1], row_limit
                     else:
-                        key, limit = row_key, self._key_limit(s_coords[r, j][1], m_block, seqlen_q, seqlen_k)
+                        query, tile = s_coords[r, j][1], m_block
+                        if const_expr(m_upper is not None):
+                            # queries tile_m.. of the upper tile: row m_upper * tile_m + (query - tile_m)
+                            tile = cutlass.select_(query < self.tile_m, m_block, m_upper - 1)
+                        key, limit = row_key, self._key_limit(query, tile, seqlen_q, seqlen_k)
                     s[r, j] = select_f32(key >= limit, Float32(0.0), s[r, j])
 
     def _key_limit(self, query, m_block, seqlen_q, seqlen_k):

@@ -1,4 +1,5 @@
-"""The backward's head_dim 64 loop, not causal, with two query tiles per step (sm_90a):
+"""The backward's head_dim 64 loop (not causal, and deterministic causal) with two query
+tiles per step (sm_90a):
 ``load_wide`` and ``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs,
 pipelines, ``_m_block``, ``_finish_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
 
@@ -21,7 +22,7 @@ finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not s
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .bwd_barriers import DS_BARRIER
@@ -117,7 +118,7 @@ class WideCompute:
 
         pipe_kv.consumer_wait(kv_state)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
-            _, m_a, _, _, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
+            _, m_a, _, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
             ds_stage = step % self.ds_stages
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -128,9 +129,10 @@ class WideCompute:
             warpgroup.wait_group(1)  # S^T done
             # each column's LSE2 and D read from shared memory where used (128 columns' values
             # held at once do not fit beside the accumulators); not causal, m_a only names
-            # the step (the mask is the last key tile's padding)
+            # the step (the mask is the last key tile's padding); causal, each half masked
+            # by its own tile (the halves of a GQA group's pair may be two heads' tiles)
             self._probs(acc_s, s_coords, sLSE2[None, state.index], n_block, m_a, seqlen_q, seqlen_k, scale_log2,
-                        by_query=True)
+                        by_query=True, m_upper=m_b if const_expr(self.causal) else None)
             warpgroup.wait_group(0)  # dP^T done
             self._grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
             # dS^T in shared memory (the fence keeps the GEMMs after it) before P^T is made
