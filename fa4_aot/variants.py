@@ -91,8 +91,8 @@ BWD_SM90_TILING = {
 }
 # head_dim 64 not causal: two 64-row query tiles per step (128 queries, FA4's shape: the
 # step's fixed costs spread over twice the rows; fa4_aot/src/bwd_wide_sm90.py), two Q/dO
-# stages of 128 rows; the 64-row tile stays the workspace's unit. Causal keeps one tile per
-# step (measured: wide +0-2% causal above 1k keys, -4% at 1k; session 17).
+# stages of 128 rows; the 64-row tile stays the workspace's unit. Deterministic causal
+# takes it too (bwd_step_tiles); causal not deterministic keeps one tile per step.
 # head_dim 128 not causal: 80 query rows per step (dQ computed transposed, split by head
 # dims; its staging single-buffered to fit), as FA4 upstream takes there: a step's fixed
 # costs spread over 25% more queries (+1-2% measured, session 17). Causal keeps 64.

@@ -121,7 +121,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         self.tile_n = tile_n
         self.stages = stages
         self.num_consumers = 3 if head_dim == 192 else 2
-        # head_dim 64 not causal: two query tiles per step (``wide``, bwd_wide_sm90; FA4's
+        # head_dim 64 (not causal, or deterministic): two query tiles per step (``wide``,
+        # bwd_wide_sm90; variants.bwd_step_tiles; FA4's
         # Hopper shape): S^T and dP^T of 64 keys x 128 queries per warpgroup, the per-step
         # work (waits, barriers, descriptors) paid once per 128 rows. Each warpgroup then
         # computes the dQ of one whole query tile (dS rows from shared memory, K) and stages
@@ -130,7 +131,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
         self.wide = bwd_step_tiles(head_dim, causal, deterministic) == 2
         self.step_rows = 2 * tile_m if self.wide else tile_m
-        # the one-tile head_dim 64 kernel (causal), which the knobs below name "head_dim 64"
+        # the one-tile head_dim 64 kernel (causal, not deterministic), which the knobs below
+        # name "head_dim 64"
         one_tile_64 = head_dim == 64 and not self.wide
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
@@ -207,7 +209,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # CTAs in L2-sized groups of heads (launch_order): causal and not deterministic, a
         # wave then holds the heaviest tiles of several heads (session 8); deterministic and
         # not causal, +5-6% at 4k, 1-2% at 1k (session 19; FA4's deterministic mode swizzles
-        # its heads so too). Deterministic causal measured 0-2% slower with them.
+        # its heads so too). Deterministic causal measured 0-2% slower with them (on the
+        # 64-row kernel it then ran).
         self.head_groups = causal != deterministic
         # head_dim 64, bf16: a tile's S^T is issued behind the previous tile's dK GEMM (see
         # _overlapped_step): +1-2% not deterministic, -1 to +2% deterministic, for spilled
