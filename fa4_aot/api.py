@@ -53,6 +53,23 @@ def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None)
     return manifest.find(**axes, q_tiles=int(q_tiles))
 
 
+# Keys above which the backward takes two query tiles per step where a variant has both
+# kernels (``q_tiles`` 2: head_dim 64 causal, not deterministic): the one-tile kernel's
+# CTAs are persistent up to these keys (bwd_sm90.PERSISTENT_MAX_KEYS), where the two-tile one
+# measured 5% slower (1k), and it 2% faster at 4k and 16k (docs/perf-notes.md, session 19).
+BWD_ONE_TILE_MAX_SEQLEN_K = 2048
+
+
+def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
+    """The backward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal,
+    deterministic): with ``q_tiles`` query tiles per step, or when None two above
+    BWD_ONE_TILE_MAX_SEQLEN_K keys where they are built, else one."""
+    if q_tiles is None:
+        two = seqlen_k > BWD_ONE_TILE_MAX_SEQLEN_K and manifest.built(**axes, q_tiles=2)
+        q_tiles = 2 if two else 1
+    return manifest.find(**axes, q_tiles=int(q_tiles))
+
+
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
@@ -193,8 +210,8 @@ def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
-             softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
-             library: KernelLibrary | None = None) -> None:
+             softmax_scale: float | None = None, deterministic: bool = False, q_tiles: int | None = None,
+             stream: int = 0, library: KernelLibrary | None = None) -> None:
     """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
 
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
@@ -203,22 +220,23 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
     deterministic=deterministic)`` bytes, 256-byte aligned, any contents (the kernels
     clear or overwrite what they read). ``deterministic``: dq is summed in a fixed
     order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and
-    dv of a shared KV head sum every query head of its group. Asynchronous,
-    allocation-free.
+    dv of a shared KV head sum every query head of its group. ``q_tiles``: query tiles
+    per step where the variant has both kernels (head_dim 64 causal, not deterministic),
+    None picks by seqlen_k (backward_row). Asynchronous, allocation-free.
     """
     arrays = {name: as_device_array(x) for name, x in (
         ("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
         ("dq", dq), ("dk", dk), ("dv", dv), ("workspace", workspace))}
     library = library or default_library()
-    key = ("bwd", *arrays.values(), bool(causal), softmax_scale, bool(deterministic), int(stream))
+    key = ("bwd", *arrays.values(), bool(causal), softmax_scale, bool(deterministic), q_tiles, int(stream))
     if library.launch_again(key):  # as in forward
         return
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
     chains = dq_chains(bool(causal), bool(deterministic))
     device = device_of(arrays)
-    row = library.manifest.find(kind="bwd", arch=library.arch(device), dtype=problem.dtype,
-                                head_dim=problem.head_dim, causal=bool(causal),
-                                deterministic=bool(deterministic))
+    axes = dict(kind="bwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
+                causal=bool(causal), deterministic=bool(deterministic))
+    row = backward_row(library.manifest, axes, problem.seqlen_k, q_tiles)
     if row.get("dq_chains", 1) != chains:
         raise ManifestError(f"{row['name']} was built with {row.get('dq_chains', 1)} dQ accumulator copies; this "
                             f"fa4_aot sizes the workspace for {chains}: rebuild the kernels with this version")

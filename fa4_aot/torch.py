@@ -51,8 +51,9 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
 
 
 def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
-                   deterministic: bool = False, dq=None, dk=None, dv=None, workspace=None):
-    """(dq, dk, dv); see fa4_aot.backward. The workspace (uint8, at least
+                   deterministic: bool = False, dq=None, dk=None, dv=None, workspace=None,
+                   q_tiles: int | None = None):
+    """(dq, dk, dv); see fa4_aot.backward (``q_tiles`` too). The workspace (uint8, at least
     ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's allocator
     unless given."""
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
@@ -64,7 +65,7 @@ def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale:
                                         seqlen_k=k.shape[1], heads_kv=k.shape[2])
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
-    backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic,
+    backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, q_tiles=q_tiles,
              stream=_stream(q))
     return dq, dk, dv
 

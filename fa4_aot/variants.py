@@ -35,7 +35,6 @@ AXES = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "bwd": {"q_tiles": (1,)},
 }
 
 NOT_BUILT_REASONS = {
@@ -45,7 +44,14 @@ NOT_BUILT_REASONS = {
     "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
     "on sm90a; not built (docs/perf-notes.md, session 5)",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
-    "kind=bwd,q_tiles=2": "query tiles per CTA is a forward axis",
+    # the backward's q_tiles: query tiles per step, where a variant has both kernels
+    "kind=bwd,causal=False,q_tiles=2": "not causal, head_dim 64 steps over two query tiles already (q_tiles 1)",
+    "kind=bwd,deterministic=True,q_tiles=2": "deterministic, head_dim 64 steps over two query tiles already "
+    "(q_tiles 1)",
+    "kind=bwd,head_dim=96,q_tiles=2": "two query tiles per backward step are built at head_dim 64 only",
+    "kind=bwd,head_dim=128,q_tiles=2": "two query tiles per backward step are built at head_dim 64 only",
+    "kind=bwd,head_dim=192,q_tiles=2": "two query tiles per backward step are built at head_dim 64 only",
+    "kind=bwd,head_dim=256,q_tiles=2": "two query tiles per backward step are built at head_dim 64 only",
     "kind=fwd,head_dim=192,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 192",
     "kind=fwd,head_dim=256,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 256",
 }
@@ -99,22 +105,26 @@ BWD_SM90_TILING = {
 BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
 
 
-def bwd_tiling(head_dim: int, causal: bool, deterministic: bool = False) -> Tiling:
+def bwd_tiling(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> Tiling:
     """The sm90a backward's tile shape of a head dim, causal or not (and deterministic or
-    not: the head_dim 64 causal kernels differ in their stages; the query tile, the
-    workspace's unit, does not depend on it)."""
-    if head_dim in BWD_SM90_TILING_NOT_CAUSAL and (not causal or bwd_step_tiles(head_dim, causal, deterministic) == 2):
+    not, q_tiles: the head_dim 64 causal kernels differ in their stages; the query tile, the
+    workspace's unit, does not depend on them)."""
+    wide = bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
+    if head_dim in BWD_SM90_TILING_NOT_CAUSAL and (not causal or wide):
         return BWD_SM90_TILING_NOT_CAUSAL[head_dim]
     return BWD_SM90_TILING[head_dim]
 
 
-def bwd_step_tiles(head_dim: int, causal: bool, deterministic: bool = False) -> int:
+def bwd_step_tiles(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> int:
     """Query tiles per backward step: two at head_dim 64 (128 queries, FA4's Hopper shape:
-    fa4_aot/src/bwd_wide_sm90.py) except causal and not deterministic, else one. Causal
-    not deterministic keeps the 64-row kernel, whose persistent CTAs the wide one loses to
-    by 5% at 1k keys (it gains 2% at 4k-16k: session 19); deterministic causal, the wide
-    kernel measured +2% at 1k-4k and +4.6% at 16k (session 19)."""
-    return 2 if head_dim == 64 and (not causal or deterministic) else 1
+    fa4_aot/src/bwd_wide_sm90.py), except causal and not deterministic, where the variant's
+    q_tiles says: 1, the persistent 64-row kernel, which the wide one loses to by 5% at 1k
+    keys; 2 (``.q2``), the wide one, +2% at 4k-16k (session 19; fa4_aot.api picks by
+    seqlen_k). Deterministic causal, the wide kernel measured +2% at 1k-4k and +4.6% at 16k
+    (session 19). Elsewhere one."""
+    if head_dim != 64:
+        return 1
+    return 2 if not causal or deterministic or q_tiles == 2 else 1
 
 
 def bwd_query_rows(head_dim: int, causal: bool) -> int:
@@ -176,10 +186,10 @@ def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
     return (tail, best) if best > 1 else (0, 1)
 
 
-def dq_fragment_order(head_dim: int, causal: bool, deterministic: bool = False) -> bool:
+def dq_fragment_order(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> bool:
     """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
     address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
-    return head_dim in (96, 128) or bwd_step_tiles(head_dim, causal, deterministic) == 2
+    return head_dim in (96, 128) or bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
 
 
 @dataclass(frozen=True, order=True)
@@ -192,7 +202,9 @@ class Variant:
     varlen: bool = False
     cta_mode: int = 1
     deterministic: bool = False
-    q_tiles: int = 1  # forward: query tiles per CTA, Q double-buffered when 2 (``.q2``)
+    # forward: query tiles per CTA, Q double-buffered when 2 (``.q2``); backward: query
+    # tiles per step where a variant has both kernels (bwd_step_tiles)
+    q_tiles: int = 1
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -224,7 +236,7 @@ class Variant:
         if self.kind == "fwd" and self.arch == "sm90a":
             return FWD_SM90_TILING[self.head_dim]
         if self.kind == "bwd" and self.arch == "sm90a":
-            return bwd_tiling(self.head_dim, self.causal, self.deterministic)
+            return bwd_tiling(self.head_dim, self.causal, self.deterministic, self.q_tiles)
         raise NotImplementedError(f"no kernel for {self.name}")
 
     @property

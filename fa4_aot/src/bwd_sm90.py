@@ -104,7 +104,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
-                 tile_m: int, tile_n: int, stages: int):
+                 tile_m: int, tile_n: int, stages: int, q_tiles: int = 1):
         # head_on_m (head_dim 192, 256): dK, dV and dQ computed transposed, the head dim on
         # the M side of the GEMMs, 64 (192: three consumer warpgroups, 96 keys per CTA) or
         # 128 (256: two, 80 keys) head dims per warpgroup (bwd_head_on_m_sm90); P and dS go
@@ -121,18 +121,18 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         self.tile_n = tile_n
         self.stages = stages
         self.num_consumers = 3 if head_dim == 192 else 2
-        # head_dim 64 (not causal, or deterministic): two query tiles per step (``wide``,
-        # bwd_wide_sm90; variants.bwd_step_tiles; FA4's
+        # head_dim 64 (not causal, deterministic, or q_tiles 2): two query tiles per step
+        # (``wide``, bwd_wide_sm90; variants.bwd_step_tiles; FA4's
         # Hopper shape): S^T and dP^T of 64 keys x 128 queries per warpgroup, the per-step
         # work (waits, barriers, descriptors) paid once per 128 rows. Each warpgroup then
         # computes the dQ of one whole query tile (dS rows from shared memory, K) and stages
         # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
         # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
-        self.wide = bwd_step_tiles(head_dim, causal, deterministic) == 2
+        self.wide = bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
         self.step_rows = 2 * tile_m if self.wide else tile_m
-        # the one-tile head_dim 64 kernel (causal, not deterministic), which the knobs below
-        # name "head_dim 64"
+        # the one-tile head_dim 64 kernel (causal, not deterministic, q_tiles 1), which the
+        # knobs below name "head_dim 64"
         one_tile_64 = head_dim == 64 and not self.wide
         self.threads = WARPGROUP * (1 + self.num_consumers)
         # dQ = dS K per query tile, split along head_dim: warpgroup w computes columns
@@ -251,7 +251,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # (wide: each warpgroup's whole query tile is one part; in fragment order its 16-byte
         # stores replaced the row layout's 64-bit ones, which conflicted two ways in the
         # banks: +5-7% at 4k-16k keys, session 17)
-        self.dq_fragment_order = dq_fragment_order(head_dim, causal, deterministic)
+        self.dq_fragment_order = dq_fragment_order(head_dim, causal, deterministic, q_tiles)
         fragments = None
         if self.dq_fragment_order:
             fragments = DqFragments(self._mma_dq, self._dq_acc_shape(), self.dq_transposed, self.dq_parts)

@@ -151,7 +151,7 @@ def compile_bwd(variant: Variant) -> dict:
     dtype = DTYPES[variant.dtype]
     t = variant.tiling
     kernel = FlashBwdSm90(dtype, variant.head_dim, variant.causal, variant.deterministic,
-                          t.tile_m, t.tile_n, t.stages)
+                          t.tile_m, t.tile_n, t.stages, variant.q_tiles)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),

@@ -81,7 +81,7 @@ def test_launch_contract_is_complete(built, name):
     assert main["smem_bytes"] + main["static_smem_bytes"] <= H100_SM_SMEM
     tensors = {p["tensor"] for launch in row["launches"] for p in launch["params"] if p["kind"] == "tensormap"}
     expected = {"q", "k", "v", "o"} if v.kind == "fwd" else {"q", "do", "k", "v", "dk", "dv", "dq_accum"}
-    if v.kind == "bwd" and dq_fragment_order(v.head_dim, v.causal, v.deterministic):
+    if v.kind == "bwd" and dq_fragment_order(v.head_dim, v.causal, v.deterministic, v.q_tiles):
         expected.discard("dq_accum")  # 1D bulk reduces at the address, no tensor map
     assert tensors == set(row["tensormaps"]) == expected
     for recipe in row["tensormaps"].values():

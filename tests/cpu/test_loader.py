@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fa4_aot import loader, tma
-from fa4_aot.api import TWO_TILES_MAX_SEQLEN_K, forward_row
+from fa4_aot.api import BWD_ONE_TILE_MAX_SEQLEN_K, TWO_TILES_MAX_SEQLEN_K, backward_row, forward_row
 from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             UnsupportedVariantError)
 from fa4_aot.loader import KernelLibrary, grid_of, pack_params
@@ -74,6 +74,24 @@ def test_forward_takes_two_query_tiles_for_short_keys_where_built(built):
         forward_row(m, d128, TWO_TILES_MAX_SEQLEN_K + 1)
     d256 = dict(kind="fwd", arch="sm90a", dtype="bf16", head_dim=256, causal=True)
     assert forward_row(m, d256, 1000)["name"] == "fwd.sm90a.bf16.d256.causal"  # no two-tile variant there
+
+
+def test_backward_takes_two_query_tiles_for_long_keys_where_built(built):
+    """head_dim 64 causal (not deterministic) has both kernels: the one-tile persistent one
+    up to BWD_ONE_TILE_MAX_SEQLEN_K keys, the two-tile one above; other variants one."""
+    from fa4_aot.variants import MATRIX
+
+    assert [v.name for v in MATRIX if v.kind == "bwd" and v.q_tiles == 2] == [
+        "bwd.sm90a.bf16.d64.causal.q2", "bwd.sm90a.fp16.d64.causal.q2"]
+    m = Manifest(built[0])
+    d64 = dict(kind="bwd", arch="sm90a", dtype="bf16", head_dim=64, causal=True, deterministic=False)
+    assert backward_row(m, d64, BWD_ONE_TILE_MAX_SEQLEN_K)["name"] == "bwd.sm90a.bf16.d64.causal"
+    assert backward_row(m, d64, BWD_ONE_TILE_MAX_SEQLEN_K + 1)["name"] == "bwd.sm90a.bf16.d64.causal.q2"
+    assert backward_row(m, d64, 100, q_tiles=2)["name"] == "bwd.sm90a.bf16.d64.causal.q2"
+    d128 = dict(kind="bwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True, deterministic=True)
+    assert backward_row(m, d128, 1 << 20)["name"] == "bwd.sm90a.bf16.d128.causal.det"  # no two-tile variant
+    with pytest.raises(UnsupportedVariantError, match="deterministic, head_dim 64 steps over two query tiles"):
+        backward_row(m, {**d64, "deterministic": True}, 100, q_tiles=2)
 
 
 def test_no_gpu_gives_a_clear_error_not_a_crash(built, monkeypatch):

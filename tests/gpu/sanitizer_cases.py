@@ -1,8 +1,9 @@
 """Launches for compute-sanitizer (tests/gpu/test_sanitizer.py runs this file under it):
-the forward and both backward modes of every bf16 head dim, causal and not, on shapes
-with partial tiles each way, MQA/GQA and seqlen_q != seqlen_k; and the backward's split
-last wave (variants.tail_split) on a multiprocessor count taken as 4, since these shapes
-are too small to leave a partial wave on a whole device. The backward's workspace is the
+the forward and both backward modes of every bf16 head dim, causal and not (and the
+backward's two-tile kernels where a variant has them), on shapes with partial tiles each
+way, MQA/GQA and seqlen_q != seqlen_k; and the backward's split last wave
+(variants.tail_split) on a multiprocessor count taken as 4, since these shapes are too
+small to leave a partial wave on a whole device. The backward's workspace is the
 exact size the problem needs (the torch adapter's), and test_sanitizer.py turns torch's
 caching allocator off, so every array is its own allocation and memcheck sees any access
 past its end.
@@ -33,9 +34,19 @@ def main():
                 out, lse = flash_attn_fwd(q, k, v, causal=causal)
                 for deterministic in (False, True):
                     flash_attn_bwd(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+                if two_tiles(d, causal):  # the variant's other kernel (picked for longer keys)
+                    flash_attn_bwd(do, q, k, v, out, lse, causal=causal, q_tiles=2)
     split_dims = split_tail_cases()
     torch.cuda.synchronize()
     print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
+
+
+def two_tiles(head_dim, causal):
+    """Whether the not-deterministic backward variant also has a two-tile kernel (q_tiles 2)."""
+    import fa4_aot.api as api
+
+    return api.default_library().manifest.built(kind="bwd", arch="sm90a", dtype="bf16", head_dim=head_dim,
+                                                 causal=causal, deterministic=False, q_tiles=2)
 
 
 def split_tail_cases():

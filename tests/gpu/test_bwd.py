@@ -78,6 +78,7 @@ def test_backward_matches_reference(variant, shape, gen):
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
     flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
@@ -91,6 +92,7 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
     q, k, v, dout, out, lse = _case((3, 700, 1100, 48, 16), 64, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
     flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
@@ -147,6 +149,7 @@ def test_backward_with_and_without_first_write(variant, first_write, gen, monkey
     q, k, v, dout, out, lse = _case((2, 700, 300, 4, 2), variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
     flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+                   q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, variant.causal)
@@ -162,7 +165,8 @@ def test_deterministic_backward_is_bitwise_repeatable(variant, monkeypatch):
     runs = []
     for i in range(20):
         monkeypatch.setattr(fa4_aot.api, "deterministic_turn_tiles", lambda *_, turns=1 + i % 2: turns)
-        runs.append(flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True))
+        runs.append(flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True,
+                                   q_tiles=variant.q_tiles))
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
             assert torch.equal(a, b)
