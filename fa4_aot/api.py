@@ -47,9 +47,13 @@ def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None)
     """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal): with
     ``q_tiles`` query tiles per CTA, or when None two up to TWO_TILES_MAX_SEQLEN_K keys
     where they are built, else one."""
+    return _row(manifest, axes, q_tiles, seqlen_k <= TWO_TILES_MAX_SEQLEN_K)
+
+
+def _row(manifest, axes: dict, q_tiles: int | None, two_tiles: bool) -> dict:
+    """The row of ``axes`` with ``q_tiles``, or when None 2 where ``two_tiles`` and built, else 1."""
     if q_tiles is None:
-        two = seqlen_k <= TWO_TILES_MAX_SEQLEN_K and manifest.built(**axes, q_tiles=2)
-        q_tiles = 2 if two else 1
+        q_tiles = 2 if two_tiles and manifest.built(**axes, q_tiles=2) else 1
     return manifest.find(**axes, q_tiles=int(q_tiles))
 
 
@@ -64,10 +68,7 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
     """The backward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal,
     deterministic): with ``q_tiles`` query tiles per step, or when None two above
     BWD_ONE_TILE_MAX_SEQLEN_K keys where they are built, else one."""
-    if q_tiles is None:
-        two = seqlen_k > BWD_ONE_TILE_MAX_SEQLEN_K and manifest.built(**axes, q_tiles=2)
-        q_tiles = 2 if two else 1
-    return manifest.find(**axes, q_tiles=int(q_tiles))
+    return _row(manifest, axes, q_tiles, seqlen_k > BWD_ONE_TILE_MAX_SEQLEN_K)
 
 
 def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
