@@ -123,10 +123,16 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
 
 def _partial_tiles(batch: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool) -> int:
     """Bound on the key tiles the problem's split last wave can take: its key tiles, at
-    most TAIL_MAX_TILES, none with GQA (backward_tail_split)."""
+    most TAIL_MAX_TILES (backward_tail_split)."""
+    return min(TAIL_MAX_TILES, _splittable_items(batch, seqlen_k, heads_q, heads_kv, head_dim, causal))
+
+
+def _splittable_items(batch: int, seqlen_k: int, heads_q: int, heads_kv: int, head_dim: int, causal: bool) -> int:
+    """The backward's (key tile, KV head, batch) items a split last wave takes its tiles
+    from: none with GQA (a piece walks one query head's tiles)."""
     if heads_q != heads_kv:
         return 0
-    return min(TAIL_MAX_TILES, -(-seqlen_k // bwd_tiling(head_dim, causal).tile_n) * heads_kv * batch)
+    return -(-seqlen_k // bwd_tiling(head_dim, causal).tile_n) * heads_kv * batch
 
 
 def _workspace_bytes(regions) -> int:
@@ -182,11 +188,11 @@ def backward_tail_split(sizes: dict, causal: bool, deterministic: bool, sm_count
     seqlen_q, seqlen_k, heads_q, heads_kv, head_dim) on ``sm_count`` SMs: variants.tail_split
     where the variant splits and a CTA walks one query head's tiles (not GQA), else (0, 1)."""
     d = sizes["head_dim"]
-    if not bwd_tail_split(d, causal, deterministic) or sizes["heads_q"] != sizes["heads_kv"]:
+    items = _splittable_items(sizes["batch"], sizes["seqlen_k"], sizes["heads_q"], sizes["heads_kv"], d, causal)
+    if not bwd_tail_split(d, causal, deterministic) or items == 0:
         return 0, 1
-    tiling = bwd_tiling(d, causal)
-    items = -(-sizes["seqlen_k"] // tiling.tile_n) * sizes["heads_kv"] * sizes["batch"]
-    return tail_split(items, sm_count, -(-sizes["seqlen_q"] // (tiling.tile_m * bwd_step_tiles(d, causal))))
+    step_rows = bwd_tiling(d, causal).tile_m * bwd_step_tiles(d, causal)
+    return tail_split(items, sm_count, -(-sizes["seqlen_q"] // step_rows))
 
 
 def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
