@@ -13,8 +13,9 @@ sequence, each loaded by its own TMA box into one half of a 128-row Q (dO) stage
     dS^T to shared memory; dQ of tile 2s + w = dS[64 w:64 w + 64, :] K over all keys
 and stages that whole tile for the writer warp in fragment order (which adds tile by
 tile, one 1D bulk reduce each: bwd_dq_handoff).
-The order within a step keeps ptxas's wgmmas asynchronous: dS^T is written to shared
-memory, with its fence, before P^T is made 16-bit and dV's GEMM issued (see compute_wide).
+Within a step dS^T is written to shared memory before P^T is made 16-bit and dV's GEMM
+issued, and fenced only after that issue, so the fence's wait overlaps dV (see
+compute_wide).
 With an odd number of tiles the last step's second half is loaded from past the end of
 Q and dO (TMA fills zeros) with the first half's statistics: its S^T, P^T, dS^T stay
 finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not staged.
@@ -34,18 +35,29 @@ class WideCompute:
     """Producer and consumer roles of the head_dim 64 backward (``wide``)."""
 
     @cute.jit
-    def _pair(self, step, m_first, span, m_blocks, steps, head_kv, group):
+    def _pair(self, step, head_off, tile_off, m_first, span, m_blocks, steps, head_kv, group):
         """(query head, query tile) of each half of ``step`` and whether the second half
         is a real tile (1, else 0); a missing second half reads as the first's head and
-        the tile past the end (m_blocks)."""
-        first = 2 * step
-        second = cutlass.min(first + 1, steps - 1)
-        real = Int32(cutlass.select_(first + 1 < steps, 1, 0))
-        head_a = head_kv * group + first // span
-        head_b = head_kv * group + second // span
-        m_a = self._m_block(first, m_first, span, m_blocks)
-        m_b = Int32(cutlass.select_(real == 1, self._m_block(second, m_first, span, m_blocks), m_blocks))
-        return head_a, m_a, head_b, m_b, real
+        the tile past the end (m_blocks). ``head_off``, ``tile_off``: where the step's
+        first tile (2 step) lies in the CTA's sequence, as (2 step) // span and % span,
+        carried from step to step by ``_next_pair`` (no division in the loop)."""
+        real = Int32(cutlass.select_(2 * step + 1 < steps, 1, 0))
+        wraps = tile_off + 1 >= span  # the second tile starts the next head's span
+        head_b = head_off + Int32(cutlass.select_(wraps & (real == 1), 1, 0))
+        off_b = tile_off + 1 - Int32(cutlass.select_(wraps, span, 0))
+        m_a = self._m_block_at(tile_off, m_first, m_blocks)
+        m_b = Int32(cutlass.select_(real == 1, self._m_block_at(off_b, m_first, m_blocks), m_blocks))
+        return head_kv * group + head_off, m_a, head_kv * group + head_b, m_b, real
+
+    @cute.jit
+    def _next_pair(self, head_off, tile_off, span):
+        """``_pair``'s position two tiles on (span >= 1: at most two wraps)."""
+        tile_off = tile_off + 2
+        for _ in cutlass.range_constexpr(2):
+            wraps = tile_off >= span
+            head_off = head_off + Int32(cutlass.select_(wraps, 1, 0))
+            tile_off = tile_off - Int32(cutlass.select_(wraps, span, 0))
+        return head_off, tile_off
 
     @cute.jit
     def load_wide(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
@@ -57,8 +69,11 @@ class WideCompute:
         whole = cute.make_layout(1)
         tm, d = self.tile_m, self.head_dim
         self._load_kv(sources, kv_state, n_block, head_kv, batch)
+        head_off, tile_off = Int32(0), Int32(0)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
-            head_a, m_a, head_b, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
+            head_a, m_a, head_b, m_b, real = self._pair(step, head_off, tile_off, m_first, span, m_blocks, steps,
+                                                        head_kv, group)
+            head_off, tile_off = self._next_pair(head_off, tile_off, span)
             # statistics of the missing half: the first half's (finite; see module doc)
             m_b_stats = Int32(cutlass.select_(real == 1, m_b, m_a))
             halves = ((head_a, m_a, m_a), (head_b, m_b, m_b_stats))
@@ -117,8 +132,10 @@ class WideCompute:
         tdS_smem = thr_ds.partition_D(transpose_smem(sdS))  # dS^T view: (keys, queries, stage)
 
         pipe_kv.consumer_wait(kv_state)
+        head_off, tile_off = Int32(0), Int32(0)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
-            _, m_a, _, m_b, real = self._pair(step, m_first, span, m_blocks, steps, head_kv, group)
+            _, m_a, _, m_b, real = self._pair(step, head_off, tile_off, m_first, span, m_blocks, steps, head_kv, group)
+            head_off, tile_off = self._next_pair(head_off, tile_off, span)
             ds_stage = step % self.ds_stages
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -135,19 +152,20 @@ class WideCompute:
                         by_query=True, m_upper=m_b if const_expr(self.causal) else None)
             warpgroup.wait_group(0)  # dP^T done
             self._grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
-            # dS^T in shared memory (the fence keeps the GEMMs after it) before P^T is made
-            # 16-bit and dV's GEMM issued: ptxas otherwise issues that GEMM as early as P^T
-            # allows, with the fp32 and 16-bit P^T and dP^T all live, and serializes every
-            # wgmma (C7512). The stage written here was last read by the dQ GEMMs two steps
-            # ago, which both warpgroups waited for before the previous step's barrier.
+            # dS^T to shared memory before P^T is made 16-bit and dV's GEMM issued (fewer
+            # registers live: with the fp32 and 16-bit P^T and dP^T all live ptxas serialized
+            # every wgmma, C7512), and its fence after that issue: fenced before, dV waited
+            # for the stores (4% of the loop's samples, session 20). The stage written here
+            # was last read by the dQ GEMMs two steps ago, which both warpgroups waited for
+            # before the previous step's barrier.
             ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             convert_into(acc_dp, ds)
             cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
-            cute.arch.fence_proxy("async.shared", space="cta")
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             convert_into(acc_s, p16)
             # P^T and dS^T each read by its GEMM as an A fragment in place (a view)
             wgmma(mma_dkv, acc_dv, acc_as_operand_a(p16), tVrdOt[None, None, None, state.index], True, wait=False)
+            cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=2 * WARPGROUP)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((tm, d)), Float32)
             wgmma(mma_dq, acc_dq, tQrdS[None, None, None, ds_stage], tQrKt, False, wait=False)
