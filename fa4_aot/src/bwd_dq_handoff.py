@@ -261,14 +261,24 @@ class DqHandoff:
                 # ends only once its run's reduces are complete (deterministic: measured
                 # faster than returning the buffers after completion, with two-tile runs;
                 # docs/perf-notes.md).
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
-                # waited for by a later step's staging, or (persistent: later items are not
-                # known here) by the consumers' drain after their last item
-                if const_expr(self.persistent):
-                    self._return_dq(count)
+                if const_expr(self.wide):
+                    # a step's two tiles (one buffer per warpgroup): both reduces issued
+                    # before the wait for their reads, which frees both buffers
+                    if step % 2 == 1 or step + 1 == steps:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        if step % 2 == 1 and step + 1 < steps:
+                            self._return_dq(count - 1)
+                        if step + self.dq_stages < steps:
+                            self._return_dq(count)
                 else:
-                    if step + self.dq_stages < steps:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    # waited for by a later step's staging, or (persistent: later items are not
+                    # known here) by the consumers' drain after their last item
+                    if const_expr(self.persistent):
                         self._return_dq(count)
+                    else:
+                        if step + self.dq_stages < steps:
+                            self._return_dq(count)
             if const_expr(self.tickets):
                 if first:
                     # the buffers are back with the consumers. Marked at once: marking it
