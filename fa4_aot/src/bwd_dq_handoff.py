@@ -257,28 +257,26 @@ class DqHandoff:
                         cute.arch.barrier_arrive(barrier_id=self._dq_empty_barrier() + buffer,
                                                  number_of_threads=WARPGROUP + 32)
             if const_expr(self._dq_own_buffers()):
-                # The staging buffers go back as soon as the reduces have read them; a turn
+                # The staging buffers go back as soon as the reduces have read them, a step's
+                # together after one wait, once its last tile's reduce is issued (the wide
+                # kernel hands over two tiles a step, one buffer per warpgroup); a turn
                 # ends only once its run's reduces are complete (deterministic: measured
                 # faster than returning the buffers after completion, with two-tile runs;
                 # docs/perf-notes.md).
-                if const_expr(self.wide):
-                    # a step's two tiles (one buffer per warpgroup): both reduces issued
-                    # before the wait for their reads, which frees both buffers
-                    if step % 2 == 1 or step + 1 == steps:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                        if step % 2 == 1 and step + 1 < steps:
-                            self._return_dq(count - 1)
-                        if step + self.dq_stages < steps:
-                            self._return_dq(count)
-                else:
+                tiles = self.step_tiles
+                if step % tiles == tiles - 1 or step + 1 == steps:
                     cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    # waited for by a later step's staging, or (persistent: later items are not
-                    # known here) by the consumers' drain after their last item
-                    if const_expr(self.persistent):
-                        self._return_dq(count)
-                    else:
-                        if step + self.dq_stages < steps:
-                            self._return_dq(count)
+                    for back in cutlass.range_constexpr(tiles):
+                        # the step's tiles, back from this one (a lone last tile has one)
+                        if step % tiles >= back:
+                            # waited for by a later step's staging, or (persistent: later
+                            # items are not known here) by the consumers' drain after their
+                            # last item
+                            if const_expr(self.persistent):
+                                self._return_dq(count - back)
+                            else:
+                                if step - back + self.dq_stages < steps:
+                                    self._return_dq(count - back)
             if const_expr(self.tickets):
                 if first:
                     # the buffers are back with the consumers. Marked at once: marking it

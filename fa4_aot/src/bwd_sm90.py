@@ -129,7 +129,9 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         # it in fragment order; the writer adds tiles as before. Q and dO stages are 128
         # rows. Measured against the one-tile kernel (session 17, same process): +5-6% at
         # 4k-16k keys, deterministic +2%, 1k -1% (no persistent CTAs here).
-        self.wide = bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
+        # query tiles per step; the dQ hand-off counts tiles (wide: two a step, one per warpgroup)
+        self.step_tiles = bwd_step_tiles(head_dim, causal, deterministic, q_tiles)
+        self.wide = self.step_tiles == 2
         self.step_rows = 2 * tile_m if self.wide else tile_m
         # the one-tile head_dim 64 kernel (causal, not deterministic, q_tiles 1), which the
         # knobs below name "head_dim 64"
