@@ -9,7 +9,8 @@ from .arrays import DeviceArray, as_device_array
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import LayoutError, ManifestError, ShapeError
 from .loader import KernelLibrary
-from .variants import TAIL_COUNTERS, TAIL_MAX_TILES, bwd_step_tiles, bwd_tail_split, bwd_tiling, dq_chains, tail_split
+from .variants import (TAIL_COUNTERS, TAIL_MAX_TILES, bwd_query_rows, bwd_step_tiles, bwd_tail_split, bwd_tiling,
+                       dq_chains, tail_split)
 
 LOG2E = math.log2(math.e)
 _default_library = None
@@ -191,7 +192,7 @@ def backward_tail_split(sizes: dict, causal: bool, deterministic: bool, sm_count
     items = _splittable_items(sizes["batch"], sizes["seqlen_k"], sizes["heads_q"], sizes["heads_kv"], d, causal)
     if not bwd_tail_split(d, causal, deterministic) or items == 0:
         return 0, 1
-    step_rows = bwd_tiling(d, causal).tile_m * bwd_step_tiles(d, causal)
+    step_rows = bwd_query_rows(d, causal) * bwd_step_tiles(d, causal, deterministic)
     return tail_split(items, sm_count, -(-sizes["seqlen_q"] // step_rows))
 
 
@@ -249,7 +250,7 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = F
                             f"fa4_aot sizes the workspace for {chains}: rebuild the kernels with this version")
     # the workspace is laid out by the variant's tiles and tail split, which the cubin must share
     split = bwd_tail_split(problem.head_dim, bool(causal), bool(deterministic))
-    if (row["tiling"]["tile_m"] != bwd_tiling(problem.head_dim, bool(causal)).tile_m
+    if (row["tiling"]["tile_m"] != bwd_query_rows(problem.head_dim, bool(causal))
             or (row["launches"][1]["grid"][0][0] == "split_tail") != split):
         raise ManifestError(f"{row['name']} was built with another tile or tail split than this fa4_aot lays "
                             "its workspace out for: rebuild the kernels with this version")
