@@ -31,3 +31,31 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhst,bthd->bshd", p.to(v.dtype), v)
     return out.to(dtype), lse
+
+
+
+def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None):
+    """(dq, dk, dv) in float32 by the flash-attention backward recipe from a given ``out``:
+    P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). Given the exact output
+    rounded to 16 bits, their error against the exact gradients is what the stored output
+    alone costs a backward that does everything else exactly (no backward that takes
+    ``out`` can avoid it)."""
+    q, k, v, dout, out = (x.float() for x in (q, k, v, dout, out))
+    s_q, s_k, h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    k_q, v_q = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bshd,bthd->bhst", q, k_q) * scale
+    if causal:
+        row = torch.arange(s_q, device=q.device)[:, None]
+        col = torch.arange(s_k, device=q.device)[None, :]
+        scores = scores.masked_fill(col > row + s_k - s_q, float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see no key: 0
+    dp = torch.einsum("bshd,bthd->bhst", dout, v_q)
+    dsum = (dout * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
+    ds = p * (dp - dsum[..., None])
+    dv = torch.einsum("bhst,bshd->bthd", p, dout)
+    dk = torch.einsum("bhst,bshd->bthd", ds, q) * scale
+    dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
+    by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
+    return dq, by_group(dk), by_group(dv)
