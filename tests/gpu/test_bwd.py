@@ -2,7 +2,8 @@
 
 Same rules as the forward tests: one parametrization over built cubins, one over boundary
 shapes, NaN-poisoned outputs, fresh random inputs, tolerance twice the error of the same
-math done by PyTorch in the inputs' precision.
+math done by PyTorch in the inputs' precision, or of the exact backward from the stored
+16-bit output where that is larger (check_grads).
 """
 
 import pytest
@@ -12,7 +13,7 @@ torch = pytest.importorskip("torch")
 from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd  # noqa: E402
 from fa4_aot.variants import MATRIX, bwd_tail_split  # noqa: E402
 
-from ..reference import attention_ref  # noqa: E402
+from ..reference import attention_bwd_from_out, attention_ref  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BWD = [v for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a"]
@@ -37,13 +38,31 @@ def reference_grads(q, k, v, dout, causal, upcast, scale=None):
     return [x.grad for x in leaves]
 
 
-def check_grads(got, q, k, v, dout, causal, scale=None):
+def reference_errors(q, k, v, dout, causal, scale=None):
+    """(float32 reference gradients, [(PyTorch's low-precision error, the unavoidable error)
+    for dq, dk, dv]): see check_grads."""
     ref = reference_grads(q, k, v, dout, causal, True, scale)
     low = reference_grads(q, k, v, dout, causal, False, scale)
-    for name, g, r, lo in zip(("dq", "dk", "dv"), got, ref, low):
+    exact_out, _ = attention_ref(q.float(), k.float(), v.float(), causal=causal, softmax_scale=scale)
+    unavoidable = attention_bwd_from_out(q, k, v, dout, exact_out.to(q.dtype), causal, scale)
+    max_err = lambda x, r: (x.float() - r).abs().max().item()  # noqa: E731
+    return ref, [(max_err(lo, r), max_err(un.to(q.dtype), r)) for r, lo, un in zip(ref, low, unavoidable)]
+
+
+def check_grads(got, q, k, v, dout, causal, scale=None):
+    """dq, dk, dv against float32 autograd. Tolerance: twice the larger of two errors of
+    PyTorch's: its low-precision autograd (the same math in the inputs' precision), and the
+    error that no backward taking the 16-bit ``out`` and returning 16-bit gradients avoids:
+    the exact backward from the exact output rounded to the dtype (D = rowsum(dO o out)),
+    its gradients rounded to the dtype. The second is the larger only on rare small cases
+    (1 in 300 to 1500 seeds of 17-token problems, session 21): there the autograd's error
+    was under the stored output's cost (fp16) or under one rounding of the largest gradient
+    (bf16), and kernels faithful to the recipe failed by a few percent."""
+    ref, errors = reference_errors(q, k, v, dout, causal, scale)
+    for name, g, r, (e_low, e_unavoidable) in zip(("dq", "dk", "dv"), got, ref, errors):
         assert not g.isnan().any(), f"{name} has NaN (unwritten) elements"
         err = (g.float() - r).abs().max().item()
-        tol = 2 * (lo.float() - r).abs().max().item() + 1e-5  # floor for gradients that are exactly 0
+        tol = 2 * max(e_low, e_unavoidable) + 1e-5  # 1e-5: for gradients that are exactly 0
         assert err <= tol, f"{name} max error {err:.3e} > {tol:.3e}"
 
 
