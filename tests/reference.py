@@ -34,12 +34,13 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
 
 
 
-def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None):
+def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None):
     """(dq, dk, dv) in float32 by the flash-attention backward recipe from a given ``out``:
-    P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). Given the exact output
-    rounded to 16 bits, their error against the exact gradients is what the stored output
-    alone costs a backward that does everything else exactly (no backward that takes
-    ``out`` can avoid it)."""
+    P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). ``operands``: a dtype
+    that P and dS are rounded to as GEMM operands (as a tensor-core backward's are; the
+    GEMMs accumulate in float32), else they stay float32. From a backward's own 16-bit
+    ``out`` and operands, the same math as its kernel; with the exact output rounded to
+    16 bits, the cost of storing the output alone."""
     q, k, v, dout, out = (x.float() for x in (q, k, v, dout, out))
     s_q, s_k, h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
@@ -54,6 +55,8 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None)
     dp = torch.einsum("bshd,bthd->bhst", dout, v_q)
     dsum = (dout * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
     ds = p * (dp - dsum[..., None])
+    if operands is not None:
+        p, ds = p.to(operands).float(), ds.to(operands).float()
     dv = torch.einsum("bhst,bshd->bthd", p, dout)
     dk = torch.einsum("bhst,bshd->bthd", ds, q) * scale
     dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
