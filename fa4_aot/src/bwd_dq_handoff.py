@@ -7,10 +7,9 @@ order and the tile added by one 1D bulk reduce into a fragment-order accumulator
 
 ``DqHandoff`` is a mixin of ``bwd_sm90.FlashBwdSm90``: it reads that class's knobs
 (tile_m, tile_n, dq_tile, dq_parts, dq_slots, dq_stages, dq_transposed,
-chains, causal, deterministic), its walk over query tiles (``_walk_at``) and
-``_m_block_at``. Each step stages ``dq_parts`` tiles (part p: warpgroup p, or at
-head_dim 256 warpgroup p // 2's head-dim chunk p % 2) in ``dq_slots`` buffers, taken in
-turn: b = (step * dq_parts + p) % dq_slots (which is p +
+chains, causal, deterministic) and its ``_m_block``. Each step stages ``dq_parts`` tiles
+(part p: warpgroup p, or at head_dim 256 warpgroup p // 2's head-dim chunk p % 2) in
+``dq_slots`` buffers, taken in turn: b = (step * dq_parts + p) % dq_slots (which is p +
 dq_parts * (step % dq_stages) where every part has dq_stages buffers of its own), step
 counted over all the CTA's items when it is persistent (``_turn``). Each
 buffer has a FULL barrier (staged, for the writer) and an EMPTY one (read by the writer's
@@ -176,20 +175,19 @@ class DqHandoff:
         if const_expr(self.tickets):
             if first_write != 0 and steps > 0:
                 ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group,
-                                                self._m_block_at(0, m_first, m_blocks), lane)
+                                                self._m_block(0, m_first, span, m_blocks), lane)
         for step in cutlass.range(steps, unroll=1):
-            head_off, tile_off = self._walk_at(step, span)
-            head_q = head_kv * group + head_off
-            m_block = self._m_block_at(tile_off, m_first, m_blocks)
+            head_q = head_kv * group + step // span
+            m_block = self._m_block(step, m_first, span, m_blocks)
             word_at = semaphore_word(batch, heads_q, head_q, m_blocks, m_block)  # its ticket word (tickets)
             first = cutlass.Boolean(False)
             ticket = Int32(0)
             if const_expr(self.tickets):
                 ticket = cute.arch.shuffle_sync(ticket_next, 0)
                 if first_write != 0 and step + 1 < steps:
-                    next_head, next_tile = self._walk_at(step + 1, span)
-                    ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group + next_head,
-                                                    self._m_block_at(next_tile, m_first, m_blocks), lane)
+                    ticket_next = self._take_ticket(sem_ptr, batch, heads_q, m_blocks,
+                                                    head_kv * group + (step + 1) // span,
+                                                    self._m_block(step + 1, m_first, span, m_blocks), lane)
                 first = ticket == 0
             chain = 0
             if const_expr(self.deterministic):
@@ -203,7 +201,7 @@ class DqHandoff:
                                                          self.tile_m, self.tile_n, self.causal)
                 # this CTA's last tile of the run: the run's last, or the head's
                 run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
-                if m_block % turn_tiles == 0 or tile_off == 0:  # this CTA's first tile of the run
+                if m_block % turn_tiles == 0 or step % span == 0:  # this CTA's first tile of the run
                     turn = dq_turn(n_block, run, turn_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
                                    self.tile_m, self.tile_n, self.causal, self.chains)
                     if lane == 0:

@@ -1,5 +1,5 @@
 """The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
-mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, query walk, ``_probs``,
+mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``,
 ``_grads`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
@@ -18,7 +18,7 @@ and the dQ reduces carry fewer bytes per FLOP (20% at 256, 33% at 192).
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
@@ -96,10 +96,8 @@ class HeadOnMCompute:
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        tile_off = Int32(0)  # the walk over the CTA's query tiles (_walk_next)
         for step in cutlass.range(steps, unroll=1):
-            m_block = self._m_block_at(tile_off, m_first, m_blocks)
-            _, tile_off = self._walk_next(None, tile_off, span)
+            m_block = self._m_block(step, m_first, span, m_blocks)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
             pipe_q.consumer_wait(state)

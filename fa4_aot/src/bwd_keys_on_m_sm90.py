@@ -1,5 +1,5 @@
 """The backward's consumer role at head_dim 64, 96 and 128 (sm_90a): ``compute``, a mixin
-of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, query walk, ``_probs``, ``_grads``
+of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``, ``_grads``
 and the dQ hand-off of ``bwd_dq_handoff``).
 
 128 keys per CTA, the keys on the GEMMs' M side. Per query tile of 64 rows (80 at 128 not
@@ -16,7 +16,7 @@ See ``bwd_sm90`` for the knobs (staggered warpgroups at 96, the overlapped S^T a
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
@@ -115,25 +115,22 @@ class KeysOnMCompute:
                 warpgroup.wait_group(0)  # none in flight into the loop (see _overlapped_step)
             # the last step issues no next scores: the loop runs steps - 1 times, no branch
             # around a wgmma inside it
-            tile_off = Int32(0)  # the walk over the CTA's query tiles (_walk_next)
             for overlapped in cutlass.range(steps - 1, unroll=1):
                 do_ready = self._overlapped_step(
                     overlapped, done, True, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
-                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_first, tile_off, m_blocks,
+                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
                     seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
                     thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
-                _, tile_off = self._walk_next(None, tile_off, span)
                 state.advance()
             if steps > 0:
                 self._overlapped_step(
                     steps - 1, done, False, do_ready, wg, s_tile, dp_tile, score_operands, pipe_q, pipe_do, state,
-                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, m_first, tile_off, m_blocks,
+                    s_coords, sLSE2, sDsum, lse2_col, dsum_col, n_block, head_kv, group, m_first, span, m_blocks,
                     seqlen_q, seqlen_k, scale_log2, tVrP, tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy,
                     thr_ds, tdS_smem, mma_dq, thr_dq, tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem)
                 state.advance()  # to the next item's first stage (persistent)
         # staggered: the first tile has no dQ of a tile before it (phase 0); no branch
         # around a wgmma inside the loop.
-        tile_off = Int32(0)  # the walk over the CTA's query tiles (_walk_next)
         for phase in cutlass.range_constexpr(0 if self.overlap_scores else (2 if self.stagger else 1)):
             count = steps
             if const_expr(self.stagger):
@@ -141,8 +138,7 @@ class KeysOnMCompute:
             late_dq = self.stagger and phase == 1  # this tile issues the previous tile's dQ
             for i in cutlass.range(count, unroll=1):
                 step = i + phase
-                m_block = self._m_block_at(tile_off, m_first, m_blocks)
-                _, tile_off = self._walk_next(None, tile_off, span)
+                m_block = self._m_block(step, m_first, span, m_blocks)
                 ds_stage = self._turn(done, step) % self.ds_stages
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 acc_dp = cute.make_rmem_tensor(s_shape, Float32)
@@ -233,7 +229,7 @@ class KeysOnMCompute:
     @cute.jit
     def _overlapped_step(self, step, done, issue_next: cutlass.Constexpr[bool], do_ready, wg, acc_s, acc_dp,
                          score_operands, pipe_q, pipe_do, state, s_coords, sLSE2, sDsum, lse2_col, dsum_col,
-                         n_block, m_first, tile_off, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP,
+                         n_block, head_kv, group, m_first, span, m_blocks, seqlen_q, seqlen_k, scale_log2, tVrP,
                          tVrdOt, tKrdS, tKrQt, acc_dv, acc_dk, mma_dkv, ds_copy, thr_ds, tdS_smem, mma_dq, thr_dq,
                          tQrdS, tQrKt, dq_copy, thr_dq_copy, tdQ_smem):
         """One query tile (overlap_scores) whose S^T the step before issued: dP^T issued,
@@ -246,7 +242,7 @@ class KeysOnMCompute:
         The pipeline waits take a token from a try-wait issued well before (``do_ready``
         from the step before, the next Q's right after dP^T), so an mbarrier's latency is
         not paid where the wait stands. Returns the next step's dO token."""
-        m_block = self._m_block_at(tile_off, m_first, m_blocks)
+        m_block = self._m_block(step, m_first, span, m_blocks)
         ds_stage = self._turn(done, step) % self.ds_stages
         mma, _, _, tPrV, tPrdO = score_operands
         following = state.clone()

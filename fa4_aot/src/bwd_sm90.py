@@ -484,6 +484,8 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
                     for item in cutlass.range(first, items, stride, unroll=1):
                         mine = self._work_of_item(item, n_tiles, heads_kv, seqlen_q, seqlen_k, group, m_blocks)
                         kv_state, state = self.load(sources, stats, kv_state, state, *mine)
+                elif const_expr(self.wide):
+                    self.load_wide(sources, stats, kv_state, state, *work)
                 else:
                     self.load(sources, stats, kv_state, state, *work)
             if warp == DQ_WRITER_WARP:
@@ -550,7 +552,7 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
         if const_expr(self.rotate):
             # Not causal, every CTA of a head visits every query tile: each starts at its own
             # tile (spread over the head in steps of ROTATION_TILES) and wraps around, so
-            # the CTAs of a head reduce into different dQ tiles at any moment (see _m_block_at).
+            # the CTAs of a head reduce into different dQ tiles at any moment (see _m_block).
             runs = cute.ceil_div(m_blocks, ROTATION_TILES)
             m_first = (n_block * runs // cute.ceil_div(seqlen_k, self.tile_n)) * ROTATION_TILES
         steps = group * span
@@ -563,60 +565,39 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
 
     @cute.jit
     def load(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
-        """Warp 0, one item (a CTA's key tile): K and V; then per step its ``step_tiles``
-        query tiles (wide: two, each into its half of the 128-row stage), dO first, then Q,
-        each tile with its statistics (D, LSE2) on one mbarrier stage. Returns the advanced
-        pipeline states."""
-        tma_q, gQ, sQ, tma_do, gdO, sdO, _, _, _, _, _, _, _, pipe_q, pipe_do = sources
+        """Warp 0, one item (a CTA's key tile): K and V; then per step dO (with the tile's
+        D) and Q (with its LSE2), each tile and its 64 statistics on one mbarrier stage.
+        Returns the advanced pipeline states."""
+        tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV, pipe_kv, pipe_q, pipe_do = sources
         lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
         whole = cute.make_layout(1)
-        tm, d = self.tile_m, self.head_dim
         self._load_kv(sources, kv_state, n_block, head_kv, batch)
-        head_off, tile_off = Int32(0), Int32(0)
-        for step in cutlass.range(cute.ceil_div(steps, self.step_tiles), unroll=1):
-            tiles = self._step_tiles(step, head_off, tile_off, m_first, span, m_blocks, steps, head_kv, group)
-            head_off, tile_off = self._walk_next(head_off, tile_off, span, self.step_tiles)
+        for step in cutlass.range(steps, unroll=1):
+            head_q = head_kv * group + step // span
+            m_block = self._m_block(step, m_first, span, m_blocks)
+            stats_at = self._stats_at(batch, heads_q, head_q, m_blocks, m_block)
             # dO first: the consumers release it before Q. Each tile's statistics follow it
-            # at once, except at an item's first step, where they follow all its tiles (K, V
-            # and the first Q and dO tiles are put in flight before the wait for the
-            # preprocess, whose output they are: see kernel, programmatic launch; the wait
-            # returns at once after the first). (Statistics after both tiles at every step
-            # paid for the deterministic d64 kernel while its turns cost two barriers; with
-            # one, equal: docs/perf-notes.md, session 12.)
+            # at once, except at an item's first step, where they follow both tiles (K, V and
+            # the first Q and dO tiles are put in flight before the wait for the preprocess,
+            # whose output they are: see kernel, programmatic launch; the wait returns at
+            # once after the first). (Statistics after
+            # both tiles at every step paid for the deterministic d64 kernel while its
+            # turns cost two barriers; with one, equal: docs/perf-notes.md, session 12.)
             loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
             for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
                 pipe.producer_acquire(state)
-                for h in cutlass.range_constexpr(self.step_tiles):
-                    head_q, m_load, m_stats = tiles[h]
-                    q_tile = cute.local_tile(g_all[None, None, head_q, batch], (tm, d), (m_load, 0))
-                    s_tile = cute.local_tile(s_all[None, None, state.index], (tm, d), (h, 0))
-                    part_s, part_g = cpasync.tma_partition(
-                        atom, 0, whole, cute.group_modes(s_tile, 0, 2), cute.group_modes(q_tile, 0, 2))
-                    cute.copy(atom, part_g, part_s, tma_bar_ptr=pipe.producer_get_barrier(state))
-                    if step > 0:
-                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
-                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
+                q_tile = cute.local_tile(g_all[None, None, head_q, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                part_s, part_g = cpasync.tma_partition(
+                    atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
+                cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
+                if step > 0:
+                    self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             if step == 0:
                 cute.arch.griddepcontrol_wait()
                 for _, _, _, pipe, stats_ptr, s_stats in loads:
-                    for h in cutlass.range_constexpr(self.step_tiles):
-                        head_q, _, m_stats = tiles[h]
-                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
-                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
+                    self._load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             state.advance()
         return kv_state, state
-
-    def _step_tiles(self, step, head_off, tile_off, m_first, span, m_blocks, steps, head_kv, group):
-        """(query head, query tile to load, query tile of its statistics) of each of the
-        step's tiles, the first at the walk's position (head_off, tile_off; _walk_next).
-        wide: the second tile is missing at an odd count's last step; it is then loaded from
-        past the end (TMA fills zeros) with the first's statistics (bwd_wide_sm90)."""
-        if self.wide:
-            head_a, m_a, head_b, m_b, real = self._pair(step, head_off, tile_off, m_first, span, m_blocks, steps,
-                                                        head_kv, group)
-            return (head_a, m_a, m_a), (head_b, m_b, Int32(cutlass.select_(real == 1, m_b, m_a)))
-        m_block = self._m_block_at(tile_off, m_first, m_blocks)
-        return ((head_kv * group + head_off, m_block, m_block),)
 
     def _load_kv(self, sources, kv_state, n_block, head_kv, batch):
         """Warp 0: the item's K and V tiles onto one mbarrier stage (persistent: the
@@ -644,30 +625,15 @@ class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailP
             bulk_copy_g2s(s_stats[None, state.index].iterator + half * self.tile_m, src,
                           pipe.producer_get_barrier(state), 4 * self.tile_m)
 
-    def _walk_next(self, head_off, tile_off, span, tiles: int = 1):
-        """A CTA's walk over its query tiles, ``tiles`` tiles on: (query head offset in the
-        KV head's group, or None where only the tile matters; tile offset into the span).
-        Carried from step to step instead of dividing the step by the span (span >= 1: at
-        most ``tiles`` wraps, each to the next query head's span)."""
-        tile_off = tile_off + tiles
-        for _ in range(tiles):
-            wraps = tile_off >= span
-            if head_off is not None:
-                head_off = head_off + Int32(cutlass.select_(wraps, 1, 0))
-            tile_off = tile_off - Int32(cutlass.select_(wraps, span, 0))
-        return head_off, tile_off
-
-    def _walk_at(self, step, span):
-        """``_walk_next``'s position ``step`` tiles in, by division: the dQ writer's. (Its
-        walk carried from step to step measured 1-2% slower deterministic, session 21; its
-        divisions are off the consumers' path.)"""
-        return step // span, step % span
+    @cute.jit
+    def _m_block(self, step, m_first, span, m_blocks):
+        """The query tile of ``step``: m_first, m_first + 1, ... over the span, wrapping
+        past the last tile when not causal (m_first is then the CTA's rotation start)."""
+        return self._m_block_at(step % span, m_first, m_blocks)
 
     @cute.jit
     def _m_block_at(self, offset, m_first, m_blocks):
-        """The query tile ``offset`` tiles into the CTA's span (_walk_next): m_first,
-        m_first + 1, ..., wrapping past the last tile when not causal (m_first is then the
-        CTA's rotation start)."""
+        """The query tile ``offset`` tiles into the CTA's span (as ``_m_block``)."""
         m_block = m_first + offset
         if const_expr(self.rotate):
             if m_block >= m_blocks:

@@ -1,8 +1,7 @@
 """The backward's head_dim 64 loop (not causal, and deterministic causal) with two query
 tiles per step (sm_90a):
-``compute_wide`` and the step's tiles (``_pair``), a mixin of ``bwd_sm90.FlashBwdSm90``
-(its knobs, pipelines, producer ``load``, walk over query tiles, ``_finish_dkv`` and the
-dQ hand-off of ``bwd_dq_handoff``).
+``load_wide`` and ``compute_wide``, a mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs,
+pipelines, ``_m_block``, ``_finish_dkv`` and the dQ hand-off of ``bwd_dq_handoff``).
 
 A CTA's query tiles (64 rows; ``steps`` of them over the KV head's query heads, as for
 the other head dims) are taken in pairs: step s holds tiles 2s and 2s + 1 of the CTA's
@@ -25,7 +24,7 @@ finite and add nothing to dV and dK (its Q and dO are zero), and its dQ is not s
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .bwd_barriers import DS_BARRIER
 from .layout import acc_as_operand_a, transpose_smem
@@ -41,7 +40,7 @@ class WideCompute:
         is a real tile (1, else 0); a missing second half reads as the first's head and
         the tile past the end (m_blocks). ``head_off``, ``tile_off``: where the step's
         first tile (2 step) lies in the CTA's sequence, as (2 step) // span and % span,
-        carried from step to step by ``_walk_next`` (no division in the loop)."""
+        carried from step to step by ``_next_pair`` (no division in the loop)."""
         real = Int32(cutlass.select_(2 * step + 1 < steps, 1, 0))
         wraps = tile_off + 1 >= span  # the second tile starts the next head's span
         head_b = head_off + Int32(cutlass.select_(wraps & (real == 1), 1, 0))
@@ -49,6 +48,57 @@ class WideCompute:
         m_a = self._m_block_at(tile_off, m_first, m_blocks)
         m_b = Int32(cutlass.select_(real == 1, self._m_block_at(off_b, m_first, m_blocks), m_blocks))
         return head_kv * group + head_off, m_a, head_kv * group + head_b, m_b, real
+
+    @cute.jit
+    def _next_pair(self, head_off, tile_off, span):
+        """``_pair``'s position two tiles on (span >= 1: at most two wraps)."""
+        tile_off = tile_off + 2
+        for _ in cutlass.range_constexpr(2):
+            wraps = tile_off >= span
+            head_off = head_off + Int32(cutlass.select_(wraps, 1, 0))
+            tile_off = tile_off - Int32(cutlass.select_(wraps, span, 0))
+        return head_off, tile_off
+
+    @cute.jit
+    def load_wide(self, sources, stats, kv_state, state, n_block, head_kv, batch, m_first, span, steps):
+        """Warp 0: K and V, then per step the dO and Q tiles of both halves (each with its
+        64 statistics) onto one mbarrier stage; the first step's statistics only after
+        the wait for the preprocess (as ``load``)."""
+        tma_q, gQ, sQ, tma_do, gdO, sdO, _, _, _, _, _, _, _, pipe_q, pipe_do = sources
+        lse2_ptr, sLSE2, dsum_ptr, sDsum, m_blocks, heads_q, group = stats
+        whole = cute.make_layout(1)
+        tm, d = self.tile_m, self.head_dim
+        self._load_kv(sources, kv_state, n_block, head_kv, batch)
+        head_off, tile_off = Int32(0), Int32(0)
+        for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
+            head_a, m_a, head_b, m_b, real = self._pair(step, head_off, tile_off, m_first, span, m_blocks, steps,
+                                                        head_kv, group)
+            head_off, tile_off = self._next_pair(head_off, tile_off, span)
+            # statistics of the missing half: the first half's (finite; see module doc)
+            m_b_stats = Int32(cutlass.select_(real == 1, m_b, m_a))
+            halves = ((head_a, m_a, m_a), (head_b, m_b, m_b_stats))
+            loads = ((tma_do, gdO, sdO, pipe_do, dsum_ptr, sDsum), (tma_q, gQ, sQ, pipe_q, lse2_ptr, sLSE2))
+            for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
+                pipe.producer_acquire(state)
+                for h in cutlass.range_constexpr(2):
+                    head_q, m_load, m_stats = halves[h]
+                    q_tile = cute.local_tile(g_all[None, None, head_q, batch], (tm, d), (m_load, 0))
+                    s_half = cute.local_tile(s_all[None, None, state.index], (tm, d), (h, 0))
+                    part_s, part_g = cpasync.tma_partition(
+                        atom, 0, whole, cute.group_modes(s_half, 0, 2), cute.group_modes(q_tile, 0, 2))
+                    cute.copy(atom, part_g, part_s, tma_bar_ptr=pipe.producer_get_barrier(state))
+                    if step > 0:
+                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
+                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
+            if step == 0:
+                cute.arch.griddepcontrol_wait()
+                for _, _, _, pipe, stats_ptr, s_stats in loads:
+                    for h in cutlass.range_constexpr(2):
+                        head_q, _, m_stats = halves[h]
+                        at = self._stats_at(batch, heads_q, head_q, m_blocks, m_stats)
+                        self._load_stats(s_stats, stats_ptr + at, pipe, state, h)
+            state.advance()
+        return kv_state, state
 
     @cute.jit
     def compute_wide(self, tidx, sQ, sdO, sK, sV, sdS, sdK, sdV, sdQ, pipe_kv, pipe_q, pipe_do, group, seqlen_q,
@@ -85,7 +135,7 @@ class WideCompute:
         head_off, tile_off = Int32(0), Int32(0)
         for step in cutlass.range(cute.ceil_div(steps, 2), unroll=1):
             _, m_a, _, m_b, real = self._pair(step, head_off, tile_off, m_first, span, m_blocks, steps, head_kv, group)
-            head_off, tile_off = self._walk_next(head_off, tile_off, span, 2)
+            head_off, tile_off = self._next_pair(head_off, tile_off, span)
             ds_stage = step % self.ds_stages
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             acc_dp = cute.make_rmem_tensor(s_shape, Float32)
