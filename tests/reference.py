@@ -15,7 +15,7 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     dtype = q.dtype
     if upcast:
         q, k, v = q.float(), k.float(), v.float()
-    s_q, s_k, h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    h_q, h_kv, d = q.shape[2], k.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     k = k.repeat_interleave(h_q // h_kv, dim=2)
     v = v.repeat_interleave(h_q // h_kv, dim=2)
@@ -24,14 +24,11 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
         scores = scores * scale
     scores = scores.float()
     if causal:
-        row = torch.arange(s_q, device=q.device)[:, None]
-        col = torch.arange(s_k, device=q.device)[None, :]
-        scores = scores.masked_fill(col > row + s_k - s_q, float("-inf"))
+        scores = _causal_masked(scores)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.einsum("bhst,bthd->bshd", p.to(v.dtype), v)
     return out.to(dtype), lse
-
 
 
 def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None):
@@ -42,15 +39,13 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None,
     ``out`` and operands, the same math as its kernel; with the exact output rounded to
     16 bits, the cost of storing the output alone."""
     q, k, v, dout, out = (x.float() for x in (q, k, v, dout, out))
-    s_q, s_k, h_q, h_kv, d = q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     k_q, v_q = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bthd->bhst", q, k_q) * scale
     if causal:
-        row = torch.arange(s_q, device=q.device)[:, None]
-        col = torch.arange(s_k, device=q.device)[None, :]
-        scores = scores.masked_fill(col > row + s_k - s_q, float("-inf"))
+        scores = _causal_masked(scores)
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see no key: 0
     dp = torch.einsum("bshd,bthd->bhst", dout, v_q)
     dsum = (dout * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
@@ -62,3 +57,12 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None,
     dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
     by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
     return dq, by_group(dk), by_group(dv)
+
+
+def _causal_masked(scores):
+    """Scores (..., s_q, s_k) with the keys past each query's diagonal (bottom-right
+    aligned) at -inf."""
+    s_q, s_k = scores.shape[-2:]
+    row = torch.arange(s_q, device=scores.device)[:, None]
+    col = torch.arange(s_k, device=scores.device)[None, :]
+    return scores.masked_fill(col > row + s_k - s_q, float("-inf"))

@@ -4,8 +4,10 @@ On the H200 from the repository root (PYTHONPATH=.):
 Per seed: the kernel's, PyTorch's low-precision and float32 emulations' max dq error against
 the float32 reference, and at the kernel's worst element the query row, how many keys it
 sees and each term. The emulations follow the kernel's algorithm in float32 with one
-rounding at a time: D = rowsum(dO o O) from the stored (16-bit) O or the exact one; dS
-rounded to the input dtype or not."""
+rounding at a time (tests.reference.attention_bwd_from_out): D = rowsum(dO o O) from the
+stored (16-bit) O or the exact one; dS (and P) rounded to the input dtype or not.
+(Session 21's s21-call2-dq-anatomy.txt came from this script's first version, 56e3520,
+which took P from the kernel's LSE instead of the exact softmax.)"""
 import sys
 
 import torch
@@ -13,33 +15,11 @@ import torch
 sys.path.insert(0, ".")
 from fa4_aot.variants import MATRIX  # noqa: E402
 from tests.gpu import test_bwd as T  # noqa: E402
-from tests.reference import attention_ref  # noqa: E402
+from tests.reference import attention_bwd_from_out, attention_ref  # noqa: E402
 
 shape, name = tuple(int(x) for x in sys.argv[1].split(",")), sys.argv[2]
 variant = next(v for v in MATRIX if v.name == name)
 dtype = T.DTYPES[variant.dtype]
-
-
-def emulate(q, k, v, dout, o, lse, causal, round_ds):
-    """dq by the kernel's algorithm in float32: P from the LSE, D from ``o``."""
-    b, sq, hq, d = q.shape
-    group = hq // k.shape[2]
-    qf, kf, vf, dof = (x.float().transpose(1, 2) for x in (q, k.repeat_interleave(group, 2),
-                                                          v.repeat_interleave(group, 2), dout))
-    scale = d ** -0.5
-    s = qf @ kf.transpose(-1, -2) * scale
-    if causal:
-        sk = k.shape[1]
-        row = torch.arange(sq, device=q.device)[:, None]
-        col = torch.arange(sk, device=q.device)[None, :]
-        s = s.masked_fill(col > row + sk - sq, float("-inf"))
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)
-    dp = dof @ vf.transpose(-1, -2)
-    dsum = (dof * o.float().transpose(1, 2)).sum(-1, keepdim=True)
-    ds = p * (dp - dsum)
-    if round_ds:
-        ds = ds.to(q.dtype).float()
-    return (ds @ kf * scale).transpose(1, 2)
 
 
 for seed in (int(s) for s in sys.argv[3].split(",")):
@@ -53,13 +33,15 @@ for seed in (int(s) for s in sys.argv[3].split(",")):
     ref = T.reference_grads(q, k, v, dout, variant.causal, True)[0]
     low = T.reference_grads(q, k, v, dout, variant.causal, False)[0]
     o_exact = attention_ref(q.float(), k.float(), v.float(), causal=variant.causal)[0]
+    emulated = lambda o, operands: attention_bwd_from_out(q, k, v, dout, o, variant.causal,  # noqa: E731
+                                                          operands=operands)[0]
     rows = {
         "kernel": dq.float(),
         "torch low precision": low.float(),
-        "emulated (O stored, dS rounded)": emulate(q, k, v, dout, out, lse, variant.causal, True),
-        "emulated (O stored, dS fp32)": emulate(q, k, v, dout, out, lse, variant.causal, False),
-        "emulated (O exact, dS rounded)": emulate(q, k, v, dout, o_exact, lse, variant.causal, True),
-        "emulated (O exact, dS fp32)": emulate(q, k, v, dout, o_exact, lse, variant.causal, False),
+        "emulated (O stored, dS rounded)": emulated(out, dtype),
+        "emulated (O stored, dS fp32)": emulated(out, None),
+        "emulated (O exact, dS rounded)": emulated(o_exact, dtype),
+        "emulated (O exact, dS fp32)": emulated(o_exact, None),
     }
     err = (dq.float() - ref).abs()
     at = tuple(int(i) for i in torch.nonzero(err == err.max())[0])

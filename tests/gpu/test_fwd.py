@@ -34,19 +34,19 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 
 def check_out(out, q, k, v, causal, scale=None):
     """The forward's output against the float32 reference, within twice PyTorch's
-    low-precision error (also the backward tests' check of the ``out`` they pass in)."""
-    ref, _ = attention_ref(q, k, v, causal, scale, upcast=True)
-    low, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    low-precision error (also the backward tests' check of the ``out`` they pass in).
+    Returns the two references' LSE (float32, low precision)."""
+    ref, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
+    low, lse_low = attention_ref(q, k, v, causal, scale, upcast=False)
     assert not out.isnan().any(), "unwritten or NaN output elements"
     err = (out.float() - ref.float()).abs().max().item()
     tol = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
     assert err <= tol, f"out max error {err:.3e} > {tol:.3e}"
+    return lse_ref, lse_low
 
 
 def _check(out, lse, q, k, v, causal, scale=None):
-    check_out(out, q, k, v, causal, scale)
-    _, lse_ref = attention_ref(q, k, v, causal, scale, upcast=True)
-    _, lse_low = attention_ref(q, k, v, causal, scale, upcast=False)
+    lse_ref, lse_low = check_out(out, q, k, v, causal, scale)
     assert not lse.isnan().any(), "unwritten or NaN LSE elements"
     finite = torch.isfinite(lse_ref)
     assert torch.equal(torch.isfinite(lse), finite), "LSE is -inf exactly where a row sees no key"
