@@ -20,10 +20,12 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
-from .bwd_sm90 import PERSISTENT_MAX_KEYS, FlashBwdSm90
-from .fwd_sm90 import FlashFwdSm90
+from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
+from .sm90.bwd.kernel import FlashBwdSm90
+from .sm90.fwd.config import FwdConfig
+from .sm90.fwd.kernel import FlashFwdSm90
+from .sm90.primitives import DTYPES
 
-DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
 # The (s, d, h, b) order the kernels give their TMA coordinate tensors, by axis letter of
 # the user-facing (b, s, h, d) layout.
@@ -134,36 +136,36 @@ def _fake_rows(dtype, rank: int, static_last: int | None = None):
 def compile_fwd(variant: Variant) -> dict:
     """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
     dtype = DTYPES[variant.dtype]
-    t = variant.tiling
-    kernel = FlashFwdSm90(dtype, variant.head_dim, variant.causal, t.tile_m, t.tile_n, t.stages, variant.q_tiles)
+    cfg = FwdConfig.of(variant)
+    kernel = FlashFwdSm90(cfg)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:
         raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
-    grid = [["ceil_div", "seqlen_q", t.tile_m * variant.q_tiles], ["size", "heads_q"], ["size", "batch"]]
-    launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [kernel.threads, 1, 1], grid, kernel.smem_bytes)
-    return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": [launch],
-            "tensormaps": _recipes(kernel, variant)}
+    grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], ["size", "heads_q"], ["size", "batch"]]
+    launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],
+            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
 
 
 def compile_bwd(variant: Variant) -> dict:
     """Build one backward variant: preprocess, main kernel and postprocess in one cubin."""
     dtype = DTYPES[variant.dtype]
-    t = variant.tiling
-    kernel = FlashBwdSm90(dtype, variant.head_dim, variant.causal, variant.deterministic,
-                          t.tile_m, t.tile_n, t.stages, variant.q_tiles)
+    cfg = BwdConfig.of(variant)
+    kernel = FlashBwdSm90(cfg)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
             _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
             _fake_rows(cutlass.Int32, 1), _fake_rows(Float32, 1), cutlass.Int32(0), cutlass.Int32(1)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
-    rows = [["ceil_div", "seqlen_q", t.tile_m], ["size", "heads_q"], ["size", "batch"]]
+    rows = [["ceil_div", "seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
     plans = {
         # the first launch waits for everything before it; the other two are programmatic
         "preprocess": (abi.bwd_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
-        "kernel": (abi.bwd_main_plan(dq_tensor_map=not kernel.dq_fragment_order), [kernel.threads, 1, 1],
-                   _bwd_main_grid(kernel), kernel.smem_bytes, True),
+        "kernel": (abi.bwd_main_plan(dq_tensor_map=not cfg.dq_fragment_order), [cfg.threads, 1, 1],
+                   _bwd_main_grid(cfg), kernel.smem_bytes, True),
         "postprocess": (abi.bwd_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
                         kernel.rows.post_smem_bytes, True),
     }
@@ -177,18 +179,19 @@ def compile_bwd(variant: Variant) -> dict:
         store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
         if store != recipes["dq_accum"]:
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
-    return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
-            "tensormaps": recipes, "dq_chains": kernel.chains}
+    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches, "tensormaps": recipes,
+            "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg)}
 
 
-def _bwd_main_grid(kernel: FlashBwdSm90) -> list:
+def _bwd_main_grid(cfg: BwdConfig) -> list:
     """One CTA per (key tile, KV head, batch), or (persistent, up to PERSISTENT_MAX_KEYS
     keys) one per SM, at most one per item: the CTAs walk the items in launch order; or
     (tail split) one per item but the last partial wave's, split into pieces."""
-    items = [["ceil_div", "seqlen_k", kernel.tile_n], ["size", "heads_kv"], ["size", "batch"]]
-    if kernel.persistent:
+    items = [["ceil_div", "seqlen_k", cfg.tile_n], ["size", "heads_kv"], ["size", "batch"]]
+    if cfg.persistent:
         return [["persistent", items, ["seqlen_k", PERSISTENT_MAX_KEYS]], ["const", 1], ["const", 1]]
-    if kernel.tail_split:
+    if cfg.tail_split:
         return [["split_tail", items, "tail_tiles", "tail_pieces"], ["const", 1], ["const", 1]]
     return items
 

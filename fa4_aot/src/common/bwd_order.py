@@ -1,7 +1,7 @@
 """Which query tiles a backward CTA visits, and the deterministic order of the dQ reduces.
 
 Integer functions of the CTA's key tile and the problem's sizes: the kernel
-(``bwd_sm90``) calls them on Int32 values, the CPU tests (tests/cpu/test_order.py) on
+(``sm90/bwd``) calls them on Int32 values, the CPU tests (tests/cpu/test_order.py) on
 Python ints, so the order that keeps the deterministic backward deadlock-free is checked
 without a GPU.
 """
@@ -68,7 +68,7 @@ def semaphore_word(batch, heads_q, head, m_blocks, tile, chains: int = 1, chain=
 
 
 def tail_item(linear, items, tail_tiles, pieces):
-    """(item, tail tile, piece) of block ``linear`` of a split-tail grid (variants.tail_split):
+    """(item, tail tile, piece) of block ``linear`` of a split-tail grid (fa4_aot.policy.tail_split):
     the first items - tail_tiles blocks take those items whole (tail tile -1, piece 0); the
     next tail_tiles * pieces blocks take the last tail_tiles items, tile by tile, in
     ``pieces`` pieces each. (Branch-free: the kernels call it on Int32 values.)"""

@@ -14,7 +14,8 @@ import cutlass
 # Backward, causal and not deterministic, or deterministic and not causal: CTAs handed
 # out in groups of KV heads whose Q, dO (16-bit) and fp32 dQ accumulator copies fit this
 # much of L2, in powers of two up to BWD_MAX_HEAD_GROUP (causal: a fixed 4 measured best at
-# 4k, session 8; sized to L2, 16k d256 +3% with 1, d128 equal with 2: session 10).
+# 4k; sized to L2, 16k d256 +3% with 1, d128 equal with 2: docs/design.md, "Backward: launch
+# order and head groups").
 BWD_L2_BYTES = 40 * 1024 * 1024
 BWD_MAX_HEAD_GROUP = 4
 # Forward, causal: as many heads per group as keep their K and V in this much of L2 (the
@@ -27,7 +28,7 @@ def launch_in_head_groups(x, y, n_blocks, heads, group):
     """(launch index within its head, head) of block (x, y) of a batch entry, when the
     blocks go to groups of ``group`` heads: the group's first CTA of each head, then the
     second of each, and so on. Within a head the launch order is unchanged (the
-    deterministic backward's launched-before rule holds). Backward (session 8): d128 4k
+    deterministic backward's launched-before rule holds). Backward: d128 4k
     causal +4%, d64 +2%, 16k equal."""
     linear = x + n_blocks * y
     g = linear // (n_blocks * group)

@@ -13,6 +13,8 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 WARPGROUP = 128
+# the variants' dtype names (fa4_aot.variants.DTYPES) as the DSL's types
+DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 
 
 def smem_layout(dtype, rows: int, cols: int, stages=None, col_parts: int = 1):

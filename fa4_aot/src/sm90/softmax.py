@@ -27,8 +27,8 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .layout import acc_as_rows_cols
-from .sm90_common import select_f32
+from .fragments import acc_as_rows_cols
+from .primitives import select_f32
 
 LN2 = math.log(2.0)
 RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2^8 between rescales
@@ -40,7 +40,7 @@ def exp2_mufu(x: Float32, *, loc=None, ip=None) -> Float32:
 
     Marked as having side effects on purpose: the pure ``cute.math.exp2(fastmath=True)``
     let the compiler move and duplicate exponentials in the forward's loop, which measured
-    16% slower at head_dim 128 (docs/perf-notes.md).
+    16% slower at head_dim 128 (docs/design.md, "Forward: exp2").
     """
     return Float32(llvm.inline_asm(
         T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f",

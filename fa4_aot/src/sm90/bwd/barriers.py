@@ -4,7 +4,7 @@ that the roles' ids cannot overlap (id 0 is the CTA-wide barrier of the pipeline
 EPILOGUE_BARRIER = 1  # both consumer warpgroups, before dK and dV are staged
 DS_BARRIER = 2  # both consumer warpgroups: dS (and P) written before the GEMMs read them
 # (staggered: 2 + w, warpgroup w alone, before it tells the other one through READY)
-# Per dQ staging buffer b (which part of a step takes which: bwd_dq_handoff), FULL: warpgroup
+# Per dQ staging buffer b (which part of a step takes which: dq_writer.DqBuffers), FULL: warpgroup
 # w has staged its dQ tile in buffer b for the writer; EMPTY: the writer's reduce has read
 # buffer b. Ids 4 .. 11 for up to four buffers, 4 .. 15 for up to six (see dq_barriers).
 DQ_FULL_BARRIER = 4

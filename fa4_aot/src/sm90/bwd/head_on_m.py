@@ -1,6 +1,5 @@
-"""The backward's consumer role at head_dim 192 and 256 (sm_90a): ``compute_head_on_m``, a
-mixin of ``bwd_sm90.FlashBwdSm90`` (its knobs, pipelines, ``_m_block``, ``_probs``,
-``_grads`` and the dQ hand-off of ``bwd_dq_handoff``).
+"""The backward's consumer warpgroups at head_dim 192 and 256 (sm_90a; docs/design.md,
+"Backward: head dim on M").
 
 n consumer warpgroups (three at 192, two at 256), each owning d/n head dims (64 or 128)
 and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
@@ -21,25 +20,97 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
-from .layout import acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, tiled_mma, wgmma
+from ..fragments import acc_as_rows_cols, transpose_smem
+from ..primitives import DTYPES, WARPGROUP, tiled_mma, wgmma
+from .barriers import DS_BARRIER, EPILOGUE_BARRIER
 
 
-class HeadOnMCompute:
+class HeadOnM:
     """Consumer warpgroups of the head_dim 192 and 256 backward."""
 
+    def __init__(self, cfg, walk, scores, dq):
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.walk = walk
+        self.scores = scores
+        self.dq = dq
+
     @cute.jit
-    def compute_head_on_m(self, tidx, sQ, sdO, sK, sV, sP, sdS, sdQ, pipe_kv, pipe_q, pipe_do, n_block,
-                          m_first, span, steps, seqlen_q, seqlen_k, sLSE2, sDsum, scale, scale_log2,
-                          tma_dk, gdK, tma_dv, gdV):
+    def run(self, tidx, tiles, sP, pipes, prob, scalars, outputs, walk_state):
+        """The CTA's one item (``tidx``: the CTA's thread); dK and dV are staged over the
+        spent K and V (tiles of the same shape)."""
+        item = walk_state.item
+        consumer = tidx - WARPGROUP
+        gdK = outputs.gdK[None, None, item.head_kv, item.batch]
+        gdV = outputs.gdV[None, None, item.head_kv, item.batch]
+        self.compute(consumer, tiles, sP, pipes, prob, scalars, outputs._replace(gdK=gdK, gdV=gdV), item)
+
+    @cute.jit
+    def compute(self, tidx, tiles, sP, pipes, prob, scalars, outputs, item):
         """tidx: over the consumer warpgroups (0..128 n). sQ, sdO: (queries, d, stages); sK,
         sV: (keys, d); sP, sdS: (keys, queries); sdQ: (queries, 64 head dims, dq_slots) fp32.
         Per query tile: S, dP (async) -> P, dS -> shared, barrier -> dV, dK, dQ chunk 0
         (async) -> release dO once dV is done, Q once dK is -> stage dQ chunk 0 -> the
         warpgroup's other chunks (one at 256, none at 192), each staged."""
-        d, tm, tn, nc = self.head_dim, self.tile_m, self.tile_n, self.num_consumers
-        own, chunk = d // nc, self.dq_chunk  # own: the head dims of one warpgroup
+        sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum = tiles
+        pipe_kv, pipe_q, pipe_do = pipes
+        n_block, m_first, span, steps = item.n_block, item.m_first, item.span, item.steps
+        seqlen_q, seqlen_k, scale_log2 = prob.seqlen_q, prob.seqlen_k, scalars.scale_log2
+        tm = self.cfg.tile_m
+        (m_blocks, wg, chunks, chunk, mma_sdp, mma_dkv, mma_dq, thr_dq, tSrQ, tSrK, tPrdO, tPrV, tVrdOt, tKrQt, tVrP, tKrdS,
+         tQrKt, tQrdS, acc_dv, acc_dk, s_shape, s_coords, nrows, lse2_row, dsum_row, pds_copy, thr_pds, tP_smem,
+         tdS_smem, dq_copy, thr_dq_copy, tdQ_smem) = self._operands(tidx, tiles, sP, seqlen_q)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+        for step in cutlass.range(steps, unroll=1):
+            m_block = self.walk.m_block(step, m_first, span, m_blocks)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_q.consumer_wait(state)
+            wgmma(mma_sdp, acc_s, tSrQ[None, None, None, state.index], tSrK, False, wait=False)
+            pipe_do.consumer_wait(state)
+            wgmma(mma_sdp, acc_dp, tPrdO[None, None, None, state.index], tPrV, False, wait=False)
+            for r in cutlass.range_constexpr(nrows):
+                lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
+                dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
+            warpgroup.wait_group(1)
+            self.scores.probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True)
+            p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
+            p16.store(acc_s.load().to(self.dtype))
+            warpgroup.wait_group(0)
+            self.scores.grads(acc_s, acc_dp, dsum_row, True)
+            ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
+            ds16.store(acc_dp.load().to(self.dtype))
+            self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)
+            # dV, then dK, then the dQ chunks: Q and dO have one buffer each, so the next
+            # tile's loads start only once the GEMMs reading them are done; releasing dO
+            # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0
+            # issued first (docs/design.md, "Backward: head dim on M").
+            wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
+            wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
+            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+            wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
+            warpgroup.wait_group(2)  # dV done: the producer may load the next dO
+            pipe_do.consumer_release(state)
+            warpgroup.wait_group(1)  # dK done: the producer may load the next Q
+            pipe_q.consumer_release(state)
+            for c in cutlass.range_constexpr(chunks):
+                if const_expr(c > 0):
+                    acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
+                    wgmma(mma_dq, acc_dq, tQrKt[c], tQrdS, False, wait=False)
+                warpgroup.wait_group(0)
+                self.dq.stage(wg * chunks + c, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
+            state.advance()
+        self._store_dkv_transposed(tidx, acc_dk, acc_dv, mma_dkv, sK, sV, outputs, n_block, scalars.scale)
+
+
+    @cute.jit
+    def _operands(self, tidx, tiles, sP, seqlen_q):
+        """The item's GEMMs, fragments, accumulators and copies (as ``compute`` unpacks them)."""
+        sQ, sdO, sK, sV, sdS, sdQ, _, _ = tiles
+        d, tm, tn, nc = self.cfg.head_dim, self.cfg.tile_m, self.cfg.tile_n, self.cfg.num_consumers
+        own, chunk = d // nc, self.cfg.dq_chunk  # own: the head dims of one warpgroup
         chunks = own // chunk
         m_blocks = cute.ceil_div(seqlen_q, tm)
         mma_sdp = tiled_mma(self.dtype, "K", "K", (1, nc, 1), tn // nc)  # (queries, keys), k = d
@@ -93,56 +164,15 @@ class HeadOnMCompute:
         thr_dq_copy = dq_copy.get_slice(local)
         tdQ_smem = thr_dq_copy.partition_D(transpose_smem(sdQ))  # (..., buffer)
 
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-        for step in cutlass.range(steps, unroll=1):
-            m_block = self._m_block(step, m_first, span, m_blocks)
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            acc_dp = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_q.consumer_wait(state)
-            wgmma(mma_sdp, acc_s, tSrQ[None, None, None, state.index], tSrK, False, wait=False)
-            pipe_do.consumer_wait(state)
-            wgmma(mma_sdp, acc_dp, tPrdO[None, None, None, state.index], tPrV, False, wait=False)
-            for r in cutlass.range_constexpr(nrows):
-                lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
-                dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
-            warpgroup.wait_group(1)
-            self._probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True)
-            p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
-            p16.store(acc_s.load().to(self.dtype))
-            warpgroup.wait_group(0)
-            self._grads(acc_s, acc_dp, dsum_row, True)
-            ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
-            ds16.store(acc_dp.load().to(self.dtype))
-            self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)
-            # dV, then dK, then the dQ chunks: Q and dO have one buffer each, so the next
-            # tile's loads start only once the GEMMs reading them are done; releasing dO
-            # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0
-            # issued first (docs/perf-notes.md, session 10).
-            wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
-            wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
-            acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-            wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
-            warpgroup.wait_group(2)  # dV done: the producer may load the next dO
-            pipe_do.consumer_release(state)
-            warpgroup.wait_group(1)  # dK done: the producer may load the next Q
-            pipe_q.consumer_release(state)
-            for c in cutlass.range_constexpr(chunks):
-                if const_expr(c > 0):
-                    acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
-                    wgmma(mma_dq, acc_dq, tQrKt[c], tQrdS, False, wait=False)
-                warpgroup.wait_group(0)
-                self._stage_dq(wg * chunks + c, step, acc_dq, dq_copy, thr_dq_copy, tdQ_smem)
-            state.advance()
-        self._store_dkv_transposed(tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
-                                   n_block, scale)
+        return (m_blocks, wg, chunks, chunk, mma_sdp, mma_dkv, mma_dq, thr_dq, tSrQ, tSrK, tPrdO, tPrV, tVrdOt, tKrQt, tVrP, tKrdS,
+                tQrKt, tQrdS, acc_dv, acc_dk, s_shape, s_coords, nrows, lse2_row, dsum_row, pds_copy, thr_pds, tP_smem,
+                tdS_smem, dq_copy, thr_dq_copy, tdQ_smem)
 
     def _share_p_ds(self, pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem):
         """P and dS (16-bit fragments) to their single shared buffers, between the consumer
         warpgroups' barriers: the first orders the write after every warpgroup's GEMMs of
         the previous step (waited for at its end), the second the GEMMs after the write."""
-        threads = self.num_consumers * WARPGROUP
+        threads = self.cfg.num_consumers * WARPGROUP
         cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
         cute.copy(pds_copy, thr_pds.retile(p16), tP_smem)
         cute.copy(pds_copy, thr_pds.retile(ds16), tdS_smem)
@@ -150,12 +180,12 @@ class HeadOnMCompute:
         cute.arch.barrier(barrier_id=DS_BARRIER, number_of_threads=threads)
 
     @cute.jit
-    def _store_dkv_transposed(self, tidx, acc_dk, acc_dv, mma_dkv, sK, sV, tma_dk, gdK, tma_dv, gdV,
-                              n_block, scale):
+    def _store_dkv_transposed(self, tidx, acc_dk, acc_dv, mma_dkv, sK, sV, outputs, n_block, scale):
         """dK (times the softmax scale) and dV, each warpgroup's (head dims, keys) fragment
         written transposed (stmatrix) into the spent K and V tiles, then one TMA store each."""
+        tma_dk, gdK, _, tma_dv, gdV, _ = outputs
         # K and V no longer read
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
@@ -163,15 +193,15 @@ class HeadOnMCompute:
             cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype),
             mma_dkv)
         thr = store.get_slice(tidx % WARPGROUP)
-        mine = (self.head_dim // self.num_consumers, self.tile_n)
+        mine = (self.cfg.head_dim // self.cfg.num_consumers, self.cfg.tile_n)
         for acc, s_tile in ((acc_dk, sK), (acc_dv, sV)):
             staged = cute.make_rmem_tensor_like(acc, self.dtype)
             staged.store(acc.load().to(self.dtype))
             cute.copy(store, thr.retile(staged), thr.partition_D(cute.local_tile(transpose_smem(s_tile), mine, (wg, 0))))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.num_consumers * WARPGROUP)
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
         if cute.arch.make_warp_uniform(tidx // 32) == 0:
-            tile = (self.tile_n, self.head_dim)
+            tile = (self.cfg.tile_n, self.cfg.head_dim)
             for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):
                 s_part, g_part = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),

@@ -1,11 +1,11 @@
 """The backward's row kernels for Hopper (sm_90a), launched before and after the main one
-(``bwd_sm90.FlashBwdSm90``), one block per query tile (the main kernel's tile_m rows) of
-a (head, batch):
+(``kernel.FlashBwdSm90``), one block per query tile (the main kernel's tile_m rows) of
+a (head, batch) (docs/design.md, "Backward: pre- and postprocess"):
 
 - ``preprocess``: D = rowsum(dO * O) in fp32, LSE moved to the exp2 domain (+inf for a row
   that saw no key, so its P is 0), the dQ semaphores cleared and, unless ``first_write``
   (run time: the main kernel then stores each tile's first share), the fp32 dQ
-  accumulator (every copy: see variants.dq_chains); the padding rows of the last tile
+  accumulator (every copy: config.BwdConfig.chains); the padding rows of the last tile
   get LSE2 = +inf and D = 0.
 - ``postprocess``: dQ = (sum of the accumulator copies, in copy order) * scale in the
   input dtype; with ``first_write``, only the copies the main kernel wrote (``_written``).
@@ -24,9 +24,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..variants import TAIL_COUNTERS, TAIL_MAX_TILES
-from .bwd_order import first_dq_key_tile, semaphore_word
-from .sm90_common import WARPGROUP
+from ...common import symbols
+from ...common.bwd_order import first_dq_key_tile, semaphore_word
+from ..primitives import DTYPES, WARPGROUP
+from .config import TAIL_COUNTERS, TAIL_MAX_TILES
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
@@ -63,32 +64,27 @@ def frag_offset(batch, copy, head, m_block, heads_q, m_blocks, chains: int, tile
     return ((Int64(batch * chains + copy) * heads_q + head) * m_blocks + m_block) * tile_elems
 
 
-class BwdRowsSm90:
-    """Compile-time knobs of the row kernels: the input dtype, head_dim, the main
-    kernel's query tile (the unit of the statistics' padding and of the semaphores), the
-    copies of the dQ accumulator (batch * chains + copy; as many semaphores per query
-    tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
+class PrePostSm90:
+    """The row kernels of one backward variant (its config): the main kernel's query tile
+    is their block (the unit of the statistics' padding and of the semaphores), the dQ
+    accumulator has ``chains`` copies (batch * chains + copy; as many semaphores per query
+    tile), laid out as rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
-    def __init__(self, dtype, head_dim: int, tile_m: int, chains: int, fragments: DqFragments | None,
-                 causal: bool, tile_n: int, tickets: bool):
-        assert not (tickets and chains > 1)
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.tile_m = tile_m
-        self.threads = THREADS_PER_ROW * tile_m  # per block
-        self.chains = chains
-        # first_write (run time): which tiles and copies the main kernel wrote, from the
-        # tickets in the semaphore words (not deterministic) or from the turn order
-        self.causal = causal
-        self.tile_n = tile_n
-        self.tickets = tickets
+    def __str__(self):
+        return symbols.BACKWARD_ROWS_SM90  # the cubin's kernel names (common/symbols.py)
+
+    def __init__(self, cfg, fragments: DqFragments | None):
+        assert not (cfg.tickets and cfg.chains > 1)
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.threads = THREADS_PER_ROW * cfg.tile_m  # per block
         self.fragments = fragments
         # fragment order: the postprocess's first parts * WARPGROUP threads read the fragments
         assert fragments is None or fragments.parts * WARPGROUP <= self.threads
         # fragment order: the postprocess's (tile_m, d) output tile in shared memory, rows
         # padded by 16 bytes (fewer bank conflicts as the fragments scatter into it)
-        self.out_stride = head_dim + 8
-        self.post_smem_bytes = 0 if fragments is None else tile_m * self.out_stride * dtype.width // 8
+        self.out_stride = cfg.head_dim + 8
+        self.post_smem_bytes = 0 if fragments is None else cfg.tile_m * self.out_stride * self.dtype.width // 8
 
     # ------------------------------------------------------------------ preprocess
     def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):
@@ -107,7 +103,7 @@ class BwdRowsSm90:
     ):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
         query tile; THREADS_PER_ROW threads per row, 16-byte accesses. The first tile of
-        the first head also clears the split tiles' counters (bwd_tail).
+        the first head also clears the split tiles' counters (split_last_wave.py).
 
         Launched as usual (after all earlier work on the stream), so the main kernel may be
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
@@ -120,9 +116,9 @@ class BwdRowsSm90:
         x, y, batch = cute.arch.block_idx()
         linear = x + cute.arch.grid_dim()[0] * y
         bidx, head = linear // heads_q, linear % heads_q
-        row = bidx * self.tile_m + tidx // THREADS_PER_ROW
+        row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
-        d = self.head_dim
+        d = self.cfg.head_dim
         vec = 8  # elements of O, dO per 16-byte chunk
         total = Float32(0.0)
         clear = first_write == 0  # the accumulator (else the main kernel stores first shares)
@@ -140,7 +136,7 @@ class BwdRowsSm90:
                 if clear:
                     zeros = cute.make_rmem_tensor((4,), Float32)
                     zeros.fill(0.0)
-                    for copy in cutlass.range_constexpr(self.chains):
+                    for copy in cutlass.range_constexpr(self.cfg.chains):
                         acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
                         for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
                             col = (part + i * THREADS_PER_ROW) * 4
@@ -150,10 +146,10 @@ class BwdRowsSm90:
                 # the whole tile, padding rows included (the reduces add into all of it)
                 zeros = cute.make_rmem_tensor((4,), Float32)
                 zeros.fill(0.0)
-                tile_elems = self.tile_m * d
-                for copy in cutlass.range_constexpr(self.chains):
-                    base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.tile_m),
-                                       self.chains, tile_elems)
+                tile_elems = self.cfg.tile_m * d
+                for copy in cutlass.range_constexpr(self.cfg.chains):
+                    base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.cfg.tile_m),
+                                       self.cfg.chains, tile_elems)
                     assert tile_elems % (4 * self.threads) == 0
                     for i in cutlass.range_constexpr(tile_elems // 4 // self.threads):
                         chunk_at = base + (i * self.threads + tidx) * 4
@@ -178,11 +174,11 @@ class BwdRowsSm90:
                 if row == 0:
                     done = cute.make_tensor(done_ptr, cute.make_layout(batch * heads_q + head + 1))
                     done[batch * heads_q + head] = Int32(0)
-                if row % self.tile_m == 0:
-                    m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-                    sem_at = semaphore_word(batch, heads_q, head, m_blocks, row // self.tile_m, self.chains)
-                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.chains))
-                    for copy in cutlass.range_constexpr(self.chains):
+                if row % self.cfg.tile_m == 0:
+                    m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+                    sem_at = semaphore_word(batch, heads_q, head, m_blocks, row // self.cfg.tile_m, self.cfg.chains)
+                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.cfg.chains))
+                    for copy in cutlass.range_constexpr(self.cfg.chains):
                         sem[sem_at + copy] = Int32(0)
             else:
                 # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
@@ -190,12 +186,12 @@ class BwdRowsSm90:
 
     def _acc_row(self, batch, copy, row, head, seqlen_q, heads_q):
         """Element offset of a row of accumulator copy ``copy``."""
-        return (((Int64(batch) * self.chains + copy) * seqlen_q + row) * heads_q + head) * self.head_dim
+        return (((Int64(batch) * self.cfg.chains + copy) * seqlen_q + row) * heads_q + head) * self.cfg.head_dim
 
     @cute.jit
     def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, batch, head, row, seqlen_q, heads_q):
         """LSE2 and D rows are (b, h_q, padded s_q): whole query tiles, for the bulk copies."""
-        padded = cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m
+        padded = cute.ceil_div(seqlen_q, self.cfg.tile_m) * self.cfg.tile_m
         at = (batch * heads_q + head) * padded + row
         lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
         dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
@@ -212,15 +208,15 @@ class BwdRowsSm90:
         """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
         Launched programmatically after the main kernel (placed once all its CTAs have
         started): waits for its head's key tiles only, which each count themselves in
-        ``done_ptr`` once their adds are complete (bwd_dq_handoff.dq_writer)."""
+        ``done_ptr`` once their adds are complete (dq_writer.DqWriter)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         if tidx == 0:
             done = (done_ptr + batch * heads_q + head).llvm_ptr
-            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.tile_n):
+            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.cfg.tile_n):
                 pass
         cute.arch.sync_threads()
-        row = bidx * self.tile_m + tidx // THREADS_PER_ROW
+        row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
         coverage = (sem_ptr, seqlen_k, first_write)  # what _written reads
@@ -228,14 +224,14 @@ class BwdRowsSm90:
             self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
                                  seqlen_q, heads_q, scale, coverage)
         elif row < seqlen_q:
-            d = self.head_dim
+            d = self.cfg.head_dim
             dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
             cols = [(part + i * THREADS_PER_ROW) * vec for i in range(d // vec // THREADS_PER_ROW)]
             # every chunk of every copy read first, whether or not the copy was written (in
             # bounds either way), so the loads and the tickets' are in flight together
             loaded = []
             for col in cols:
-                for copy in cutlass.range_constexpr(self.chains):
+                for copy in cutlass.range_constexpr(self.cfg.chains):
                     more = cute.make_rmem_tensor((vec,), Float32)
                     cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
                                                                            heads_q) + col, Float32, vec), more)
@@ -243,7 +239,7 @@ class BwdRowsSm90:
             written = self._written_copies(coverage, bidx, batch, head, seqlen_q, heads_q)
             for i, col in enumerate(cols):
                 acc = cute.make_rmem_tensor((vec,), Float32)
-                self._sum_copies(acc, loaded[i * self.chains:(i + 1) * self.chains], written)
+                self._sum_copies(acc, loaded[i * self.cfg.chains:(i + 1) * self.cfg.chains], written)
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
@@ -254,14 +250,14 @@ class BwdRowsSm90:
 
     def _written_copies(self, coverage, m_block, batch, head, seqlen_q, heads_q) -> list:
         """``_written`` for every accumulator copy of query tile m_block, in copy order."""
-        return [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q) for copy in range(self.chains)]
+        return [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q) for copy in range(self.cfg.chains)]
 
     @cute.jit
     def _sum_copies(self, acc, copies: list, written: list):
         """acc = the sum of one chunk's ``copies`` (loaded, whether written or not) that the
         main kernel wrote, in copy order (so the bits are fixed: deterministic)."""
         acc.fill(0.0)
-        for copy in cutlass.range_constexpr(self.chains):
+        for copy in cutlass.range_constexpr(self.cfg.chains):
             if written[copy]:
                 acc.store(acc.load() + copies[copy].load())
 
@@ -276,14 +272,14 @@ class BwdRowsSm90:
         sem_ptr, seqlen_k, first_write = coverage
         result = cutlass.Boolean(True)
         if first_write != 0:
-            m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-            if const_expr(self.tickets):
+            m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+            if const_expr(self.cfg.tickets):
                 at = semaphore_word(batch, heads_q, head, m_blocks, m_block)
                 result = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
             else:
-                n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-                key = first_dq_key_tile(m_block, copy, n_blocks, seqlen_q, seqlen_k, self.tile_m, self.tile_n,
-                                        self.causal)
+                n_blocks = cute.ceil_div(seqlen_k, self.cfg.tile_n)
+                key = first_dq_key_tile(m_block, copy, n_blocks, seqlen_q, seqlen_k, self.cfg.tile_m, self.cfg.tile_n,
+                                        self.cfg.causal)
                 result = key >= 0
                 if key >= n_blocks:
                     result = cutlass.Boolean(False)
@@ -297,9 +293,9 @@ class BwdRowsSm90:
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
         the rows go out 16 bytes per access as in the row layout."""
         frags = self.fragments
-        d = self.head_dim
+        d = self.cfg.head_dim
         s_out = cutlass.utils.SmemAllocator().allocate_tensor(
-            self.dtype, cute.make_layout((self.tile_m, d), stride=(self.out_stride, 1)), byte_alignment=16)
+            self.dtype, cute.make_layout((self.cfg.tile_m, d), stride=(self.out_stride, 1)), byte_alignment=16)
         if tidx < frags.parts * WARPGROUP:  # the block's other threads (80-row tiles) only write rows
             self._scatter_fragments(tidx, m_block, head, batch, dqacc_ptr, seqlen_q, heads_q, scale, coverage, s_out)
         cute.arch.sync_threads()
@@ -318,17 +314,17 @@ class BwdRowsSm90:
         """Thread tidx (< parts * WARPGROUP) of the postprocess: its fragment values of every
         accumulator copy summed, scaled and put at their (query, head dim) in ``s_out``."""
         frags = self.fragments
-        d = self.head_dim
+        d = self.cfg.head_dim
         wg, t = tidx // WARPGROUP, tidx % WARPGROUP
         coords = frags.make_mma().get_slice(t).partition_C(cute.make_identity_tensor(frags.acc_shape))
-        m_blocks = cute.ceil_div(seqlen_q, self.tile_m)
-        tile_elems = self.tile_m * d
-        first = frag_offset(batch, 0, head, m_block, heads_q, m_blocks, self.chains, tile_elems) \
+        m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+        tile_elems = self.cfg.tile_m * d
+        first = frag_offset(batch, 0, head, m_block, heads_q, m_blocks, self.cfg.chains, tile_elems) \
             + wg * frags.part_elems + t * 4
         # every chunk read first, written or not (as in postprocess: one memory latency)
         loaded = []
         for i in cutlass.range_constexpr(frags.values // 4):
-            for copy in cutlass.range_constexpr(self.chains):
+            for copy in cutlass.range_constexpr(self.cfg.chains):
                 more = cute.make_rmem_tensor((4,), Float32)
                 cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
                                               + i * 4 * WARPGROUP, Float32, 4), more)
@@ -336,7 +332,7 @@ class BwdRowsSm90:
         written = self._written_copies(coverage, m_block, batch, head, seqlen_q, heads_q)
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
-            self._sum_copies(acc, loaded[i * self.chains:(i + 1) * self.chains], written)
+            self._sum_copies(acc, loaded[i * self.cfg.chains:(i + 1) * self.cfg.chains], written)
             for j in cutlass.range_constexpr(4):
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)

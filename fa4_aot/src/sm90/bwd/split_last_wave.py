@@ -1,7 +1,7 @@
-"""The backward's split last wave (sm_90a; variants.tail_split): the key tiles of the last
+"""The backward's split last wave (sm_90a; fa4_aot.policy.tail_split): the key tiles of the last
 partial wave are each computed by ``pieces`` CTAs, one per range of query tiles
-(bwd_order.tail_item, piece_tiles), whose dK, dV partial sums meet in fp32 in the
-workspace. ``TailPieces`` is a mixin of ``bwd_sm90.FlashBwdSm90`` (its ``_store_dkv``).
+(common/bwd_order.tail_item, piece_tiles; scheduler.TileWalk), whose dK, dV partial sums
+meet in fp32 in the workspace (docs/design.md, "Backward: split last wave").
 
 A split tile t has TAIL_COUNTERS int32 words, cleared by the preprocess:
     0 ticket: pieces done computing, in the order they got here
@@ -20,34 +20,34 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..variants import TAIL_COUNTERS
-from .bwd_barriers import EPILOGUE_BARRIER
-from .sm90_common import WARPGROUP
+from ..primitives import WARPGROUP
+from .barriers import EPILOGUE_BARRIER
+from .config import TAIL_COUNTERS
 
 TICKET, STORED, SUMMED, DQ_DONE = range(TAIL_COUNTERS)
 
 
-class TailPieces:
-    """Consumer side (``_finish_dkv``) and the dQ writer's count (``_count_dq_done``)."""
+class SplitLastWave:
+    """The consumers' side (``add_piece``: the partial sums) and the dQ writer's count
+    (``count_dq_done``) of a split tile's pieces."""
 
     @cute.jit
-    def _finish_dkv(self, tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale,
-                    s_word, tail):
-        """dK and dV of this CTA's key tile (``_store_dkv``); a piece (``tail``: (split tile
-        or -1, counters, partials, pieces), None where the variant does not split) adds its
-        partials to the tile's sums, and only the one that completes them writes.
-        ``s_word``: two fp32 words of shared memory free after the loop (for broadcasts)."""
+    def add_piece(self, tidx, acc_dk, acc_dv, s_word, tail):
+        """Whether this CTA writes its key tile's dK and dV: always, unless it is a piece
+        (``tail``: the scheduler's Tail, None where the variant does not split), which adds
+        its partials to the tile's sums and writes only if it completes them (its
+        accumulators then holding the sums). ``s_word``: two fp32 words of shared memory
+        free after the loop (for broadcasts)."""
         last = cutlass.Boolean(True)
         if const_expr(tail is not None):
             t, counters, partial, pieces = tail
             if t >= 0:
-                last = self._sum_pieces(tidx, acc_dk, acc_dv, counters + t * TAIL_COUNTERS,
-                                        partial + t * 2 * cute.size(acc_dk) * 2 * WARPGROUP, pieces, s_word)
-        if last:
-            self._store_dkv(tidx, acc_dk, acc_dv, mma_dkv, sdK, sdV, tma_dk, gdK, tma_dv, gdV, n_block, scale)
+                last = self.sum_pieces(tidx, acc_dk, acc_dv, counters + t * TAIL_COUNTERS,
+                                       partial + t * 2 * cute.size(acc_dk) * 2 * WARPGROUP, pieces, s_word)
+        return last
 
     @cute.jit
-    def _sum_pieces(self, tidx, acc_dk, acc_dv, words, sums, pieces, s_word):
+    def sum_pieces(self, tidx, acc_dk, acc_dv, words, sums, pieces, s_word):
         """Add this piece's accumulators (0..255: tidx) into the tile's sums; True for the
         piece that completes them, its accumulators then holding the sums."""
         threads = 2 * WARPGROUP
@@ -88,7 +88,7 @@ class TailPieces:
         return last
 
     @cute.jit
-    def _count_dq_done(self, done_ptr, batch, heads_q, head_kv, group, lane, tail):
+    def count_dq_done(self, done_ptr, batch, heads_q, head_kv, group, lane, tail):
         """Lane 0 of the dQ writer, its adds complete: count the key tile in each query head
         of its group (release), for the postprocess; a piece only once every piece of its
         tile has (the last to get here, acquiring the others' counts)."""

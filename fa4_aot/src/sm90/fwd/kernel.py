@@ -31,46 +31,36 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .launch_order import forward_head_group, launch_in_head_groups
-from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .mask import TileMask
-from .sm90_common import (
-    WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
+from ...common import symbols
+from ...common.launch_order import forward_head_group, launch_in_head_groups
+from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from ..mask import TileMask
+from ..primitives import (
+    DTYPES, WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
     wgmma,
 )
-from .softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from .config import FwdConfig
 
-# setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
-REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 EPILOGUE_BARRIER = 1
 SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
-ORDER_BARRIER = 5  # .. 5 + consumers - 1: see sm90_common.wait_after
+ORDER_BARRIER = 5  # .. 5 + consumers - 1: see primitives.wait_after
 
 
 class FlashFwdSm90:
-    """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
+    """One forward variant (its ``config.FwdConfig``): host side and kernel."""
 
-    def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int,
-                 q_tiles: int = 1):
-        assert tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
+    def __str__(self):
+        return symbols.FORWARD_SM90  # the cubin's kernel names (common/symbols.py)
+
+    def __init__(self, cfg: FwdConfig):
+        assert cfg.tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         # causal: a warpgroup's rows see at most one key tile fewer than its tile's last row
         # (attend's _skip_key_tile passes over one)
-        assert tile_m - 64 <= tile_n
-        assert head_dim % 32 == 0 and tile_n % 16 == 0
-        self.dtype = dtype
-        self.head_dim = head_dim
-        self.causal = causal
-        self.tile_m = tile_m
-        self.tile_n = tile_n
-        self.stages = stages
-        # q_tiles 2: a CTA computes two query tiles, the heaviest and the lightest causal
-        # ones (m and M-1-m; equal work), with Q double-buffered: the second Q lands during
-        # the first tile and the first tile's O store overlaps the second tile.
-        assert q_tiles in (1, 2)
-        self.q_tiles = q_tiles
-        self.num_consumers = tile_m // 64
-        self.producer_regs, self.consumer_regs = REGISTERS[self.num_consumers]
-        self.threads = WARPGROUP * (1 + self.num_consumers)
+        assert cfg.tile_m - 64 <= cfg.tile_n
+        assert cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0 and cfg.q_tiles in (1, 2)
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -78,11 +68,11 @@ class FlashFwdSm90:
         def buf(layout):
             return smem_buffer(layout, self.dtype)
 
-        stages = self.stages
+        stages = self.cfg.stages
 
         @cute.struct
         class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.q_tiles]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.q_tiles]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer
@@ -102,15 +92,15 @@ class FlashFwdSm90:
         scale_log2: Float32,  # softmax_scale * log2(e)
     ):
         q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
-        sq = smem_layout(self.dtype, self.tile_m, self.head_dim, self.q_tiles)
+        sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, self.cfg.q_tiles)
         sq_one = cute.select(sq, mode=[0, 1])
-        skv = smem_layout(self.dtype, self.tile_n, self.head_dim, self.stages)
+        skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
         skv_one = cute.select(skv, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq_one, (self.tile_m, self.head_dim))
-        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.tile_n, self.head_dim))
-        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.tile_n, self.head_dim))
-        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.tile_m, self.head_dim))
+        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
+        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
+        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
+        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
         self.tma_boxes = {  # name -> (atom type, smem swizzle), read by the build for the manifest
             name: (str(atom.type), str(layout.inner))
             for name, atom, layout in (("q", tma_q, sq_one), ("k", tma_k, skv_one), ("v", tma_v, skv_one),
@@ -120,9 +110,9 @@ class FlashFwdSm90:
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        grid = (cute.ceil_div(q.shape[0], self.tile_m * self.q_tiles), q.shape[2], q.shape[3])
+        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m * self.cfg.q_tiles), q.shape[2], q.shape[3])
         self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
-            grid=grid, block=[self.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
         )
 
     @cute.kernel
@@ -148,8 +138,8 @@ class FlashFwdSm90:
                 cpasync.prefetch_descriptor(atom)
 
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_q = tma_pipeline(storage.mbar_q, self.q_tiles, self.num_consumers, self.q_bytes)
-        pipe_k, pipe_v = [tma_pipeline(bar, self.stages, self.num_consumers, self.kv_bytes)
+        pipe_q = tma_pipeline(storage.mbar_q, self.cfg.q_tiles, self.cfg.num_consumers, self.q_bytes)
+        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, self.kv_bytes)
                           for bar in (storage.mbar_k, storage.mbar_v)]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
@@ -159,16 +149,16 @@ class FlashFwdSm90:
 
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
-        if const_expr(self.q_tiles == 1):
+        if const_expr(self.cfg.q_tiles == 1):
             launch = bidx
-            if const_expr(self.causal):
+            if const_expr(self.cfg.causal):
                 # heads in L2-sized groups, heaviest tiles of the group's heads first
                 launch, head = launch_in_head_groups(bidx, head, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
-                                                     forward_head_group(gK.shape[0], self.head_dim))
+                                                     forward_head_group(gK.shape[0], self.cfg.head_dim))
             m_blocks = (cute.arch.grid_dim()[0] - 1 - launch,)  # longest causal tiles first
         else:
             # the middle tile of an odd count is computed twice (same values, same writes)
-            m_blocks = (cute.ceil_div(seqlen_q, self.tile_m) - 1 - bidx, bidx)
+            m_blocks = (cute.ceil_div(seqlen_q, self.cfg.tile_m) - 1 - bidx, bidx)
         heads_q, batches = gQ.shape[2], gQ.shape[3]
         head_kv = head // (heads_q // gK.shape[2])
         mLSE = cute.make_tensor(
@@ -179,7 +169,7 @@ class FlashFwdSm90:
 
         if warp < 4:
             # ---------------- producer warpgroup: TMA loads ----------------
-            cute.arch.setmaxregister_decrease(self.producer_regs)
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp == 0:
                 self.load(
                     tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
@@ -187,7 +177,7 @@ class FlashFwdSm90:
                 )
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
-            cute.arch.setmaxregister_increase(self.consumer_regs)
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.attend(
                 tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_blocks,
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
@@ -196,10 +186,10 @@ class FlashFwdSm90:
 
     def _key_tiles(self, m_block, seqlen_q, seqlen_k):
         """Key tiles query tile ``m_block`` attends to (causal: up to its last row's diagonal)."""
-        n_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        if const_expr(self.causal):
-            last_key = (m_block + 1) * self.tile_m + seqlen_k - seqlen_q  # exclusive
-            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+        n_blocks = cute.ceil_div(seqlen_k, self.cfg.tile_n)
+        if const_expr(self.cfg.causal):
+            last_key = (m_block + 1) * self.cfg.tile_m + seqlen_k - seqlen_q  # exclusive
+            n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.cfg.tile_n))
         return n_blocks
 
     @cute.jit
@@ -210,8 +200,8 @@ class FlashFwdSm90:
         """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch); m_blocks:
         this CTA's query tiles, in order. The first tile's first K, then every Q, then K/V."""
         whole = cute.make_layout(1)
-        tiles_k = cute.local_tile(gK, (self.tile_n, self.head_dim), (None, 0))
-        tiles_v = cute.local_tile(gV, (self.tile_n, self.head_dim), (None, 0))
+        tiles_k = cute.local_tile(gK, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
+        tiles_v = cute.local_tile(gV, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
         tKs, tKg = cpasync.tma_partition(
             tma_k, 0, whole, cute.group_modes(sK, 0, 2), cute.group_modes(tiles_k, 0, 2)
         )
@@ -222,21 +212,21 @@ class FlashFwdSm90:
             tma_k, tKg[None, n], tKs[None, st.index], tma_bar_ptr=pipe_k.producer_get_barrier(st))
         load_v = lambda n, st: cute.copy(  # noqa: E731
             tma_v, tVg[None, n], tVs[None, st.index], tma_bar_ptr=pipe_v.producer_get_barrier(st))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         n_first = self._key_tiles(m_blocks[0], seqlen_q, seqlen_k)
         if n_first > 0:
             pipe_k.producer_acquire(kv_state)
             load_k(n_first - 1, kv_state)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.q_tiles)
-        for t in cutlass.range_constexpr(self.q_tiles):
-            tile_q = cute.local_tile(gQ, (self.tile_m, self.head_dim), (m_blocks[t], 0))
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_tiles)
+        for t in cutlass.range_constexpr(self.cfg.q_tiles):
+            tile_q = cute.local_tile(gQ, (self.cfg.tile_m, self.cfg.head_dim), (m_blocks[t], 0))
             tQs, tQg = cpasync.tma_partition(
                 tma_q, 0, whole, cute.group_modes(sQ[None, None, t], 0, 2), cute.group_modes(tile_q, 0, 2)
             )
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
-        for t in cutlass.range_constexpr(self.q_tiles):
+        for t in cutlass.range_constexpr(self.cfg.q_tiles):
             n_blocks = self._key_tiles(m_blocks[t], seqlen_q, seqlen_k)
             if n_blocks > 0:
                 if const_expr(t > 0):
@@ -252,13 +242,13 @@ class FlashFwdSm90:
                     load_v(n_blocks - 1 - i, v_state)
                 pipe_v.producer_acquire(kv_state)
                 load_v(0, kv_state)
-                if const_expr(t + 1 < self.q_tiles):
+                if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()
 
     @cute.jit
     def _tiled_mmas(self):
-        qk = tiled_mma(self.dtype, "K", "K", (self.num_consumers, 1, 1), self.tile_n)
-        pv = tiled_mma(self.dtype, "K", "MN", (self.num_consumers, 1, 1), self.head_dim, a_in_registers=True)
+        qk = tiled_mma(self.dtype, "K", "K", (self.cfg.num_consumers, 1, 1), self.cfg.tile_n)
+        pv = tiled_mma(self.dtype, "K", "MN", (self.cfg.num_consumers, 1, 1), self.cfg.head_dim, a_in_registers=True)
         return qk, pv
 
     @cute.jit
@@ -279,30 +269,30 @@ class FlashFwdSm90:
         thr_pv = mma_pv.get_slice(tidx)
         tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(sK))
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(transpose_smem(sV)))
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.tile_m, self.tile_n)))
-        s_shape = thr_qk.partition_shape_C((self.tile_m, self.tile_n))
-        s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        mask = TileMask(self.tile_m, self.tile_n, self.causal)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.q_tiles)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.cfg.tile_m, self.cfg.tile_n)))
+        s_shape = thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_tiles)
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if wg == 0:
             # The first consumer issues first. Once, not per tile: every tile leaves the last
             # consumer's final arrive on this barrier pending, which starts the next tile alike.
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
-        for t in cutlass.range_constexpr(self.q_tiles):
+        for t in cutlass.range_constexpr(self.cfg.q_tiles):
             m_block = m_blocks[t]
             n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k)
             tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ[None, None, t]))
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
+            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim)), Float32)
             acc_o.fill(0.0)
             rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
             # Key tiles at or past this index need a mask (padding or the causal diagonal).
-            first_masked = seqlen_k // self.tile_n
-            if const_expr(self.causal):
-                first_unmasked_diag = (m_block * self.tile_m + seqlen_k - seqlen_q) // self.tile_n
+            first_masked = seqlen_k // self.cfg.tile_n
+            if const_expr(self.cfg.causal):
+                first_unmasked_diag = (m_block * self.cfg.tile_m + seqlen_k - seqlen_q) // self.cfg.tile_n
                 first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
 
             # Bound methods: the DSL would treat a method call on a local object inside a
@@ -320,14 +310,14 @@ class FlashFwdSm90:
             # at all for rows that see no key): it passes over the tile's highest key tile
             # without computing it (_skip_key_tile), or over all of them.
             n_own = n_blocks
-            if const_expr(self.causal):
+            if const_expr(self.cfg.causal):
                 n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
-            idle = m_block * self.tile_m + wg * 64 >= seqlen_q or n_own == 0
+            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
             if n_blocks > 0:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
                 else:
-                    if const_expr(self.causal):
+                    if const_expr(self.cfg.causal):
                         if n_own < n_blocks:
                             kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
                     # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
@@ -341,8 +331,8 @@ class FlashFwdSm90:
                     # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
                     # loops, so the unmasked one carries neither mask code nor a branch on it.
                     # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.causal) else 0
-                    for phase in cutlass.range_constexpr(0 if self.causal else 1, 2):
+                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.causal) else 0
+                    for phase in cutlass.range_constexpr(0 if self.cfg.causal else 1, 2):
                         steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
                         for i in cutlass.range(steps, unroll=1):
                             # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
@@ -359,7 +349,7 @@ class FlashFwdSm90:
                             pipe_v.consumer_wait(v_state)
                             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
                             cute.arch.barrier_arrive(
-                                barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+                                barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.cfg.num_consumers,
                                 number_of_threads=2 * WARPGROUP,
                             )
                             warpgroup.wait_group(1)
@@ -375,7 +365,7 @@ class FlashFwdSm90:
                     pipe_v.consumer_wait(kv_state)
                     wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
                     pipe_v.consumer_release(kv_state)
-                if const_expr(t + 1 < self.q_tiles):
+                if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()  # the next tile's first K
 
             inv_sum = cute.make_rmem_tensor((rows,), Float32)
@@ -384,14 +374,14 @@ class FlashFwdSm90:
             scale_rows(acc_o, inv_sum)
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
             self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ[None, None, t], tma_o, gO, mLSE, m_block, seqlen_q,
-                          t == self.q_tiles - 1)
+                          t == self.cfg.q_tiles - 1)
 
     def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
         """Causal: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block`` see, up to
         the tile's n_blocks (at most one fewer: the warpgroups' rows are at most a key tile
         apart at every tile shape built)."""
-        last_key = m_block * self.tile_m + wg * 64 + 64 + seqlen_k - seqlen_q  # exclusive
-        return cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.tile_n))
+        last_key = m_block * self.cfg.tile_m + wg * 64 + 64 + seqlen_k - seqlen_q  # exclusive
+        return cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.cfg.tile_n))
 
     @cute.jit
     def _skip_key_tile(self, pipe_k, pipe_v, kv_state, wg):
@@ -406,7 +396,7 @@ class FlashFwdSm90:
         kv_state.advance()
         cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
         pipe_v.consumer_wait(v_state)
-        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.num_consumers,
+        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.cfg.num_consumers,
                                  number_of_threads=2 * WARPGROUP)
         pipe_v.consumer_release(v_state)
         return kv_state
@@ -436,9 +426,9 @@ class FlashFwdSm90:
         own conversion goes element by element there, and ptxas then fences every k-block
         of the P V wgmma (measured 1-6% faster with convert_into, O rescaled first).
         Elsewhere the DSL's conversion and the original order (convert_into measured 1-3%
-        slower at head_dim 128): docs/perf-notes.md, session 5.
+        slower at head_dim 128): docs/design.md, "Forward: softmax and conditional rescaling".
         """
-        paired = self.dtype is cutlass.BFloat16 and self.tile_n % 128 != 0
+        paired = self.cfg.paired_convert
         if const_expr(paired and acc_o is not None):
             rescale_rows(acc_o, row_scale)
         if const_expr(paired):
@@ -452,12 +442,12 @@ class FlashFwdSm90:
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q,
                  wait_read: cutlass.Constexpr[bool]):
         """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows."""
-        tile_o = cute.local_tile(gO, (self.tile_m, self.head_dim), (m_block, 0))
+        tile_o = cute.local_tile(gO, (self.cfg.tile_m, self.cfg.head_dim), (m_block, 0))
         stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
-                        self.num_consumers * WARPGROUP, wait_read)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim))))
+                        self.cfg.num_consumers * WARPGROUP, wait_read)
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.tile_m + coords[r, 0][0]
+                row = m_block * self.cfg.tile_m + coords[r, 0][0]
                 if row < seqlen_q:
                     mLSE[row] = lse[r]

@@ -1,0 +1,55 @@
+"""Every compile-time knob of one sm_90a forward variant, derived once from its ``Variant``.
+
+``FwdConfig.of(variant)`` is the one place that looks at the variant's head dim, dtype
+and q_tiles and decides the kernel's shape; the kernel reads the config and the build
+writes it into the manifest row (``config``). Pure Python: no DSL import.
+
+Each knob's reason and the measurement behind it: docs/design.md, "Forward (sm90)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+WARPGROUP = 128
+
+# (tile_m query rows per CTA, tile_n keys per step, K/V stages) per head dim: three
+# consumer warpgroups (192-row tiles, 160 registers each) at head_dim 64, two elsewhere;
+# key tiles sized so S and O fit the registers and the K/V stages 227 KB of shared memory
+# (docs/design.md, "Forward: tiles and warpgroups").
+TILES = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
+# setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
+REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    dtype: str  # "bf16" or "fp16"
+    head_dim: int
+    causal: bool
+    tile_m: int  # query rows per tile, 64 per consumer warpgroup
+    tile_n: int  # keys per step
+    stages: int  # K / V pipeline stages
+    q_tiles: int  # query tiles per CTA (2: tiles m and M-1-m, Q double-buffered)
+    num_consumers: int
+    producer_regs: int
+    consumer_regs: int
+    threads: int
+    # P converted a register pair at a time (bf16 tiles of 80 or 112 keys: head_dim 256, 192)
+    paired_convert: bool
+
+    @classmethod
+    def of(cls, variant) -> "FwdConfig":
+        """The config of a ``fa4_aot.variants.Variant`` of kind fwd, arch sm90a."""
+        assert variant.kind == "fwd" and variant.arch == "sm90a", variant
+        tile_m, tile_n, stages = TILES[variant.head_dim]
+        consumers = tile_m // 64
+        producer_regs, consumer_regs = REGISTERS[consumers]
+        return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=tile_m,
+                   tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, num_consumers=consumers,
+                   producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
+                   paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
