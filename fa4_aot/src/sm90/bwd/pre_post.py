@@ -221,7 +221,7 @@ class PrePostSm90:
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
         coverage = (sem_ptr, seqlen_k, first_write)  # what _written reads
         if const_expr(self.fragments is not None):
-            self._post_fragments(tidx, bidx, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
+            self._post_fragments(tidx, bidx, head, batch, row, part, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr,
                                  seqlen_q, heads_q, scale, coverage)
         elif row < seqlen_q:
             d = self.cfg.head_dim
@@ -286,12 +286,13 @@ class PrePostSm90:
         return result
 
     @cute.jit
-    def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_ptr, dq_sb, dq_ss, dq_sh, dqacc_ptr,
-                        seqlen_q, heads_q, scale, coverage):
+    def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_out, dqacc_ptr, seqlen_q, heads_q, scale,
+                        coverage):
         """Fragment order: thread t of warpgroup p reads what thread t of the main kernel's
         warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
         the rows go out 16 bytes per access as in the row layout."""
+        dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
         frags = self.fragments
         d = self.cfg.head_dim
         s_out = cutlass.utils.SmemAllocator().allocate_tensor(

@@ -171,15 +171,15 @@ class FlashFwdSm90:
             # ---------------- producer warpgroup: TMA loads ----------------
             cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
             if warp == 0:
-                self.load(
-                    tma_q, gQ[None, None, head, batch], sQ, tma_k, gK[None, None, head_kv, batch], sK,
-                    tma_v, gV[None, None, head_kv, batch], sV, pipe_q, pipe_k, pipe_v, m_blocks, seqlen_q, seqlen_k,
-                )
+                q = (tma_q, gQ[None, None, head, batch], sQ)
+                k = (tma_k, gK[None, None, head_kv, batch], sK)
+                v = (tma_v, gV[None, None, head_kv, batch], sV)
+                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k)
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.attend(
-                tidx - WARPGROUP, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_blocks,
+                tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks,
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
                 mLSE[None, head, batch],
             )
@@ -193,12 +193,13 @@ class FlashFwdSm90:
         return n_blocks
 
     @cute.jit
-    def load(
-        self, tma_q, gQ, sQ, tma_k, gK, sK, tma_v, gV, sV, pipe_q, pipe_k, pipe_v,
-        m_blocks, seqlen_q: Int32, seqlen_k: Int32,
-    ):
-        """gQ: (s_q, d) and gK, gV: (s_k, d) TMA coordinates of this (head, batch); m_blocks:
-        this CTA's query tiles, in order. The first tile's first K, then every Q, then K/V."""
+    def load(self, q, k, v, pipes, m_blocks, seqlen_q: Int32, seqlen_k: Int32):
+        """q, k, v: (TMA atom, coordinates, shared tiles) of each input, the coordinates
+        gQ: (s_q, d) and gK, gV: (s_k, d) of this (head, batch); pipes: Q's, K's, V's;
+        m_blocks: this CTA's query tiles, in order. The first tile's first K, then every Q,
+        then K/V."""
+        (tma_q, gQ, sQ), (tma_k, gK, sK), (tma_v, gV, sV) = q, k, v
+        pipe_q, pipe_k, pipe_v = pipes
         whole = cute.make_layout(1)
         tiles_k = cute.local_tile(gK, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
         tiles_v = cute.local_tile(gV, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
@@ -252,12 +253,8 @@ class FlashFwdSm90:
         return qk, pv
 
     @cute.jit
-    def attend(
-        self, tidx: Int32, sQ, sK, sV, pipe_q, pipe_k, pipe_v, m_blocks,
-        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
-    ):
-        """tidx: 0..255 over the consumer warpgroups; m_blocks: this CTA's query tiles, in
-        order; gO: (s_q, d); mLSE: (s_q,)."""
+    def _fragments(self, tidx, sK, sV):
+        """The consumer's GEMMs, its warpgroup, and the fragments and shapes ``attend`` uses."""
         mma_qk, mma_pv = self._tiled_mmas()
         # warp-uniform, so the warpgroup's shared-memory descriptors (its Q rows) are built
         # in uniform registers: from tidx alone they took an R2UR per descriptor per GEMM
@@ -272,6 +269,17 @@ class FlashFwdSm90:
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.cfg.tile_m, self.cfg.tile_n)))
         s_shape = thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n))
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
+        return mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords
+
+    @cute.jit
+    def attend(
+        self, tidx: Int32, sQ, sK, sV, pipes, m_blocks,
+        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
+    ):
+        """tidx: 0..255 over the consumer warpgroups; pipes: Q's, K's, V's; m_blocks: this
+        CTA's query tiles, in order; gO: (s_q, d); mLSE: (s_q,)."""
+        pipe_q, pipe_k, pipe_v = pipes
+        mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords = self._fragments(tidx, sK, sV)
         mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
@@ -368,13 +376,21 @@ class FlashFwdSm90:
                 if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()  # the next tile's first K
 
-            inv_sum = cute.make_rmem_tensor((rows,), Float32)
-            lse = cute.make_rmem_tensor((rows,), Float32)
-            softmax.finalize(inv_sum, lse)
-            scale_rows(acc_o, inv_sum)
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
-            self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sQ[None, None, t], tma_o, gO, mLSE, m_block, seqlen_q,
-                          t == self.cfg.q_tiles - 1)
+            self._finish_tile(tidx, acc_o, softmax, rows, mma_pv, thr_pv, sQ[None, None, t], (tma_o, gO, mLSE),
+                              m_block, seqlen_q, t == self.cfg.q_tiles - 1)
+
+    @cute.jit
+    def _finish_tile(self, tidx, acc_o, softmax, rows, mma_pv, thr_pv, sO, out, m_block, seqlen_q,
+                     wait_read: cutlass.Constexpr[bool]):
+        """O normalized by the row sums and written with LSE (``out``: O's TMA atom and
+        coordinates, LSE's row)."""
+        tma_o, gO, mLSE = out
+        inv_sum = cute.make_rmem_tensor((rows,), Float32)
+        lse = cute.make_rmem_tensor((rows,), Float32)
+        softmax.finalize(inv_sum, lse)
+        scale_rows(acc_o, inv_sum)
+        self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q, wait_read)
 
     def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
         """Causal: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block`` see, up to
