@@ -7,6 +7,7 @@ result would install and import, then fail at the first launch. Editable install
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -38,6 +39,8 @@ class BuildPyWithKernels(build_py):
     def run(self):
         if not getattr(self, "editable_mode", False):
             check_kernels()
+            # build/lib outlives a build: cubins or modules removed since would be packaged
+            shutil.rmtree(Path(self.build_lib) / "fa4_aot", ignore_errors=True)
         super().run()
 
 
