@@ -13,6 +13,7 @@ cubins of other variants in the output folder are removed.
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import datetime
 import hashlib
 import json
@@ -131,16 +132,13 @@ def main(only, archs, jobs, out, force, base):
     start = time.perf_counter()
     toolchain = None
     if todo:
-        with futures.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool, click.progressbar(
-            length=len(todo), label=f"compiling {len(todo)} of {len(wanted)} variants",
-            file=sys.stderr,
-        ) as bar:
+        with futures.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool, _progress(len(todo), len(wanted)) as done:
             keys = dict((v.name, k) for v, k in todo)
             for variant, result, seconds in pool.map(_compile_one, [v for v, _ in todo]):
                 (ROOT / "build" / "ptx" / f"{variant.name}.ptx").write_text(result["ptx"])
                 toolchain = toolchain or _toolchain(result["ptx"])
                 rows[variant.name] = _row(variant, result, keys[variant.name], cubin_dir)
-                bar.update(1)
+                done(variant, seconds)
     names = [v.name for v in wanted]
     if base is not None:
         for row in json.loads((base / "manifest.json").read_text())["kernels"]:
@@ -174,6 +172,19 @@ def main(only, archs, jobs, out, force, base):
         + (f" and {len(names) - len(wanted)} from {base}" if base is not None else "") + ", "
         f"{total / 1e6:.2f} MB of cubins, {time.perf_counter() - start:.1f} s -> {out / 'manifest.json'}"
     )
+
+
+@contextlib.contextmanager
+def _progress(todo: int, wanted: int):
+    """Yields done(variant, seconds): a progress bar on a terminal, else (a log) one line each."""
+    label = f"compiling {todo} of {wanted} variants"
+    if sys.stderr.isatty():
+        with click.progressbar(length=todo, label=label, file=sys.stderr) as bar:
+            yield lambda variant, seconds: bar.update(1)
+        return
+    click.echo(label)
+    count = iter(range(1, todo + 1))
+    yield lambda variant, seconds: click.echo(f"[{next(count)}/{todo}] {variant.name} {seconds:.1f} s")
 
 
 def _toolchain(ptx: str) -> dict:

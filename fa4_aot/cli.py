@@ -1,4 +1,9 @@
-"""fa4-aot: list the built kernels, verify them, and describe the build."""
+"""fa4-aot: list the built kernels, verify them, and describe the build.
+
+    fa4-aot list [--all] [PATTERN...]     # or: python -m fa4_aot list
+    fa4-aot verify [--checksums-only]     # exit 0 only if the cubins are intact (and can run here)
+    fa4-aot info
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import sys
 
 import click
 
+from . import __version__
 from .errors import Fa4AotError
 from .manifest import PACKAGE_DIR, Manifest
 from .variants import AXES, MATRIX, NOT_BUILT_REASONS
@@ -21,12 +27,22 @@ def _manifest(folder) -> Manifest:
 
 
 @click.group()
+@click.version_option(__version__, prog_name="fa4-aot")
 @click.option("--kernels", "folder", type=click.Path(file_okay=False), default=None,
               help="Folder holding manifest.json and cubins/ (default: the installed package).")
 @click.pass_context
 def main(ctx, folder):
     """FlashAttention kernels compiled ahead of time."""
     ctx.obj = folder
+
+
+# list's columns; smem and regs are those of the variant's launch with the most shared memory
+COLUMNS = ("variant", "size KiB", "kernels", "smem KiB", "regs", "local B")
+WIDTHS = (-36, 8, 7, 8, 4, 7)  # negative: left-aligned
+
+
+def _line(cells) -> str:
+    return "  ".join(f"{c!s:<{-w}}" if w < 0 else f"{c!s:>{w}}" for c, w in zip(cells, WIDTHS)).rstrip()
 
 
 @main.command("list")
@@ -41,11 +57,11 @@ def list_(folder, patterns, show_all, as_json):
     if as_json:
         click.echo(json.dumps([{k: r[k] for k in ("name", "sha256", "size", "launches")} for r in rows], indent=1))
         return
+    click.echo(_line(COLUMNS))
     for r in rows:
         main = max(r["launches"], key=lambda launch: launch["smem_bytes"])
-        click.echo(f"{r['name']:<36} {r['size'] / 1024:7.1f} KiB  {len(r['launches'])} kernel(s)  "
-                   f"smem {main['smem_bytes'] // 1024:3d} KiB  regs {main.get('registers', '?')}  "
-                   f"local {max(x.get('local_bytes', 0) for x in r['launches'])} B")
+        click.echo(_line((r["name"], f"{r['size'] / 1024:.1f}", len(r["launches"]), main["smem_bytes"] // 1024,
+                          main.get("registers", "?"), max(x.get("local_bytes", 0) for x in r["launches"]))))
     if show_all:
         built = {r["name"] for r in m.data["kernels"]}
         for v in MATRIX:
@@ -60,9 +76,16 @@ def list_(folder, patterns, show_all, as_json):
 
 
 @main.command()
+@click.option("--checksums-only", is_flag=True,
+              help="Only check the cubins' sha256 against the manifest (no driver or GPU needed).")
 @click.pass_obj
-def verify(folder):
-    """Check every cubin's checksum, then whether this machine can run them."""
+def verify(folder, checksums_only):
+    """Check every cubin's checksum, then whether this machine can run them.
+
+    Exits non-zero when a checksum fails, or (without --checksums-only) when no GPU here
+    can run these cubins: no driver, a driver older than the manifest's floor, or no
+    device of a built architecture.
+    """
     m = _manifest(folder)
     bad = 0
     for row in m.data["kernels"]:
@@ -72,23 +95,39 @@ def verify(folder):
             bad += 1
             click.echo(f"FAIL {row['name']}: {e}")
     click.echo(f"checksums: {len(m.rows) - bad} ok, {bad} bad")
+    if checksums_only:
+        sys.exit(1 if bad else 0)
+    runs = _can_run_here(m)
+    sys.exit(1 if bad or not runs else 0)
+
+
+def _can_run_here(m: Manifest) -> bool:
+    """Print the driver and each device; True when some device can run the cubins."""
     from .driver import compute_capability, device_count, device_name, init
 
     try:
         version = init()
         count = device_count()
     except Fa4AotError as e:
-        click.echo(f"GPU: none usable ({e})")
-        sys.exit(1 if bad else 0)
+        click.echo(f"GPU: none usable ({e}): these cubins cannot run here")
+        return False
     floor = m.driver_floor
+    new_enough = version >= floor
     click.echo(f"driver: CUDA {version // 1000}.{version % 1000 // 10} "
-               f"({'ok' if version >= floor else f'too old, need {floor // 1000}.{floor % 1000 // 10}'})")
+               f"({'ok' if new_enough else f'too old, need {floor // 1000}.{floor % 1000 // 10} (R580+)'})")
     archs = {tuple(r["compute_capability"]) for r in m.data["kernels"]}
+    able = 0
     for dev in range(count):
         cc = compute_capability(dev)
-        runs = "can run" if cc in archs else "cannot run"
-        click.echo(f"device {dev}: {device_name(dev)}, sm_{cc[0]}{cc[1]}: {runs} these cubins")
-    sys.exit(1 if bad or version < floor else 0)
+        able += cc in archs
+        click.echo(f"device {dev}: {device_name(dev)}, sm_{cc[0]}{cc[1]}: "
+                   f"{'can run' if cc in archs else 'cannot run'} these cubins")
+    if not count:
+        click.echo("GPU: no CUDA device")
+    built_for = ", ".join(sorted({r["arch"] for r in m.data["kernels"]}))
+    if not able and count:
+        click.echo(f"no device here is of an architecture these cubins are built for ({built_for})")
+    return new_enough and able > 0
 
 
 @main.command()

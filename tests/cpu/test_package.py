@@ -1,17 +1,22 @@
-"""Import promises, the variant matrix, the parameter-plan parser and the CLI."""
+"""Import promises, the variant matrix, the parameter-plan parser, the CLI and the wheel."""
 
 import itertools
+import re
+import shutil
 import subprocess
 import sys
+import zipfile
 
 import pytest
 from click.testing import CliRunner
 
-from fa4_aot import abi
+import fa4_aot
+from fa4_aot import abi, driver
 from fa4_aot.cli import main
+from fa4_aot.errors import NoDeviceError
 from fa4_aot.variants import AXES, MATRIX, NOT_BUILT_REASONS, Variant, built_values, matches, select
 
-from ..conftest import SUBSET
+from ..conftest import ROOT, SUBSET
 
 
 def test_import_pulls_in_neither_torch_nor_the_dsl():
@@ -81,15 +86,104 @@ def test_cli_list_info_verify(built):
     runner = CliRunner()
     out = runner.invoke(main, ["--kernels", folder, "list", "--all"])
     assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0].split() == ["variant", "size", "KiB", "kernels", "smem", "KiB", "regs",
+                                                  "local", "B"]
     assert "fwd.sm90a.bf16.d64 " in out.output and "not in this build" in out.output
     n = len(SUBSET)
     assert f"{n} of {n} built variants" in out.output and "not built: arch=sm100a" in out.output
     out = runner.invoke(main, ["--kernels", folder, "info"])
     assert out.exit_code == 0 and "driver floor: CUDA 13.0" in out.output
-    out = runner.invoke(main, ["--kernels", folder, "verify"])
-    assert f"checksums: {n} ok, 0 bad" in out.output
+    out = runner.invoke(main, ["--kernels", folder, "verify", "--checksums-only"])
+    assert out.exit_code == 0 and out.output == f"checksums: {n} ok, 0 bad\n"
+
+
+def _no_driver():
+    raise NoDeviceError("no driver in this test")
+
+
+@pytest.mark.parametrize("machine, exit_code", [
+    (dict(init=_no_driver), 1),  # no driver (or no GPU): cuInit fails
+    (dict(init=lambda: 13000, device_count=lambda: 0), 1),
+    (dict(init=lambda: 12080, device_count=lambda: 1, compute_capability=lambda d: (9, 0)), 1),  # driver too old
+    (dict(init=lambda: 13000, device_count=lambda: 1, compute_capability=lambda d: (8, 0)), 1),  # A100: wrong arch
+    (dict(init=lambda: 13000, device_count=lambda: 2, compute_capability=lambda d: (8, 0) if d else (9, 0)), 0),
+])
+def test_cli_verify_fails_where_the_cubins_cannot_run(built, monkeypatch, machine, exit_code):
+    monkeypatch.setattr(driver, "device_name", lambda d: "a GPU")
+    for name, fn in machine.items():
+        monkeypatch.setattr(driver, name, fn)
+    out = CliRunner().invoke(main, ["--kernels", str(built[0]), "verify"])
+    assert out.exit_code == exit_code, out.output
+    assert f"checksums: {len(SUBSET)} ok, 0 bad" in out.output
+
+
+def test_cli_verify_checksums_only_finds_a_changed_cubin(built, tmp_path):
+    folder = tmp_path / "kernels"
+    shutil.copytree(built[0], folder)
+    cubin = sorted((folder / "cubins").glob("*.cubin"))[0]
+    data = bytearray(cubin.read_bytes())
+    data[-1] ^= 1
+    cubin.write_bytes(bytes(data))
+    out = CliRunner().invoke(main, ["--kernels", str(folder), "verify", "--checksums-only"])
+    assert out.exit_code == 1 and f"checksums: {len(SUBSET) - 1} ok, 1 bad" in out.output
+
+
+def test_cli_version_and_python_dash_m():
+    out = CliRunner().invoke(main, ["--version"])
+    assert out.exit_code == 0 and out.output == f"fa4-aot, version {fa4_aot.__version__}\n"
+    proc = subprocess.run([sys.executable, "-m", "fa4_aot", "--version"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout == out.output
 
 
 def test_cli_without_kernels_explains(tmp_path):
     out = CliRunner().invoke(main, ["--kernels", str(tmp_path), "list"])
     assert out.exit_code != 0 and "build_kernels.py" in out.output
+
+
+def test_build_log_has_a_line_per_variant(built):
+    """Not on a terminal (here: a pipe), build_kernels.py writes a line per variant, not a bar."""
+    lines = built[1].stdout.splitlines()
+    n = len(SUBSET)
+    assert lines[0] == f"compiling {n} of {n} variants"
+    assert sorted(re.fullmatch(rf"\[\d+/{n}\] (\S+) \d+\.\d s", line).group(1) for line in lines[1:n + 1]) == sorted(SUBSET)
+
+
+def test_variant_table_counts_the_build(built):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "variant_table.py"), "--kernels", str(built[0])],
+                          capture_output=True, text=True, check=True)
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
+    assert sum(int(row.split("|")[2]) for row in rows) == len(SUBSET)
+    assert "| `fwd.sm90a.{bf16}.d64` | 1 | plain | 1 |" in proc.stdout
+    assert proc.stdout.rstrip().endswith(f"{len(SUBSET)} cubins, built with nvidia-cutlass-dsl 4.8.1, ptxas 13.4 (V13.4.59).")
+
+
+def _source_tree(dest):
+    """The files a wheel is built from, without any built kernels."""
+    shutil.copytree(ROOT / "fa4_aot", dest / "fa4_aot",
+                    ignore=shutil.ignore_patterns("__pycache__", "cubins", "manifest.json"))
+    for name in ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "LICENSE", "NOTICE"):
+        shutil.copy(ROOT / name, dest / name)
+    return dest
+
+
+def _pip_wheel(src, out):
+    # setuptools of this environment (no build isolation): no package index needed
+    return subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(out), str(src)], capture_output=True, text=True)
+
+
+def test_wheel_needs_built_kernels(built, tmp_path):
+    src = _source_tree(tmp_path / "src")
+    proc = _pip_wheel(src, tmp_path / "dist")
+    assert proc.returncode != 0 and "python build_kernels.py" in proc.stdout + proc.stderr
+    assert not list(tmp_path.glob("dist/*.whl"))
+
+    shutil.copytree(built[0] / "cubins", src / "fa4_aot" / "cubins")
+    shutil.copy(built[0] / "manifest.json", src / "fa4_aot" / "manifest.json")
+    proc = _pip_wheel(src, tmp_path / "dist")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("fa4_aot-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert sum(name.startswith("fa4_aot/cubins/") and name.endswith(".cubin") for name in names) == len(SUBSET)
+    assert {"fa4_aot/manifest.json", "fa4_aot/src/sm90/bwd/kernel.py", "fa4_aot/__main__.py"} <= set(names)
+    assert any(name.endswith("licenses/LICENSE") for name in names)
