@@ -22,6 +22,7 @@ from ..cubin_info import kernel_info
 from ..variants import Variant
 from .bwd_sm90 import PERSISTENT_MAX_KEYS, FlashBwdSm90
 from .fwd_sm90 import FlashFwdSm90
+from .sm90.bwd.config import BwdConfig, workspace_rule
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
@@ -177,8 +178,10 @@ def compile_bwd(variant: Variant) -> dict:
         store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
         if store != recipes["dq_accum"]:
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
+    cfg = BwdConfig.of(variant)
     return {"cubin": cubin, "ptx": ptx, "tiling": t.__dict__, "launches": launches,
-            "tensormaps": recipes, "dq_chains": kernel.chains}
+            "tensormaps": recipes, "dq_chains": kernel.chains,
+            "config": cfg.to_dict(), "workspace": workspace_rule(cfg)}
 
 
 def _bwd_main_grid(kernel: FlashBwdSm90) -> list:

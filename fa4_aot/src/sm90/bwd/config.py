@@ -1,0 +1,161 @@
+"""Every compile-time knob of one sm_90a backward variant, derived once from its ``Variant``.
+
+``BwdConfig.of(variant)`` is the one place that looks at the variant's head dim, causal,
+deterministic, dtype and q_tiles and decides the kernel's shape: tiles, pipelines,
+warpgroups, which GEMM layout, what is staged where, persistence and the split last wave.
+The kernels (``kernel.py`` and its roles) read the config; the build writes it into the
+manifest row (``config``, and the workspace rule, ``workspace_rule``) so the run time
+reads it too instead of deciding again. Pure Python: no DSL import.
+
+Each knob's reason and the measurement behind it: docs/design.md, "Backward (sm90)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+WARPGROUP = 128
+
+# (tile_m query rows per step, tile_n keys per CTA, Q/dO stages) per head dim, and the
+# shapes that differ where the variant steps over two query tiles or is not causal
+# (docs/design.md, "Backward: tiles per head dim").
+TILES = {64: (64, 128, 4), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 96, 1), 256: (64, 80, 1)}
+TILES_NOT_CAUSAL = {64: (64, 128, 2), 128: (80, 128, 2)}
+
+# Deterministic, not causal: copies of the fp32 dQ accumulator the key tiles add into
+# in turn (docs/design.md, "Backward: deterministic order").
+DET_DQ_CHAINS = 2
+# The split last wave (split_last_wave.py): at most this many key tiles are split, each
+# with TAIL_COUNTERS int32 words in the workspace (docs/design.md, "Backward: split last wave").
+TAIL_MAX_TILES = 96
+TAIL_COUNTERS = 4
+# Persistent variants take one CTA per SM up to this many keys, one per key tile beyond.
+PERSISTENT_MAX_KEYS = 2048
+# Not causal, not deterministic: CTAs start their query loop at multiples of this many tiles.
+ROTATION_TILES = 2
+# setmaxnreg: the producer warpgroup's registers, and a consumer thread's by consumer count
+PRODUCER_REGS = 24
+CONSUMER_REGS = {2: 240, 3: 160}
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    dtype: str  # "bf16" or "fp16"
+    head_dim: int
+    causal: bool
+    deterministic: bool
+    tile_m: int  # query rows per tile: the workspace's unit (statistics, semaphores, row kernels)
+    tile_n: int  # keys per CTA
+    stages: int  # Q / dO pipeline stages
+    # GEMM layout: the head dim on the M side of dK, dV, dQ (192, 256), else the keys
+    head_on_m: bool
+    num_consumers: int  # consumer warpgroups
+    step_tiles: int  # query tiles per step (2: the two-query-tile kernel)
+    step_rows: int
+    threads: int
+    consumer_regs: int
+    # dQ: its GEMM's shape and where its operands live
+    dq_chunk: int  # head_on_m: head dims per dQ^T GEMM (one staged part each)
+    col_parts: int  # Q, dO, K used as that many column slices: the swizzle atom divides them
+    dq_cols: int  # head dims of one warpgroup's dQ (keys on M)
+    dq_transposed: bool  # dQ^T = K^T dS^T
+    dq_kt_in_registers: bool  # ... with K^T in registers
+    stats_by_query: bool  # LSE2 and D read from shared memory where used (80-row tiles)
+    dq_tile: tuple  # (rows, cols) one warpgroup stages per step
+    dq_parts: int  # staged tiles per step
+    dq_stages: int  # staging buffers per part
+    dq_slots: int  # staging buffers in all
+    dq_fragment_order: bool  # staged in register order, added by 1D bulk reduces
+    # the consumers' loop
+    kv_in_registers: bool  # K, V as the A operands of S^T, dP^T (registers)
+    stagger: bool  # warpgroups staggered: dQ GEMM of a tile issued at the next one
+    ds_stages: int
+    overlap_scores: bool  # the next tile's S^T issued behind this tile's dK GEMM
+    # the walk over the work
+    rotate: bool  # not causal: each CTA starts its query loop at a tile of its own
+    head_groups: bool  # CTAs in L2-sized groups of heads (common/launch_order.py)
+    persistent: bool  # one CTA per SM walking the items (up to PERSISTENT_MAX_KEYS keys)
+    kv_stages: int
+    tail_split: bool  # the last partial wave's key tiles split by query range
+    # the dQ accumulator
+    chains: int  # copies of the fp32 accumulator (deterministic, not causal: 2)
+    tickets: bool  # not deterministic: first-write tickets in the semaphore words
+
+    @classmethod
+    def of(cls, variant) -> "BwdConfig":
+        """The config of a ``fa4_aot.variants.Variant`` of kind bwd, arch sm90a."""
+        assert variant.kind == "bwd" and variant.arch == "sm90a", variant
+        d, causal, det = variant.head_dim, variant.causal, variant.deterministic
+        head_on_m = d in (192, 256)
+        # two query tiles per step at head_dim 64, except causal and not deterministic,
+        # where q_tiles says (both kernels built)
+        step_tiles = 2 if d == 64 and (not causal or det or variant.q_tiles == 2) else 1
+        two_tiles = step_tiles == 2
+        tile_m, tile_n, stages = (TILES_NOT_CAUSAL[d] if d in TILES_NOT_CAUSAL and (not causal or two_tiles)
+                                  else TILES[d])
+        num_consumers = 3 if d == 192 else 2
+        one_tile_64 = d == 64 and not two_tiles
+        col_parts = 1 if d == 128 or head_on_m or two_tiles else 2
+        dq_cols = d if two_tiles else d // 2
+        dq_transposed = one_tile_64 or tile_m % 64 != 0
+        dq_chunk = 64
+        dq_tile = (tile_m // 2, d) if one_tile_64 else (tile_m, dq_chunk if head_on_m else dq_cols)
+        dq_parts = d // dq_chunk if head_on_m else (1 if two_tiles else num_consumers)
+        dq_stages = 1 if head_on_m or tile_m == 80 else (3 if one_tile_64 and causal else 2)
+        persistent = one_tile_64 and not det and variant.dtype == "bf16"
+        tail_split = not causal and not det and d in (64, 96, 128)
+        assert not (tail_split and (persistent or head_on_m))
+        return cls(
+            dtype=variant.dtype, head_dim=d, causal=causal, deterministic=det,
+            tile_m=tile_m, tile_n=tile_n, stages=stages,
+            head_on_m=head_on_m, num_consumers=num_consumers, step_tiles=step_tiles,
+            step_rows=tile_m * step_tiles, threads=WARPGROUP * (1 + num_consumers),
+            consumer_regs=CONSUMER_REGS[num_consumers],
+            dq_chunk=dq_chunk, col_parts=col_parts, dq_cols=dq_cols, dq_transposed=dq_transposed,
+            dq_kt_in_registers=one_tile_64, stats_by_query=tile_m % 64 != 0, dq_tile=dq_tile,
+            dq_parts=dq_parts, dq_stages=dq_stages, dq_slots=3 if head_on_m else dq_parts * dq_stages,
+            dq_fragment_order=d in (96, 128) or two_tiles,
+            kv_in_registers=one_tile_64, stagger=d <= 96 and not det and not dq_transposed,
+            ds_stages=1 if head_on_m else 2, overlap_scores=one_tile_64 and variant.dtype == "bf16",
+            rotate=not causal and not det, head_groups=causal != det, persistent=persistent,
+            kv_stages=2 if persistent else 1, tail_split=tail_split,
+            chains=DET_DQ_CHAINS if det and not causal else 1, tickets=not det,
+        )
+
+    @property
+    def two_query_tiles(self) -> bool:
+        return self.step_tiles == 2
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def workspace_rule(cfg: BwdConfig) -> dict:
+    """How the run time lays out the backward's workspace for a problem: the regions in
+    order, each ``itemsize`` bytes times the product of ``count`` (numbers, or names: the
+    problem's sizes, ``m_blocks`` = ceil(seqlen_q / query_tile), ``partial_tiles`` (the
+    split tiles the problem can have, at most ``tail_max_tiles``: fa4_aot.policy) and the
+    rule's own constants), each start ``align``-byte aligned; ``views`` give a region the
+    tensor shape a launch takes it as (dims as products of such factors, contiguous)."""
+    rows = ["batch", "heads_q", "m_blocks", "query_tile"]
+    return {
+        "align": 256,
+        "constants": {"query_tile": cfg.tile_m, "key_tile": cfg.tile_n, "chains": cfg.chains,
+                      "tail_max_tiles": TAIL_MAX_TILES, "tail_counters": TAIL_COUNTERS},
+        "regions": [
+            {"name": "lse2", "itemsize": 4, "count": rows},  # LSE * log2(e), padded to whole tiles
+            {"name": "dsum", "itemsize": 4, "count": rows},  # rowsum(dO * O)
+            # fp32 dQ, every copy, padded to whole query tiles (rows, or fragment order)
+            {"name": "dq_accum", "itemsize": 4,
+             "count": ["chains", "batch", "m_blocks", "query_tile", "heads_q", "head_dim"]},
+            {"name": "dq_semaphore", "itemsize": 4, "count": ["chains", "batch", "heads_q", "m_blocks"]},
+            {"name": "dq_done", "itemsize": 4, "count": ["batch", "heads_q"]},  # key tiles done per head
+            {"name": "tail_counters", "itemsize": 4, "count": ["tail_max_tiles", "tail_counters"]},
+            # the split tiles' dK, dV partial sums
+            {"name": "dkv_partial", "itemsize": 4,
+             "count": ["partial_tiles", 2, "key_tile", "head_dim"] if cfg.tail_split else [0]},
+        ],
+        # the TMA reduce target: copy c of batch i is batch i * chains + c
+        "views": {"dq_accum": [["batch", "chains"], ["seqlen_q"], ["heads_q"], ["head_dim"]]},
+    }
