@@ -20,9 +20,9 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
-from .bwd_sm90 import PERSISTENT_MAX_KEYS, FlashBwdSm90
-from .fwd_sm90 import FlashFwdSm90
 from .sm90.bwd.config import BwdConfig, workspace_rule
+from .sm90.bwd.kernel import PERSISTENT_MAX_KEYS, FlashBwdSm90
+from .sm90.fwd.kernel import FlashFwdSm90
 
 DTYPES = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}
 SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}

@@ -12,8 +12,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .layout import acc_as_rows_cols
-from .sm90_common import select_f32
+from .fragments import acc_as_rows_cols
+from .primitives import select_f32
 
 
 class TileMask:

@@ -27,8 +27,8 @@ from cutlass import Float32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .layout import acc_as_rows_cols
-from .sm90_common import select_f32
+from .fragments import acc_as_rows_cols
+from .primitives import select_f32
 
 LN2 = math.log(2.0)
 RESCALE_THRESHOLD = 8.0  # log2 units: P stays below 2^8 between rescales

@@ -23,10 +23,10 @@ from cutlass.cute.nvgpu import cpasync
 from cutlass.experimental.primitives import (CpReduceType, cp_async_bulk_global_shared_cta,
                                              cp_reduce_async_bulk_global_shared_cta)
 
-from .bwd_barriers import dq_barriers
-from .bwd_order import dq_chain, dq_turn, first_dq_key_tile, semaphore_word
-from .bwd_rows_sm90 import frag_offset
-from .sm90_common import WARPGROUP
+from .barriers import dq_barriers
+from ...common.bwd_order import dq_chain, dq_turn, first_dq_key_tile, semaphore_word
+from .pre_post import frag_offset
+from ..primitives import WARPGROUP
 
 DQ_WRITER_WARP = 1  # of the producer warpgroup
 # Not deterministic (tickets): a query tile's semaphore word counts the CTAs that took

@@ -21,9 +21,9 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER
-from .layout import acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, tiled_mma, wgmma
+from .barriers import DS_BARRIER, EPILOGUE_BARRIER
+from ..fragments import acc_as_rows_cols, transpose_smem
+from ..primitives import WARPGROUP, tiled_mma, wgmma
 
 
 class HeadOnMCompute:

@@ -76,17 +76,18 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ..variants import bwd_step_tiles, bwd_tail_split, dq_chains, dq_fragment_order
-from .bwd_dq_handoff import DQ_WRITER_WARP, DqHandoff
-from .bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
-from .bwd_head_on_m_sm90 import HeadOnMCompute
-from .bwd_keys_on_m_sm90 import KeysOnMCompute
-from .bwd_rows_sm90 import BwdRowsSm90, DqFragments
-from .bwd_tail import TailPieces
-from .bwd_wide_sm90 import WideCompute
-from .launch_order import backward_head_group, launch_in_head_groups
-from .layout import acc_as_rows_cols
-from .sm90_common import WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, tma_pipeline
+from ....variants import bwd_step_tiles, bwd_tail_split, dq_chains, dq_fragment_order
+from .dq_writer import DQ_WRITER_WARP, DqHandoff
+from ...common.bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
+from .head_on_m import HeadOnMCompute
+from .keys_on_m import KeysOnMCompute
+from .pre_post import BwdRowsSm90, DqFragments
+from .split_last_wave import TailPieces
+from .two_query_tiles import WideCompute
+from ...common import symbols
+from ...common.launch_order import backward_head_group, launch_in_head_groups
+from ..fragments import acc_as_rows_cols
+from ..primitives import WARPGROUP, bulk_copy_g2s, sdhb, select_f32, smem_buffer, smem_layout, tma_pipeline
 
 PRODUCER_REGS = 24
 # per consumer thread: two consumer warpgroups 240, three 160 (the register file holds
@@ -102,6 +103,10 @@ ROTATION_TILES = 2
 
 class FlashBwdSm90(KeysOnMCompute, WideCompute, HeadOnMCompute, DqHandoff, TailPieces):
     """Compile-time knobs of one backward variant; see fa4_aot.variants.Variant."""
+
+    def __str__(self):
+        return symbols.BACKWARD_SM90  # the cubin's kernel names (common/symbols.py)
+
 
     def __init__(self, dtype, head_dim: int, causal: bool, deterministic: bool,
                  tile_m: int, tile_n: int, stages: int, q_tiles: int = 1):

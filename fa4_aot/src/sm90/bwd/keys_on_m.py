@@ -19,9 +19,9 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from .bwd_barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
-from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .sm90_common import WARPGROUP, convert_into, stage_and_store, tiled_mma, wgmma
+from .barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
+from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from ..primitives import WARPGROUP, convert_into, stage_and_store, tiled_mma, wgmma
 
 
 class KeysOnMCompute:

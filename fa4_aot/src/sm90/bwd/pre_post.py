@@ -24,9 +24,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..variants import TAIL_COUNTERS, TAIL_MAX_TILES
-from .bwd_order import first_dq_key_tile, semaphore_word
-from .sm90_common import WARPGROUP
+from ....variants import TAIL_COUNTERS, TAIL_MAX_TILES
+from ...common import symbols
+from ...common.bwd_order import first_dq_key_tile, semaphore_word
+from ..primitives import WARPGROUP
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
@@ -68,6 +69,10 @@ class BwdRowsSm90:
     kernel's query tile (the unit of the statistics' padding and of the semaphores), the
     copies of the dQ accumulator (batch * chains + copy; as many semaphores per query
     tile) and its layout: rows (s_q, h_q, d), or ``fragments``' whole tiles."""
+
+    def __str__(self):
+        return symbols.BACKWARD_ROWS_SM90  # the cubin's kernel names (common/symbols.py)
+
 
     def __init__(self, dtype, head_dim: int, tile_m: int, chains: int, fragments: DqFragments | None,
                  causal: bool, tile_n: int, tickets: bool):

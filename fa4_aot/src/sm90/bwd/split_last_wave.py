@@ -20,9 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..variants import TAIL_COUNTERS
-from .bwd_barriers import EPILOGUE_BARRIER
-from .sm90_common import WARPGROUP
+from ....variants import TAIL_COUNTERS
+from .barriers import EPILOGUE_BARRIER
+from ..primitives import WARPGROUP
 
 TICKET, STORED, SUMMED, DQ_DONE = range(TAIL_COUNTERS)
 

@@ -26,9 +26,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .bwd_barriers import DS_BARRIER
-from .layout import acc_as_operand_a, transpose_smem
-from .sm90_common import WARPGROUP, convert_into, tiled_mma, wgmma
+from .barriers import DS_BARRIER
+from ..fragments import acc_as_operand_a, transpose_smem
+from ..primitives import WARPGROUP, convert_into, tiled_mma, wgmma
 
 
 class WideCompute:

@@ -31,14 +31,15 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .launch_order import forward_head_group, launch_in_head_groups
-from .layout import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from .mask import TileMask
-from .sm90_common import (
+from ...common import symbols
+from ...common.launch_order import forward_head_group, launch_in_head_groups
+from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from ..mask import TileMask
+from ..primitives import (
     WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
     wgmma,
 )
-from .softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
 
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
@@ -49,6 +50,10 @@ ORDER_BARRIER = 5  # .. 5 + consumers - 1: see sm90_common.wait_after
 
 class FlashFwdSm90:
     """Compile-time knobs of one forward variant; see fa4_aot.variants.FwdVariant."""
+
+    def __str__(self):
+        return symbols.FORWARD_SM90  # the cubin's kernel names (common/symbols.py)
+
 
     def __init__(self, dtype, head_dim: int, causal: bool, tile_m: int, tile_n: int, stages: int,
                  q_tiles: int = 1):
