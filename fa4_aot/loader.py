@@ -263,7 +263,7 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
     at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
     in steps of the grid; or ["split_tail", [rules], tiles, pieces]: the product, with the
     last ``tiles`` items in ``pieces`` blocks each (the run-time values of those names;
-    variants.tail_split)."""
+    fa4_aot.policy.tail_split)."""
     def rule(op, *args):
         if op == "ceil_div":
             return -(-sizes[args[0]] // args[1])
