@@ -65,7 +65,7 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
     return _row(manifest, axes, q_tiles, policy.backward_two_tiles(seqlen_k))
 
 
-def forward(q, k, v, out, lse, *, causal: bool = False, softmax_scale: float | None = None,
+def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bool = False,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
@@ -139,8 +139,8 @@ def _workspace_names(row: dict, sizes: dict) -> dict:
     return ws.names(rule, sizes, tiles)
 
 
-def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, causal: bool = False,
-             softmax_scale: float | None = None, deterministic: bool = False, q_tiles: int | None = None,
+def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: float | None = None,
+             causal: bool = False, deterministic: bool = False, q_tiles: int | None = None,
              stream: int = 0, library: KernelLibrary | None = None) -> None:
     """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
 

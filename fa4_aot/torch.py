@@ -18,6 +18,7 @@ from .api import backward, backward_workspace_bytes, forward
 from .arrays import DeviceArray
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
@@ -36,10 +37,11 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                   softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward."""
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
+                   causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
+    Every option is keyword-only."""
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -50,19 +52,22 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out, lse
 
 
-def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
-                   deterministic: bool = False, dq=None, dk=None, dv=None, workspace=None,
-                   q_tiles: int | None = None):
-    """(dq, dk, dv); see fa4_aot.backward (``q_tiles`` too). The workspace (uint8, at least
-    ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's allocator
-    unless given."""
+def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, *, softmax_scale: float | None = None, causal: bool = False,
+                   deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+                   dv: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); see fa4_aot.backward, whose argument order this shares (q, k, v, out,
+    dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
+    least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
+    allocator unless given."""
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
     if workspace is None:
         size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
-                                        seqlen_k=k.shape[1], heads_kv=k.shape[2])
+                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=_KERNEL_DTYPES.get(q.dtype))
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, q_tiles=q_tiles,
@@ -86,7 +91,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
-        out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale)
+        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
         _setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
@@ -97,15 +102,15 @@ class _FlashAttention(torch.autograd.Function):
         if dout is None:
             return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                    ctx.deterministic)
+        dq, dk, dv = flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
+                                    causal=ctx.causal, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, causal, softmax_scale)
+    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
 @_fwd_op.register_fake
@@ -115,14 +120,15 @@ def _(q, k, v, causal, softmax_scale, deterministic):
 
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
-def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
             lse: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, causal, softmax_scale, deterministic)
+    return flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
+                          deterministic=deterministic)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -137,17 +143,18 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    dq, dk, dv = _bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    softmax_scale: float | None = None, deterministic: bool = False,
-                    return_lse: bool = False):
-    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q.
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
+                    causal: bool = False, deterministic: bool = False, return_lse: bool = False):
+    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q
+    (and its lse, float32 (b, h_q, s_q), with ``return_lse``). FA4's names; every option
+    is keyword-only.
 
     The gradient flows to q, k and v through the backward kernels (not through lse).
     """

@@ -114,10 +114,10 @@ def bwd_cell(d, s, causal, r, res):
             main()
         post()
 
-    ours = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+    ours = lambda det=False: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                              dq=g1[0], dk=g1[1], dv=g1[2])
     g3 = [torch.empty_like(x) for x in (q, k, v)]  # b's own: the loader keeps launch plans by arrays
-    ours_b = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+    ours_b = lambda det=False: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                                dq=g3[0], dk=g3[1], dv=g3[2])
     if r == 0:
         for det in dets:

@@ -33,9 +33,9 @@ def main():
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 out, lse = flash_attn_fwd(q, k, v, causal=causal)
                 for deterministic in (False, True):
-                    flash_attn_bwd(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, deterministic=deterministic)
                 if two_tiles(d, causal):  # the variant's other kernel (picked for longer keys)
-                    flash_attn_bwd(do, q, k, v, out, lse, causal=causal, q_tiles=2)
+                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, q_tiles=2)
     split_dims = split_tail_cases()
     torch.cuda.synchronize()
     print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
@@ -69,7 +69,7 @@ def split_tail_cases():
             q, do = (torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             out, lse = flash_attn_fwd(q, k, v)
-            flash_attn_bwd(do, q, k, v, out, lse)
+            flash_attn_bwd(q, k, v, out, do, lse)
     return dims
 
 

@@ -101,7 +101,7 @@ def _poisoned_workspace(q, causal, deterministic, k=None):
 def test_backward_matches_reference(variant, shape, gen):
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
@@ -115,7 +115,7 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
     across items), GQA, seqlen_q < seqlen_k, ragged tiles."""
     q, k, v, dout, out, lse = _case((3, 700, 1100, 48, 16), 64, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
@@ -160,7 +160,7 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
     assert tiles > 0 and pieces > 1, "the case does not split"
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], False, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False, k))
+    flash_attn_bwd(q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False, k))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, out, False)
 
@@ -178,7 +178,7 @@ def test_backward_with_and_without_first_write(variant, first_write, gen, monkey
     monkeypatch.setattr(fa4_aot.policy, "first_write_dq", lambda *_: first_write)
     q, k, v, dout, out, lse = _case((2, 700, 300, 4, 2), variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
@@ -195,7 +195,7 @@ def test_deterministic_backward_is_bitwise_repeatable(variant, monkeypatch):
     runs = []
     for i in range(20):
         monkeypatch.setattr(fa4_aot.policy, "deterministic_turn_tiles", lambda *_, turns=1 + i % 2: turns)
-        runs.append(flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True,
+        runs.append(flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=True,
                                    q_tiles=variant.q_tiles))
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
@@ -211,7 +211,7 @@ def test_strided_inputs_and_gradients():
     out, lse = flash_attn_fwd(q, k, v, causal=True)
     grads = torch.full((b, s, 3, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     dq, dk, dv = grads.unbind(dim=2)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=True, dq=dq, dk=dk, dv=dv)
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, out, True)
 
@@ -258,8 +258,10 @@ def test_forward_and_backward_in_one_cuda_graph():
 
     fa4_aot.default_library().preload(["fwd.sm90a.fp16.d96.causal", "bwd.sm90a.fp16.d96.causal.det"],
                                       device=q.device.index)
-    step = lambda: flash_attn_bwd(dout, q, k, v, *flash_attn_fwd(q, k, v, causal=True),  # noqa: E731
-                                  causal=True, deterministic=True)
+    def step():
+        out, lse = flash_attn_fwd(q, k, v, causal=True)
+        return flash_attn_bwd(q, k, v, out, dout, lse, causal=True, deterministic=True)
+
     eager = step()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
