@@ -12,7 +12,8 @@ import threading
 
 from . import policy
 from . import workspace as ws
-from .arrays import DeviceArray, as_device_array
+from . import checks
+from .arrays import DeviceArray, as_device_arrays
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import UnsupportedVariantError
 from .loader import KernelLibrary
@@ -65,6 +66,17 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
     return _row(manifest, axes, q_tiles, policy.backward_two_tiles(seqlen_k))
 
 
+def _check_built(manifest, axes: dict, q_tiles: int | None) -> None:
+    """UnsupportedVariantError, naming the nearest built variants, unless ``axes`` (all but
+    the arch) with ``q_tiles`` (None: any) are built for some architecture of this
+    manifest: asked before the device, so a request no device could serve says so even
+    where there is none."""
+    archs = sorted({v.arch for v in manifest.variants}) or ["sm90a"]
+    tiles = (1, 2) if q_tiles is None else (q_tiles,)
+    if not any(manifest.built(**axes, arch=arch, q_tiles=t) for arch in archs for t in tiles):
+        manifest.find(**axes, arch=archs[0], q_tiles=tiles[0])  # raises
+
+
 def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bool = False,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
@@ -77,27 +89,30 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     j <= i + seqlen_k - seqlen_q); a query row that sees no key gets out = 0, lse = -inf.
     ``q_tiles``: query tiles per CTA, 1 or 2; None picks by seqlen_k
     (policy.TWO_TILES_MAX_SEQLEN_K). ``stream`` is a raw CUstream handle (0: the legacy default
-    stream). Asynchronous: nothing is allocated and nothing waits for the GPU.
+    stream; 2: the per-thread one); a DLPack array is asked for on it, and it waits for the
+    stream a __cuda_array_interface__ array names. Asynchronous: nothing is allocated and
+    nothing waits for the GPU. Every bad argument raises a fa4_aot.Fa4AotError before
+    anything is launched, and before the driver is asked where no driver is needed.
     """
-    arrays = {name: as_device_array(x) for name, x in
-              (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse))}
+    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
+    arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse}, stream)
     library = library or default_library()
     # The arrays (pointers, shapes, strides, dtypes) and options determine every check and
     # every parameter: a call made before with the same ones is launched again as packed.
-    key = ("fwd", *arrays.values(), bool(causal), softmax_scale, q_tiles, int(stream))
-    if library.launch_again(key):
+    key = ("fwd", *arrays.values(), causal, scale, q_tiles, stream)
+    if library.launch_again(key, waits):
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
+    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal)
+    _check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
-    axes = dict(kind="fwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=bool(causal))
-    row = forward_row(library.manifest, axes, problem.sizes["seqlen_k"], q_tiles)
-    scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
+    scale = default_scale(problem.head_dim) if scale is None else scale
     tensors = {name: _tma_tensor(arrays[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
     tensors["lse"] = arrays["lse"].as_launch_tensor()
-    library.launch(row, device, int(stream), {**problem.sizes, "scale_log2": scale * LOG2E}, tensors, key=key)
+    library.launch(row, device, stream, {**problem.sizes, "scale_log2": scale * LOG2E}, tensors, key=key,
+                   waits=waits)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
@@ -112,8 +127,11 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     manifest's workspace rules (no GPU needed): the most that any built backward of this
     head_dim, causal, deterministic (and ``dtype``, "bf16" or "fp16", where given) needs,
     so enough for whichever the backward picks."""
+    checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, head_dim=head_dim,
+                       **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
-    axes = {"kind": "bwd", "head_dim": int(head_dim), "causal": bool(causal), "deterministic": bool(deterministic)}
+    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
+            "deterministic": checks.flag("deterministic", deterministic)}
     if dtype is not None:
         axes["dtype"] = dtype
     rows = [r for r in library.manifest.data["kernels"]
@@ -152,33 +170,36 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     order, so repeated runs are bitwise identical (dk, dv always are). GQA/MQA: dk and
     dv of a shared KV head sum every query head of its group. ``q_tiles``: query tiles
     per step where the variant has both kernels (head_dim 64 causal, not deterministic),
-    None picks by seqlen_k (backward_row). Asynchronous, allocation-free.
+    None picks by seqlen_k (backward_row). ``stream``: as for ``forward``. Asynchronous,
+    allocation-free; bad arguments raise as in ``forward``.
     """
-    arrays = {name: as_device_array(x) for name, x in (
-        ("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse),
-        ("dq", dq), ("dk", dk), ("dv", dv), ("workspace", workspace))}
+    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    deterministic = checks.flag("deterministic", deterministic)
+    q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
+    arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dq": dq,
+                                      "dk": dk, "dv": dv, "workspace": workspace}, stream)
     library = library or default_library()
-    key = ("bwd", *arrays.values(), bool(causal), softmax_scale, bool(deterministic), q_tiles, int(stream))
-    if library.launch_again(key):  # as in forward
+    key = ("bwd", *arrays.values(), causal, scale, deterministic, q_tiles, stream)
+    if library.launch_again(key, waits):  # as in forward
         return
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
+    space = arrays["workspace"]
+    checks.check_workspace(space)
+    axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal,
+                deterministic=deterministic)
+    _check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
-    axes = dict(kind="bwd", arch=library.arch(device), dtype=problem.dtype, head_dim=problem.head_dim,
-                causal=bool(causal), deterministic=bool(deterministic))
-    row = backward_row(library.manifest, axes, problem.seqlen_k, q_tiles)
+    row = backward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     config, rule = row["config"], row["workspace"]
     sizes = problem.sizes
-    space = arrays["workspace"]
     tensors = ws.carve(rule, _workspace_names(row, sizes), space.ptr, math.prod(space.shape) * space.itemsize)
-    scale = default_scale(problem.head_dim) if softmax_scale is None else float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite; got {softmax_scale}")
+    scale = default_scale(problem.head_dim) if scale is None else scale
     tensors.update({name: _tma_tensor(arrays[src]) for name, src in (
         ("q", "q"), ("k", "k"), ("v", "v"), ("do", "dout"), ("dk", "dk"), ("dv", "dv"),
         ("o", "out"), ("dq", "dq"))})
     tensors["lse"] = arrays["lse"].as_launch_tensor()
-    turn_tiles = policy.deterministic_turn_tiles(bool(causal), problem.head_dim, problem.seqlen_k) if deterministic else 1
-    first_write = policy.first_write_dq(bool(deterministic), problem.seqlen_k)
+    turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
+    first_write = policy.first_write_dq(deterministic, problem.seqlen_k)
     tail_tiles, tail_pieces = policy.backward_tail_split(sizes, config, rule["constants"]["tail_max_tiles"],
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
@@ -187,4 +208,4 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride
-    library.launch(row, device, int(stream), values, tensors, key=key)
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits)

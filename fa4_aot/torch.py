@@ -14,15 +14,17 @@ import math
 
 import torch
 
+from . import checks
 from .api import backward, backward_workspace_bytes, forward
 from .arrays import DeviceArray
+from .errors import DeviceError, ShapeError
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
-    from .errors import DeviceError, DTypeError
+    from .errors import DTypeError
 
     device = t.device
     if device.type != "cuda":
@@ -37,11 +39,27 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _given(**named) -> dict:
+    return {name: t for name, t in named.items() if t is not None}
+
+
+def _check_tensors(rank4: dict, others: dict = None) -> None:
+    """torch.Tensors (DeviceError otherwise, as for any non-array), ``rank4`` of rank 4
+    (ShapeError): what the adapter reads before it allocates anything."""
+    for name, t in {**rank4, **(others or {})}.items():
+        if not isinstance(t, torch.Tensor):
+            raise DeviceError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+    for name, t in rank4.items():
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
+
+
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
                    causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                    q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
     Every option is keyword-only."""
+    _check_tensors({"q": q, "k": k, "v": v}, _given(out=out, lse=lse))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -61,6 +79,8 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
     least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
     allocator unless given."""
+    _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
+                   {"lse": lse, **_given(dq=dq, dk=dk, dv=dv, workspace=workspace)})
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -158,9 +178,12 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
 
     The gradient flows to q, k and v through the backward kernels (not through lse).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    _check_tensors({"q": q, "k": k, "v": v})
+    scale = checks.softmax_scale(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
     if torch.compiler.is_compiling():  # traced: the registered custom ops
-        out, lse = _fwd_op(q, k, v, bool(causal), scale, bool(deterministic))
+        out, lse = _fwd_op(q, k, v, causal, scale, deterministic)
     else:
-        out, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, bool(deterministic))
-    return (out, lse) if return_lse else out
+        out, lse = _FlashAttention.apply(q, k, v, causal, scale, deterministic)
+    return (out, lse) if checks.flag("return_lse", return_lse) else out

@@ -216,14 +216,14 @@ class _RecordingLibrary:
     def arch(self, device):
         return "sm90a"
 
-    def launch_again(self, key):
+    def launch_again(self, key, waits=()):
         return False
 
     def sm_count(self, device):
         return 132
 
-    def launch(self, row, device, stream, values, tensors, key=None):
-        self.last.update(row=row, values=values, tensors=tensors)
+    def launch(self, row, device, stream, values, tensors, key=None, waits=()):
+        self.last.update(row=row, values=values, tensors=tensors, stream=stream, waits=waits)
         self.launched.append((row["name"], device))
 
 
