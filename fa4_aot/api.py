@@ -10,9 +10,8 @@ from __future__ import annotations
 import math
 import threading
 
-from . import policy
+from . import checks, policy
 from . import workspace as ws
-from . import checks
 from .arrays import DeviceArray, as_device_arrays
 from .checks import check_backward, check_forward, default_scale, device_of
 from .errors import UnsupportedVariantError
