@@ -125,7 +125,7 @@ def run_bwd_case(d, s, causal, dtype):
     grads = [torch.empty_like(x) for x in (q, k, v)]
     timing = {}
     for det in (False, True):
-        timing[det] = bench(lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+        timing[det] = bench(lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                                    dq=grads[0], dk=grads[1], dv=grads[2]))
     qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_(True) for x in (q, k, v))
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -68,7 +68,7 @@ def main():
         out, lse = flash_attn_fwd(q, k, v, causal=args.causal)
         grads = [torch.empty_like(x) for x in (q, k, v)]
         fwd = lambda: flash_attn_fwd(q, k, v, causal=args.causal, out=out, lse=lse)  # noqa: E731
-        bwd = lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=args.causal,  # noqa: E731
+        bwd = lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=args.causal,  # noqa: E731
                                      deterministic=args.deterministic, dq=grads[0], dk=grads[1], dv=grads[2])
         for _ in range(3):
             fwd()

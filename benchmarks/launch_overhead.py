@@ -39,7 +39,7 @@ def main():
     out, lse = flash_attn_fwd(q, k, v)
     grads = [torch.empty_like(x) for x in (q, k, v)]
     fwd = host_us(lambda: flash_attn_fwd(q, k, v, out=out, lse=lse), args.calls)
-    bwd = host_us(lambda: flash_attn_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1], dv=grads[2]), args.calls)
+    bwd = host_us(lambda: flash_attn_bwd(q, k, v, out, dout, lse, dq=grads[0], dk=grads[1], dv=grads[2]), args.calls)
     empty = host_us(lambda: torch.empty(1, device="cuda"), args.calls)
     print(f"host time per call, us: forward {fwd:.1f} | backward (3 kernels, workspace from torch) {bwd:.1f} | "
           f"torch.empty for scale {empty:.1f}")
@@ -68,7 +68,7 @@ def main():
         import pstats
 
         for name, fn in (("forward", lambda: flash_attn_fwd(q, k, v, out=out, lse=lse)),
-                         ("backward", lambda: flash_attn_bwd(dout, q, k, v, out, lse, dq=grads[0], dk=grads[1],
+                         ("backward", lambda: flash_attn_bwd(q, k, v, out, dout, lse, dq=grads[0], dk=grads[1],
                                                              dv=grads[2]))):
             profile = cProfile.Profile()
             profile.runcall(host_us, fn, args.calls)

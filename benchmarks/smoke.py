@@ -19,7 +19,7 @@ for d in (64, 96, 128, 192, 256):
         ref, lse_ref = attention_ref(q, k, v, causal)
         line = f"d{d} causal={causal}: fwd max|err|={(out.float() - ref.float()).abs().max().item():.2e}"
         for det in (False, True):
-            dq, dk, dv = flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det)
+            dq, dk, dv = flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det)
             torch.cuda.synchronize()
             line += f" bwd(det={det}) finite={all(torch.isfinite(g).all().item() for g in (dq, dk, dv))}"
         print(line, flush=True)

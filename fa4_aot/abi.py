@@ -68,7 +68,7 @@ def bwd_main_plan(dq_tensor_map: bool = True) -> list[dict]:
     kv_sizes = ["seqlen_k", "heads_kv", "batch"]
     maps = [("q", q_sizes), ("do", q_sizes), ("k", kv_sizes), ("v", kv_sizes), ("dk", kv_sizes), ("dv", kv_sizes)]
     if dq_tensor_map:
-        # the dQ accumulator's batch axis holds every copy (variants.dq_chains)
+        # the dQ accumulator's batch axis holds every copy (the row config's chains)
         maps.append(("dq_accum", ["seqlen_q", "heads_q", "dq_batch"]))
     slots = []
     for tensor, sizes in maps:

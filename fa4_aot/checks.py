@@ -7,11 +7,12 @@ cannot address exactly is refused here rather than read or written out of bounds
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from .arrays import DeviceArray
 from .driver import call, cu
-from .errors import DeviceError, DTypeError, LayoutError, ShapeError
+from .errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeError
 
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
@@ -120,6 +121,71 @@ def device_of(arrays: dict[str, DeviceArray]) -> int:
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# ---------------------------------------------------------------- options
+def softmax_scale(value) -> float | None:
+    """None (1/sqrt(head_dim), applied later) or a finite real number, as a float; a
+    string, a bool, NaN or an infinity is refused."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise OptionError(f"softmax_scale must be a real number or None; got {value!r} ({type(value).__name__})")
+    scale = float(value)
+    if not math.isfinite(scale):
+        raise OptionError(f"softmax_scale must be finite; got {value!r}")
+    return scale
+
+
+def flag(name: str, value) -> bool:
+    """A bool option: True, False (numpy's bools, and the ints 0 and 1, taken too)."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):  # numpy's too
+        return bool(value)
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise OptionError(f"{name} must be True or False; got {value!r} ({type(value).__name__})")
+
+
+def q_tiles(value, declared=(1, 2)) -> int | None:
+    """None (picked by problem) or one of ``declared``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) not in declared:
+        raise OptionError(f"q_tiles must be None or one of {declared}; got {value!r}")
+    return int(value)
+
+
+def stream_handle(value) -> int:
+    """A raw CUstream handle as an int (0: the legacy default stream, 2: per-thread), from
+    an int or an object that converts to one (cuda-python's CUstream)."""
+    if value is None or isinstance(value, (bool, str, bytes, float)):
+        raise OptionError(f"stream must be a CUstream handle (an int); got {value!r}")
+    try:
+        handle = int(value)
+    except (TypeError, ValueError) as e:
+        raise OptionError(f"stream must be a CUstream handle (an int); got {value!r}") from e
+    if handle < 0:
+        raise OptionError(f"stream handle {handle} is negative")
+    return handle
+
+
+def check_workspace(t: DeviceArray) -> None:
+    """The backward's workspace is taken as bytes from its pointer: contiguous."""
+    expected, acc = [], 1
+    for n in reversed(t.shape):
+        expected.append(acc)
+        acc *= n
+    if any(n != 1 and s != e for n, s, e in zip(t.shape, t.strides, reversed(expected))):
+        raise LayoutError(f"workspace must be contiguous; shape {t.shape}, strides {t.strides}")
+
+
+def check_sizes(**sizes) -> None:
+    """Problem sizes given as numbers: positive ints within the kernels' int32 range."""
+    for name, n in sizes.items():
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise ShapeError(f"{name} must be an int; got {n!r}")
+        if not 0 < n <= INT32_MAX:
+            raise ShapeError(f"{name}={n} must be positive and at most 2**31-1")
 
 
 def check_backward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArray,

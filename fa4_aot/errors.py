@@ -25,6 +25,11 @@ class DeviceError(InputError):
     """Host memory where device memory is needed, or arrays on different devices."""
 
 
+class OptionError(InputError):
+    """An option of the wrong type or value: a softmax_scale that is not a finite real
+    number, a flag that is not a bool, an unknown q_tiles, a stream that is not a handle."""
+
+
 class UnsupportedVariantError(Fa4AotError, LookupError):
     """The requested combination (head_dim, dtype, causal, arch, ...) was not built."""
 

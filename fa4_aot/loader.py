@@ -74,8 +74,9 @@ class KernelLibrary:
         self._functions: dict[tuple[int, str], object] = {}
         self._archs: dict[int, str] = {}
         self._sm_counts: dict[int, int] = {}
+        self._events: dict[int, object] = {}  # context handle -> CUevent (stream waits)
         self._lock = threading.RLock()
-        # key -> (device, context, [(function, launch config, pointer array, buffer)])
+        # key -> (device, context, stream, [(function, launch config, pointer array, buffer)])
         self._plans: OrderedDict = OrderedDict()
 
     @property
@@ -190,13 +191,16 @@ class KernelLibrary:
                 self.functions(row, device, int(context.handle))
 
     # ------------------------------------------------------------------ launching
-    def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None):
+    def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None, waits=()):
         """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
         ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
-        options of a call): the packed launches are kept under it for ``launch_again``."""
+        options of a call): the packed launches are kept under it for ``launch_again``.
+        ``waits``: streams whose work so far ``stream`` waits for first (the producers of
+        __cuda_array_interface__ arrays made on other streams)."""
         with _Context(device) as context:
             fns = self.functions(row, device, int(context.handle))
+            self._wait(int(context.handle), stream, waits)
             handle = cu.CUstream(stream)
             plan = []
             for fn, launch in zip(fns, row["launches"]):
@@ -215,27 +219,46 @@ class KernelLibrary:
                 plan.append((fn, config, pointers, buffer))
             if key is not None:
                 with self._lock:
-                    self._plans[key] = (device, int(context.handle), plan)
+                    self._plans[key] = (device, int(context.handle), stream, plan)
                     self._plans.move_to_end(key)
                     while len(self._plans) > PLANS_KEPT:
                         self._plans.popitem(last=False)
 
-    def launch_again(self, key) -> bool:
+    def launch_again(self, key, waits=()) -> bool:
         """Repeat the launches kept under ``key`` (same kernels, parameters and stream) and
-        return True; False when none are kept, or they were made in another context."""
+        return True; False when none are kept, or they were made in another context.
+        ``waits``: as for ``launch`` (the key's stream waits for them first)."""
         entry = self._plans.get(key)
         if entry is None:
             return False
-        device, context_handle, plan = entry
+        device, context_handle, stream, plan = entry
         with _Context(device) as context:
             if int(context.handle) != context_handle:
                 return False
+            if waits:
+                self._wait(context_handle, stream, waits)
             for fn, config, pointers, _buffer in plan:
                 call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
         with self._lock:
             if key in self._plans:
                 self._plans.move_to_end(key)
         return True
+
+    def _wait(self, context: int, stream: int, waits) -> None:
+        """Make ``stream`` wait for the work so far on each of ``waits`` (cuEventRecord on
+        the producer's stream, cuStreamWaitEvent on ours): the launch is ordered after it
+        without the host waiting. One event per context serves every wait, since a wait
+        takes the event's state when it is enqueued."""
+        if not waits:
+            return
+        with self._lock:
+            event = self._events.get(context)
+            if event is None:
+                event = self._events[context] = call(cu.cuEventCreate,
+                                                     cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            for producer in waits:
+                call(cu.cuEventRecord, event, cu.CUstream(producer))
+                call(cu.cuStreamWaitEvent, cu.CUstream(stream), event, 0)
 
 
 def launch_attributes(launch: dict) -> list:
@@ -263,7 +286,7 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
     at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
     in steps of the grid; or ["split_tail", [rules], tiles, pieces]: the product, with the
     last ``tiles`` items in ``pieces`` blocks each (the run-time values of those names;
-    variants.tail_split)."""
+    fa4_aot.policy.tail_split)."""
     def rule(op, *args):
         if op == "ceil_div":
             return -(-sizes[args[0]] // args[1])

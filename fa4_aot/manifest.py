@@ -15,15 +15,17 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 9  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 10  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
 # dq_done counters (the postprocess waits per head, not for the whole main grid); 9: the
-# backward's split last wave (grid rule "split_tail", its counters and partial sums)
+# backward's split last wave (grid rule "split_tail", its counters and partial sums); 10:
+# backward rows carry their "config" and "workspace" rule (the run time reads them)
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
+KIND_FIELDS = {"bwd": ("config", "workspace")}  # row fields a kind needs besides ROW_FIELDS
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -61,6 +63,7 @@ class Manifest:
             )
         for row in self.data["kernels"]:
             lacking = [k for k in ROW_FIELDS if k not in row]
+            lacking += [k for k in KIND_FIELDS.get(row.get("variant", {}).get("kind"), ()) if k not in row]
             lacking += [f"launches[{i}].{k}" for i, launch in enumerate(row.get("launches", []))
                         for k in LAUNCH_FIELDS if k not in launch]
             if lacking:

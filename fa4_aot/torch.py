@@ -14,14 +14,17 @@ import math
 
 import torch
 
+from . import checks
 from .api import backward, backward_workspace_bytes, forward
 from .arrays import DeviceArray
+from .errors import DeviceError, ShapeError
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
+_KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
-    from .errors import DeviceError, DTypeError
+    from .errors import DTypeError
 
     device = t.device
     if device.type != "cuda":
@@ -36,10 +39,27 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
-def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                   softmax_scale: float | None = None, out: torch.Tensor | None = None,
-                   lse: torch.Tensor | None = None, q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward."""
+def _given(**named) -> dict:
+    return {name: t for name, t in named.items() if t is not None}
+
+
+def _check_tensors(rank4: dict, others: dict = None) -> None:
+    """torch.Tensors (DeviceError otherwise, as for any non-array), ``rank4`` of rank 4
+    (ShapeError): what the adapter reads before it allocates anything."""
+    for name, t in {**rank4, **(others or {})}.items():
+        if not isinstance(t, torch.Tensor):
+            raise DeviceError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+    for name, t in rank4.items():
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
+
+
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
+                   causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
+    Every option is keyword-only."""
+    _check_tensors({"q": q, "k": k, "v": v}, _given(out=out, lse=lse))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
@@ -50,19 +70,24 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bo
     return out, lse
 
 
-def flash_attn_bwd(dout, q, k, v, out, lse, causal: bool = False, softmax_scale: float | None = None,
-                   deterministic: bool = False, dq=None, dk=None, dv=None, workspace=None,
-                   q_tiles: int | None = None):
-    """(dq, dk, dv); see fa4_aot.backward (``q_tiles`` too). The workspace (uint8, at least
-    ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's allocator
-    unless given."""
+def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, *, softmax_scale: float | None = None, causal: bool = False,
+                   deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+                   dv: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); see fa4_aot.backward, whose argument order this shares (q, k, v, out,
+    dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
+    least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
+    allocator unless given."""
+    _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
+                   {"lse": lse, **_given(dq=dq, dk=dk, dv=dv, workspace=workspace)})
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
     if workspace is None:
         size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
-                                        seqlen_k=k.shape[1], heads_kv=k.shape[2])
+                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=_KERNEL_DTYPES.get(q.dtype))
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, q_tiles=q_tiles,
@@ -86,7 +111,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
-        out, lse = flash_attn_fwd(q, k, v, causal, softmax_scale)
+        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
         _setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
@@ -97,15 +122,15 @@ class _FlashAttention(torch.autograd.Function):
         if dout is None:
             return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, ctx.causal, ctx.softmax_scale,
-                                    ctx.deterministic)
+        dq, dk, dv = flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
+                                    causal=ctx.causal, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, causal, softmax_scale)
+    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
 @_fwd_op.register_fake
@@ -115,14 +140,15 @@ def _(q, k, v, causal, softmax_scale, deterministic):
 
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
-def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
             lse: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(_kernel_ready_dout(dout), q, k, v, out, lse, causal, softmax_scale, deterministic)
+    return flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
+                          deterministic=deterministic)
 
 
 @_bwd_op.register_fake
-def _(dout, q, k, v, out, lse, causal, softmax_scale, deterministic):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
             torch.empty_like(v, memory_format=torch.contiguous_format))
@@ -137,23 +163,27 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(dout, q, k, v, out, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    dq, dk, dv = _bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    softmax_scale: float | None = None, deterministic: bool = False,
-                    return_lse: bool = False):
-    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q.
+def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
+                    causal: bool = False, deterministic: bool = False, return_lse: bool = False):
+    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q
+    (and its lse, float32 (b, h_q, s_q), with ``return_lse``). FA4's names; every option
+    is keyword-only.
 
     The gradient flows to q, k and v through the backward kernels (not through lse).
     """
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    _check_tensors({"q": q, "k": k, "v": v})
+    scale = checks.softmax_scale(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
     if torch.compiler.is_compiling():  # traced: the registered custom ops
-        out, lse = _fwd_op(q, k, v, bool(causal), scale, bool(deterministic))
+        out, lse = _fwd_op(q, k, v, causal, scale, deterministic)
     else:
-        out, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, bool(deterministic))
-    return (out, lse) if return_lse else out
+        out, lse = _FlashAttention.apply(q, k, v, causal, scale, deterministic)
+    return (out, lse) if checks.flag("return_lse", return_lse) else out

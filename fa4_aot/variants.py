@@ -12,7 +12,6 @@ Imports nothing beyond the standard library: the runtime uses it to select kerne
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 ARCHS = ("sm90a", "sm100a")
@@ -77,119 +76,6 @@ FWD_SM90_TILING = {
 }
 
 
-# Backward: 128 keys per CTA (64 per consumer warpgroup), 64 query rows per step, Q/dO
-# double-buffered; four stages at head_dim 64 (three: +1-2% not causal, session 7; four:
-# +2-4% deterministic, equal otherwise, session 9; three at 96 measured 0-2% slower:
-# docs/perf-notes.md). head_dim 192 and 256: dK, dV and dQ computed with the head dim on
-# the GEMMs' M side; 192: 96 keys per CTA, three consumer warpgroups (dK^T, dV^T fp32 64 x
-# 96 each; 194 KB of smem); 256: 80 keys, two (128 x 80 each; 214 KB); one Q/dO buffer.
-# The query rows of a step are also the unit of the LSE2 / D padding, of the dQ semaphores
-# and of the row kernels' blocks, which the runtime sizes the workspace by
-# (fa4_aot.api.backward_workspace_bytes, through bwd_query_rows).
-BWD_SM90_TILING = {
-    64: Tiling(64, 128, 4),
-    96: Tiling(64, 128, 2),
-    128: Tiling(64, 128, 2),
-    192: Tiling(64, 96, 1),
-    256: Tiling(64, 80, 1),
-}
-# head_dim 64 not causal: two 64-row query tiles per step (128 queries, FA4's shape: the
-# step's fixed costs spread over twice the rows; fa4_aot/src/bwd_wide_sm90.py), two Q/dO
-# stages of 128 rows; the 64-row tile stays the workspace's unit. Deterministic causal
-# takes it too (bwd_step_tiles); causal not deterministic keeps one tile per step.
-# head_dim 128 not causal: 80 query rows per step (dQ computed transposed, split by head
-# dims; its staging single-buffered to fit), as FA4 upstream takes there: a step's fixed
-# costs spread over 25% more queries (+1-2% measured, session 17). Causal keeps 64.
-BWD_SM90_TILING_NOT_CAUSAL = {64: Tiling(64, 128, 2), 128: Tiling(80, 128, 2)}
-
-
-def bwd_tiling(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> Tiling:
-    """The sm90a backward's tile shape of a head dim, causal or not (and deterministic or
-    not, q_tiles: the head_dim 64 causal kernels differ in their stages; the query tile, the
-    workspace's unit, does not depend on them)."""
-    wide = bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
-    if head_dim in BWD_SM90_TILING_NOT_CAUSAL and (not causal or wide):
-        return BWD_SM90_TILING_NOT_CAUSAL[head_dim]
-    return BWD_SM90_TILING[head_dim]
-
-
-def bwd_step_tiles(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> int:
-    """Query tiles per backward step: two at head_dim 64 (128 queries, FA4's Hopper shape:
-    fa4_aot/src/bwd_wide_sm90.py), except causal and not deterministic, where the variant's
-    q_tiles says: 1, the persistent 64-row kernel, which the wide one loses to by 5% at 1k
-    keys; 2 (``.q2``), the wide one, +2% at 4k-16k (session 19; fa4_aot.api picks by
-    seqlen_k). Deterministic causal, the wide kernel measured +2% at 1k-4k and +4.6% at 16k
-    (session 19). Elsewhere one."""
-    if head_dim != 64:
-        return 1
-    return 2 if not causal or deterministic or q_tiles == 2 else 1
-
-
-def bwd_query_rows(head_dim: int, causal: bool) -> int:
-    """Query rows per backward step: the workspace's unit (see BWD_SM90_TILING)."""
-    return bwd_tiling(head_dim, causal).tile_m
-
-
-# Deterministic backward, not causal: the key tiles of a head add their dQ into DET_DQ_CHAINS
-# copies of the fp32 accumulator, key tile n into copy n % DET_DQ_CHAINS and, within a copy,
-# in ascending n; the postprocess sums the copies in copy order. A head's CTAs walk the
-# query tiles in lockstep and every tile's turns pass from CTA to CTA; two chains halve
-# the CTAs each turn passes through, which pays with two-tile turns (turn_tiles 2): +21-25%
-# at head_dim 64 1k-4k, +3-5% at 128 (docs/perf-notes.md, session 7), for one more
-# accumulator copy to clear and read. Four chains measured slower. Causal keeps one chain
-# (its order already starts each CTA at its first turn).
-DET_DQ_CHAINS = 2
-
-
-def dq_chains(causal: bool, deterministic: bool) -> int:
-    """Copies of the backward's fp32 dQ accumulator (and of its semaphores)."""
-    return DET_DQ_CHAINS if deterministic and not causal else 1
-
-
-# Backward, not causal, not deterministic (head_dim 64, 96, 128): when the key tiles (one
-# CTA each, all the same length) leave a last partial wave of at most TAIL_MAX_TILES CTAs,
-# those tiles are each split by query range into pieces that spread over all the SMs;
-# their dK, dV partial sums meet in an fp32 workspace region (TAIL_MAX_TILES tiles: 12.6 MB
-# at head_dim 128, part of every such backward's workspace, whose size is reported before
-# the problem's key count is known). 4096 key tiles on 132 SMs are 31.03 waves: the 32nd,
-# 4 CTAs long, cost 2.6-2.8% of every such backward (docs/perf-notes.md, session 18); 2048
-# leave 68.
-TAIL_MAX_TILES = 96
-TAIL_COUNTERS = 4  # int32 words per split tile (bwd_tail)
-# A piece's own cost (K, V loads, the partial sums, its start and end), in steps: what
-# splitting finer pays per piece (the per-CTA timelines of session 18: 3-5 us, ~2 steps).
-PIECE_COST_STEPS = 2
-
-
-def bwd_tail_split(head_dim: int, causal: bool, deterministic: bool) -> bool:
-    """Whether the sm90a backward variant splits its last partial wave (see TAIL_MAX_TILES)."""
-    return not causal and not deterministic and head_dim in (64, 96, 128)
-
-
-@functools.lru_cache(maxsize=1024)
-def tail_split(items: int, sm_count: int, units: int) -> tuple[int, int]:
-    """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs of ``units`` steps each
-    are split into ``pieces`` each, or (0, 1). The pieces run in rounds of ``sm_count``;
-    taken where rounds x (steps a piece + PIECE_COST_STEPS) is least and under ``units``
-    (the last wave unsplit), after at least one full wave."""
-    waves, tail = divmod(items, sm_count)
-    if waves == 0 or tail == 0 or tail > TAIL_MAX_TILES:
-        return 0, 1
-    best, cost = 1, units
-    for pieces in range(2, units + 1):
-        rounds = -(-tail * pieces // sm_count)
-        split_cost = rounds * (-(-units // pieces) + PIECE_COST_STEPS)
-        if split_cost < cost:
-            best, cost = pieces, split_cost
-    return (tail, best) if best > 1 else (0, 1)
-
-
-def dq_fragment_order(head_dim: int, causal: bool, deterministic: bool = False, q_tiles: int = 1) -> bool:
-    """The backward adds dQ in fragment order by 1D bulk reduces at the accumulator's
-    address (no tensor map for it), else into rows by a TMA reduce (fa4_aot/src/bwd_sm90.py)."""
-    return head_dim in (96, 128) or bwd_step_tiles(head_dim, causal, deterministic, q_tiles) == 2
-
-
 @dataclass(frozen=True, order=True)
 class Variant:
     kind: str
@@ -201,7 +87,7 @@ class Variant:
     cta_mode: int = 1
     deterministic: bool = False
     # forward: query tiles per CTA, Q double-buffered when 2 (``.q2``); backward: query
-    # tiles per step where a variant has both kernels (bwd_step_tiles)
+    # tiles per step where a variant has both kernels (its config's step_tiles)
     q_tiles: int = 1
 
     def __post_init__(self):
@@ -231,11 +117,11 @@ class Variant:
 
     @property
     def tiling(self) -> Tiling:
+        """The forward's tile shape (the backward's knobs: fa4_aot/src/sm90/bwd/config.py,
+        and its manifest rows' ``config``)."""
         if self.kind == "fwd" and self.arch == "sm90a":
             return FWD_SM90_TILING[self.head_dim]
-        if self.kind == "bwd" and self.arch == "sm90a":
-            return bwd_tiling(self.head_dim, self.causal, self.deterministic, self.q_tiles)
-        raise NotImplementedError(f"no kernel for {self.name}")
+        raise NotImplementedError(f"no tiling table for {self.name}")
 
     @property
     def gpu_arch(self) -> str:

@@ -25,7 +25,7 @@ for d in (64, 128):
                 for i in order:
                     api._default_library = libs[i]
                     g = grads[i]
-                    res[i].append(bench(lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+                    res[i].append(bench(lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                                                dq=g[0], dk=g[1], dv=g[2])))
             fl = 2.5 * flops(b, h, s, d, causal)
             print(f"bwd det{int(det)} d{d} s{s} c{int(causal)}: " + "  ".join(

@@ -13,7 +13,7 @@ for seed in (int(s) for s in sys.argv[4].split(",")):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, dout, out, lse = T._case(shape, variant.head_dim, T.DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = T._poisoned_grads(q, k, v)
-    T.flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    T.flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                      q_tiles=variant.q_tiles, dq=dq, dk=dk, dv=dv,
                      workspace=T._poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()

@@ -35,7 +35,7 @@ for folder in folders:
                 gen = torch.Generator(device="cuda").manual_seed(seed)
                 q, k, v, dout, out, lse = T._case(shape, variant.head_dim, dtype, variant.causal, gen)
                 dq, dk, dv = T._poisoned_grads(q, k, v)
-                T.flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal,
+                T.flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal,
                                  deterministic=variant.deterministic, q_tiles=variant.q_tiles, dq=dq, dk=dk, dv=dv,
                                  workspace=T._poisoned_workspace(q, variant.causal, variant.deterministic))
                 torch.cuda.synchronize()

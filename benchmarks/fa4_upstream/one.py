@@ -46,7 +46,7 @@ else:
                 sem.zero_()
             main(); post()
     else:
-        fn = lambda: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det, dq=g[0], dk=g[1], dv=g[2])
+        fn = lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det, dq=g[0], dk=g[1], dv=g[2])
 for _ in range(4):
     fn()
 torch.cuda.synchronize()

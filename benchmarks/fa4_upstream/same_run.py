@@ -9,7 +9,7 @@ first round also compares FA4's outputs with ours.
 Environment: HEAD_DIMS=64,128 keeps those head dims' cells; KERNELS_B=FOLDER times that
 build's cubins too ("b" beside "ours", e.g. the previous commit's), in the same rounds;
 B_TAIL_SPLIT=0 times as "b" our kernels with the backward's split last wave turned off
-(variants.tail_split; same cubins).
+(policy.tail_split; same cubins).
 """
 import json, math, os, statistics, sys
 from pathlib import Path
@@ -30,6 +30,7 @@ cells = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in
 if os.environ.get("HEAD_DIMS"):
     cells = [c for c in cells if c[0] in {int(x) for x in os.environ["HEAD_DIMS"].split(",")}]
 import fa4_aot.api as api
+import fa4_aot.policy as policy
 from fa4_aot.loader import KernelLibrary
 lib_a = api.default_library()
 lib_b = KernelLibrary(Path(os.environ["KERNELS_B"])) if os.environ.get("KERNELS_B") else None
@@ -40,17 +41,17 @@ if no_split:
 
 def on_b(fn):
     """fn run with KERNELS_B's cubins as the adapters' library (or without the tail split)."""
-    split = api.tail_split
+    split = policy.tail_split
 
     def run(*args):
         api._default_library = lib_b
         if no_split:
-            api.tail_split = lambda *_: (0, 1)
+            policy.tail_split = lambda *_: (0, 1)
         try:
             return fn(*args)
         finally:
             api._default_library = lib_a
-            api.tail_split = split
+            policy.tail_split = split
     return run
 
 
@@ -113,10 +114,10 @@ def bwd_cell(d, s, causal, r, res):
             main()
         post()
 
-    ours = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+    ours = lambda det=False: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                              dq=g1[0], dk=g1[1], dv=g1[2])
     g3 = [torch.empty_like(x) for x in (q, k, v)]  # b's own: the loader keeps launch plans by arrays
-    ours_b = lambda det=False: flash_attn_bwd(dout, q, k, v, out, lse, causal=causal, deterministic=det,
+    ours_b = lambda det=False: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                                dq=g3[0], dk=g3[1], dv=g3[2])
     if r == 0:
         for det in dets:

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from fa4_aot import loader, tma
-from fa4_aot.api import BWD_ONE_TILE_MAX_SEQLEN_K, TWO_TILES_MAX_SEQLEN_K, backward_row, forward_row
+from fa4_aot.api import backward_row, forward_row
 from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
-                            UnsupportedVariantError)
+                            ShapeError, UnsupportedVariantError)
 from fa4_aot.loader import KernelLibrary, grid_of, pack_params
 from fa4_aot.manifest import Manifest
+from fa4_aot.policy import BWD_ONE_TILE_MAX_SEQLEN_K, TWO_TILES_MAX_SEQLEN_K
+from fa4_aot.variants import Variant
 
 
 @pytest.fixture
@@ -35,6 +37,11 @@ def test_malformed_and_foreign_schema_manifests_are_refused(copy):
     path.write_text(json.dumps({**data, "schema": 99}))
     with pytest.raises(ManifestError, match="schema 99"):
         Manifest(copy)
+    bwd = next(r for r in data["kernels"] if r["variant"]["kind"] == "bwd")
+    for field in ("config", "workspace"):  # the run time reads a backward's knobs and workspace from them
+        path.write_text(json.dumps({**data, "kernels": [{k: x for k, x in bwd.items() if k != field}]}))
+        with pytest.raises(ManifestError, match=f"lacks \\['{field}'\\]"):
+            Manifest(copy)
     del data["kernels"][0]["launches"][0]["symbol"]
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="symbol"):
@@ -145,7 +152,7 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
 
 def test_split_tail_backward_grid_adds_the_pieces(built):
     """Not causal, not deterministic: one CTA per key tile, the last ``tail_tiles`` of them
-    in ``tail_pieces`` each (variants.tail_split decides both at run time)."""
+    in ``tail_pieces`` each (policy.tail_split decides both at run time)."""
     main = Manifest(built[0]).rows["bwd.sm90a.fp16.d64"]["launches"][1]
     assert main["grid"][0][0] == "split_tail"
     sizes = {"seqlen_k": 16384, "heads_kv": 16, "batch": 1, "tail_tiles": 0, "tail_pieces": 1}
@@ -209,14 +216,14 @@ class _RecordingLibrary:
     def arch(self, device):
         return "sm90a"
 
-    def launch_again(self, key):
+    def launch_again(self, key, waits=()):
         return False
 
     def sm_count(self, device):
         return 132
 
-    def launch(self, row, device, stream, values, tensors, key=None):
-        self.last.update(row=row, values=values, tensors=tensors)
+    def launch(self, row, device, stream, values, tensors, key=None, waits=()):
+        self.last.update(row=row, values=values, tensors=tensors, stream=stream, waits=waits)
         self.launched.append((row["name"], device))
 
 
@@ -225,9 +232,9 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     kernels' parameter plans name is provided (a missing one would only fail on a GPU), and
     the deterministic turn rule reaches the main kernel."""
     import fa4_aot.api as api
+    import fa4_aot.policy as policy
 
     from fa4_aot.arrays import DeviceArray
-    from fa4_aot.variants import bwd_query_rows
 
     from .test_inputs import BASE, bshd
 
@@ -238,7 +245,8 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
     k, v, dk, dv = (bshd(b, sk, hkv, d) for _ in range(4))
     lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
-    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d),), (1,), "u8")
+    size = api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True, library=library)
+    workspace = DeviceArray(BASE, (size,), (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
                  library=library)
     values, tensors = captured["values"], captured["tensors"]
@@ -251,33 +259,45 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
                 assert slot["value"] in values, (launch["symbol"], slot)
             else:
                 assert slot["tensor"] in tensors, (launch["symbol"], slot)
-    assert values["turn_tiles"] == api.deterministic_turn_tiles(True, d, sk) == 2
+    assert values["turn_tiles"] == policy.deterministic_turn_tiles(True, d, sk) == 2
     # one-tile turns only where two measured slower: causal head_dim 256 below 16k keys
-    assert [api.deterministic_turn_tiles(True, hd, 4096) for hd in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
-    assert api.deterministic_turn_tiles(True, 256, 16384) == api.deterministic_turn_tiles(False, 256, 1024) == 2
+    assert [policy.deterministic_turn_tiles(True, hd, 4096) for hd in (64, 96, 128, 192, 256)] == [2, 2, 2, 2, 1]
+    assert policy.deterministic_turn_tiles(True, 256, 16384) == policy.deterministic_turn_tiles(False, 256, 1024) == 2
     assert values["dq_batch"] == b  # one accumulator copy when causal
     # the accumulator left uncleared (first shares stored) where measured faster:
     # deterministic, and up to 4k keys otherwise
     assert values["first_write"] == 1
-    assert [api.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
-    assert api.first_write_dq(True, 16384)
+    assert [policy.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
+    assert policy.first_write_dq(True, 16384)
 
-    # not causal: the accumulator's copies are the dQ reduce's batch axis (that variant is
-    # not built here; its plan is the same, so the causal row stands in for it)
-    chains = api.dq_chains(False, True)
-    stand_in = {**captured["row"]}
+    # not causal: the accumulator's copies are the dQ reduce's batch axis. That variant is
+    # not built here; its plan is the same, so the causal row stands in for it, with the
+    # config and workspace rule the build writes for the real one.
+    from .test_workspace import row_of
+
+    real = row_of(Variant("bwd", "sm90a", "bf16", d, False, deterministic=True))
+    chains = real["config"]["chains"]
+    assert chains == 2 and real["config"]["tile_m"] == 80
+    stand_in = {**captured["row"], "config": real["config"], "workspace": real["workspace"]}
     monkeypatch.setattr(Manifest, "find", lambda self, **axes: stand_in)
-    workspace = DeviceArray(BASE, (api.backward_workspace_bytes(b, sq, hq, d, deterministic=True),), (1,), "u8")
-    with pytest.raises(ManifestError, match="accumulator copies"):  # a row built for another count
-        api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
-    stand_in["dq_chains"] = chains
-    stand_in["tiling"] = {**stand_in["tiling"], "tile_m": bwd_query_rows(d, False)}  # as the real row's
+    size = api.backward_workspace_bytes(b, sq, hq, d, deterministic=True, library=_RulesOnly(real))
+    workspace = DeviceArray(BASE, (size,), (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     assert captured["values"]["dq_batch"] == b * chains
     assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)
     # the workspace is laid out by the row's query tile: LSE2 rows padded to 80 here
     t = captured["tensors"]
     assert t["dsum"]["ptr"] - t["lse2"]["ptr"] == b * hq * -(-sq // 80) * 80 * 4
+    with pytest.raises(ShapeError, match="workspace has"):  # one byte short of the row's rule
+        api.backward(q, k, v, out, dout, lse, dq, dk, dv, DeviceArray(BASE, (size - 1,), (1,), "u8"),
+                     deterministic=True, library=library)
+
+
+class _RulesOnly:
+    """A library whose manifest holds one row (backward_workspace_bytes reads only rows)."""
+
+    def __init__(self, row):
+        self.manifest = type("M", (), {"data": {"kernels": [row]}, "rows": {row["name"]: row}})()
 
 
 def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):
@@ -325,6 +345,7 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
 
     library = _RecordingLibrary(built[0])
     launched = library.launched
+    size = api.backward_workspace_bytes(2, 1000, 4, 128, causal=True, deterministic=True, library=library)
 
     def no_queries(fn, *args):
         raise AssertionError("the driver was asked about a pointer")
@@ -339,7 +360,6 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
         q, out, dout, dq = (bshd(sq, hq) for _ in range(4))
         k, v, dk, dv = (bshd(sk, hkv) for _ in range(4))
         lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32", device)
-        size = api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True)
         workspace = DeviceArray(BASE, (size,), (1,), "u8", device)
         return q, k, v, out, dout, lse, dq, dk, dv, workspace
 

@@ -12,8 +12,17 @@ session 6); these checks run on every shape class without a GPU.
 import itertools
 import pytest
 
-bwd = pytest.importorskip("fa4_aot.src.bwd_order", reason="the CuTe DSL is needed to import the kernel source")
-order = pytest.importorskip("fa4_aot.src.launch_order", reason="the CuTe DSL is needed to import the kernel source")
+from fa4_aot.policy import PIECE_COST_STEPS, backward_tail_split, tail_split
+from fa4_aot.variants import Variant
+
+pytest.importorskip("cutlass", reason="the CuTe DSL is needed to import the kernel source")
+try:
+    from fa4_aot.src.common import bwd_order as bwd
+    from fa4_aot.src.common import launch_order as order
+except ImportError:  # the sources before they moved to fa4_aot/src/common
+    from fa4_aot.src import bwd_order as bwd
+    from fa4_aot.src import launch_order as order
+from fa4_aot.src.sm90.bwd.config import TAIL_MAX_TILES, BwdConfig  # noqa: E402
 
 SHAPES = [  # (seqlen_q, seqlen_k)
     (1, 1), (17, 17), (1000, 1000), (128, 700), (700, 128), (257, 513), (4096, 4096), (1300, 1300), (64, 8192),
@@ -25,6 +34,11 @@ def ceil_div(a, b):
     return -(-a // b)
 
 
+def built_chains(causal: bool) -> int:
+    """The deterministic backward's dQ accumulator copies, as its config builds them."""
+    return BwdConfig.of(Variant("bwd", "sm90a", "bf16", 128, causal, deterministic=True)).chains
+
+
 @pytest.mark.parametrize("causal,chains", [(False, None), (False, 1), (False, 3), (True, None)],
                          ids=["full-built", "full-1chain", "full-3chains", "causal"])
 @pytest.mark.parametrize("run_tiles", [1, 2])
@@ -33,9 +47,7 @@ def ceil_div(a, b):
 def test_turns_are_a_permutation_that_only_waits_for_earlier_launches(shape, tiles, run_tiles, causal, chains):
     """Per run and per accumulator copy (chain): the built number of chains (causal keeps
     one), and other counts."""
-    from fa4_aot.variants import dq_chains
-
-    chains = dq_chains(causal, True) if chains is None else chains
+    chains = built_chains(causal) if chains is None else chains
     seqlen_q, seqlen_k = shape
     tile_m, tile_n = tiles
     m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
@@ -118,9 +130,7 @@ def test_first_dq_writer_has_the_lowest_turn_at_its_tile(shape, tiles, run_tiles
     cleared accumulator: the key tile first_dq_key_tile names must be the one with the
     lowest turn among those touching the tile in its copy, and must name none exactly
     where none touches it (the postprocess then writes zeros)."""
-    from fa4_aot.variants import dq_chains
-
-    chains = dq_chains(causal, True) if chains is None else chains
+    chains = built_chains(causal) if chains is None else chains
     seqlen_q, seqlen_k = shape
     tile_m, tile_n = tiles
     m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
@@ -153,16 +163,14 @@ def test_semaphore_words_fill_the_workspace_region_once():
     (4096, 16384, 2), (4096, 1024, 2), (4096, 16384, 1), (2048, 4096, 1), (133, 300, 1), (133, 64, 1),
     (140, 1000, 2), (9, 17, 1), (264, 4096, 1), (131, 4096, 1), (1, 100, 1)])
 def test_split_tail_covers_every_query_tile_of_every_item_once(items, seqlen_q, unit, sm_count):
-    """The split last wave (variants.tail_split, bwd_order.tail_item and piece_tiles):
+    """The split last wave (policy.tail_split, bwd_order.tail_item and piece_tiles):
     every block maps to one item; an unsplit item's block takes all its query tiles, a split
     item's pieces take disjoint, non-empty ranges cut at multiples of ``unit`` that cover
     them; the grid the loader launches has exactly these blocks; pieces fill at most one
     wave."""
-    from fa4_aot.variants import TAIL_MAX_TILES, tail_split
-
     tile_m = 64
     m_blocks = ceil_div(seqlen_q, tile_m)
-    tiles, pieces = tail_split(items, sm_count, ceil_div(m_blocks, unit))
+    tiles, pieces = tail_split(items, sm_count, ceil_div(m_blocks, unit), TAIL_MAX_TILES)
     assert (tiles, pieces) == (0, 1) or (1 <= tiles <= TAIL_MAX_TILES and pieces >= 2
                                          and tiles == items % sm_count and items >= sm_count)
     grid = items + tiles * (pieces - 1)  # loader.grid_of's "split_tail"
@@ -183,28 +191,27 @@ def test_split_tail_covers_every_query_tile_of_every_item_once(items, seqlen_q, 
 
 
 def test_split_tail_is_taken_where_it_shortens_the_last_wave():
-    from fa4_aot.variants import PIECE_COST_STEPS, tail_split
-
-    assert PIECE_COST_STEPS == 2  # the figures below
-    assert tail_split(4096, 132, 128) == (4, 32)  # 16k tokens x 2048, d64: 4 tiles left, 1 round
-    assert tail_split(4096, 132, 8) == (4, 8)  # 1k queries: one step (two tiles) a piece
-    assert tail_split(2048, 132, 205) == (68, 9)  # d128 (80-row steps) at 16k: 5 rounds
-    assert tail_split(2048, 132, 13) == (0, 1)  # ... at 1k: no split pays for its pieces
-    assert tail_split(2048 + 100, 2048, 64) == (0, 1)  # 100 left > TAIL_MAX_TILES
-    assert tail_split(132 * 3, 132, 64) == (0, 1)  # whole waves
-    assert tail_split(100, 132, 64) == (0, 1)  # less than one wave: every SM already busy
+    assert PIECE_COST_STEPS == 2 and TAIL_MAX_TILES == 96  # the figures below
+    most = TAIL_MAX_TILES
+    assert tail_split(4096, 132, 128, most) == (4, 32)  # 16k tokens x 2048, d64: 4 tiles left, 1 round
+    assert tail_split(4096, 132, 8, most) == (4, 8)  # 1k queries: one step (two tiles) a piece
+    assert tail_split(2048, 132, 205, most) == (68, 9)  # d128 (80-row steps) at 16k: 5 rounds
+    assert tail_split(2048, 132, 13, most) == (0, 1)  # ... at 1k: no split pays for its pieces
+    assert tail_split(2048 + 100, 2048, 64, most) == (0, 1)  # 100 left > TAIL_MAX_TILES
+    assert tail_split(132 * 3, 132, 64, most) == (0, 1)  # whole waves
+    assert tail_split(100, 132, 64, most) == (0, 1)  # less than one wave: every SM already busy
 
 
 def test_backward_tail_split_by_problem():
-    """fa4_aot.api.backward_tail_split on the baselines grid (16k tokens, heads x head_dim
-    = 2048) on 132 SMs: what the backward launches; none causal, deterministic or GQA."""
-    from fa4_aot.api import backward_tail_split
-
+    """fa4_aot.policy.backward_tail_split on the baselines grid (16k tokens, heads x
+    head_dim = 2048) on 132 SMs, with each variant's config as the manifest carries it:
+    what the backward launches; none causal, deterministic or GQA."""
     def split(d, s, causal=False, det=False, heads_kv=None, sm=132):
         h = 2048 // d
         sizes = {"batch": 16384 // s, "seqlen_q": s, "seqlen_k": s, "heads_q": h, "heads_kv": heads_kv or h,
                  "head_dim": d}
-        return backward_tail_split(sizes, causal, det, sm)
+        config = BwdConfig.of(Variant("bwd", "sm90a", "bf16", d, causal, deterministic=det)).to_dict()
+        return backward_tail_split(sizes, config, TAIL_MAX_TILES, sm)
 
     assert [split(64, s) for s in (1024, 4096, 16384)] == [(4, 8), (4, 32), (4, 32)]
     assert [split(128, s) for s in (1024, 4096, 16384)] == [(0, 1), (68, 5), (68, 9)]

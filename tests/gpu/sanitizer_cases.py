@@ -2,7 +2,7 @@
 the forward and both backward modes of every bf16 head dim, causal and not (and the
 backward's two-tile kernels where a variant has them), on shapes with partial tiles each
 way, MQA/GQA and seqlen_q != seqlen_k; and the backward's split last wave
-(variants.tail_split) on a multiprocessor count taken as 4, since these shapes are too
+(policy.tail_split) on a multiprocessor count taken as 4, since these shapes are too
 small to leave a partial wave on a whole device. The backward's workspace is the
 exact size the problem needs (the torch adapter's), and test_sanitizer.py turns torch's
 caching allocator off, so every array is its own allocation and memcheck sees any access
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
-from fa4_aot.variants import MATRIX, bwd_tail_split
+from fa4_aot.variants import MATRIX
 
 SHAPES = [(3, 17, 17, 2, 1), (2, 333, 200, 4, 2), (1, 200, 333, 3, 1)]  # (b, s_q, s_k, h_q, h_kv)
 # on 4 SMs: 9 key tiles, the last in 4 ragged pieces; 18 items, the last 2 in 2 pieces each
@@ -33,9 +33,9 @@ def main():
                 k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
                 out, lse = flash_attn_fwd(q, k, v, causal=causal)
                 for deterministic in (False, True):
-                    flash_attn_bwd(do, q, k, v, out, lse, causal=causal, deterministic=deterministic)
+                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, deterministic=deterministic)
                 if two_tiles(d, causal):  # the variant's other kernel (picked for longer keys)
-                    flash_attn_bwd(do, q, k, v, out, lse, causal=causal, q_tiles=2)
+                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, q_tiles=2)
     split_dims = split_tail_cases()
     torch.cuda.synchronize()
     print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
@@ -53,20 +53,23 @@ def split_tail_cases():
     """The split last wave of every head dim that takes it, on SPLIT_SM_COUNT SMs (the
     library's count replaced, as tests/gpu/test_bwd.py does). Returns those head dims."""
     import fa4_aot.api as api
+    import fa4_aot.policy as policy
 
     library = api.default_library()
     library.sm_count = lambda device: SPLIT_SM_COUNT
-    library.launch_again = lambda key: False  # launch plans are kept by arrays, not SM counts
-    dims = sorted({v.head_dim for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a"
-                   and bwd_tail_split(v.head_dim, False, False)})
+    library.launch_again = lambda key, waits=(): False  # launch plans are kept by arrays, not SM counts
+    rows = {v.head_dim: library.manifest.row(v) for v in MATRIX
+            if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic}
+    dims = sorted(d for d, row in rows.items() if row["config"]["tail_split"])
     for d in dims:
+        config, most = rows[d]["config"], rows[d]["workspace"]["constants"]["tail_max_tiles"]
         for b, sq, sk, hq, hkv in SPLIT_SHAPES:
             sizes = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads_q": hq, "heads_kv": hkv, "head_dim": d}
-            assert api.backward_tail_split(sizes, False, False, SPLIT_SM_COUNT)[0] > 0, "the case does not split"
+            assert policy.backward_tail_split(sizes, config, most, SPLIT_SM_COUNT)[0] > 0, "the case does not split"
             q, do = (torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
             out, lse = flash_attn_fwd(q, k, v)
-            flash_attn_bwd(do, q, k, v, out, lse)
+            flash_attn_bwd(q, k, v, out, do, lse)
     return dims
 
 

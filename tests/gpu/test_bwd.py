@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd  # noqa: E402
-from fa4_aot.variants import MATRIX, bwd_tail_split  # noqa: E402
+from fa4_aot.variants import MATRIX  # noqa: E402
 
 from ..reference import attention_bwd_from_out, attention_ref  # noqa: E402
 from .test_fwd import check_out  # noqa: E402
@@ -101,7 +101,7 @@ def _poisoned_workspace(q, causal, deterministic, k=None):
 def test_backward_matches_reference(variant, shape, gen):
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
@@ -115,14 +115,15 @@ def test_backward_with_more_key_tiles_than_multiprocessors(variant, gen):
     across items), GQA, seqlen_q < seqlen_k, ragged tiles."""
     q, k, v, dout, out, lse = _case((3, 700, 1100, 48, 16), 64, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, out, variant.causal)
 
 
-SPLIT = [v for v in BWD if bwd_tail_split(v.head_dim, v.causal, v.deterministic)]
+# the variants that may split their last wave; each test reads whether its row does
+SPLIT = [v for v in BWD if not v.causal and not v.deterministic]
 SPLIT_CASES = [  # (sm_count or None for the device's, (batch, seqlen_q, seqlen_k, heads_q, heads_kv))
     (4, (1, 700, 1100, 1, 1)),  # 9 key tiles on 4 SMs: the last one in 4 pieces, ragged tiles
     (4, (2, 1000, 300, 3, 3)),  # 18 items: the last 2 in 2 pieces each
@@ -137,24 +138,29 @@ SPLIT_CASES = [  # (sm_count or None for the device's, (batch, seqlen_q, seqlen_
 @pytest.mark.parametrize("sm_count,shape", SPLIT_CASES, ids=lambda c: str(c))
 @pytest.mark.parametrize("first_write", [False, True])
 def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, gen, monkeypatch):
-    """The last partial wave's key tiles split by query range (variants.tail_split), their
+    """The last partial wave's key tiles split by query range (policy.tail_split), their
     dK, dV summed in fp32 across pieces: a multiprocessor count made small so that small
     problems split, and the device's own; both first_write settings; poisoned workspace."""
     import fa4_aot.api
-    from fa4_aot.api import backward_tail_split
+    import fa4_aot.policy
+    from fa4_aot.policy import backward_tail_split
 
     library = fa4_aot.api.default_library()
+    row = library.manifest.row(variant)
+    if not row["config"]["tail_split"]:
+        pytest.skip(f"{variant.name} does not split its last wave")
     if sm_count is not None:
         monkeypatch.setattr(library, "sm_count", lambda device: sm_count)
-    monkeypatch.setattr(library, "launch_again", lambda key: False)  # plans are kept by arrays, not counts
-    monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
+    monkeypatch.setattr(library, "launch_again", lambda key, waits=(): False)  # plans are kept by arrays, not counts
+    monkeypatch.setattr(fa4_aot.policy, "first_write_dq", lambda *_: first_write)
     b, sq, sk, hq, hkv = shape
     sizes = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads_q": hq, "heads_kv": hkv, "head_dim": variant.head_dim}
-    tiles, pieces = backward_tail_split(sizes, False, False, library.sm_count(0))
+    tiles, pieces = backward_tail_split(sizes, row["config"], row["workspace"]["constants"]["tail_max_tiles"],
+                                        library.sm_count(0))
     assert tiles > 0 and pieces > 1, "the case does not split"
     q, k, v, dout, out, lse = _case(shape, variant.head_dim, DTYPES[variant.dtype], False, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False, k))
+    flash_attn_bwd(q, k, v, out, dout, lse, dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, False, False, k))
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, out, False)
 
@@ -167,12 +173,12 @@ def test_backward_with_and_without_first_write(variant, first_write, gen, monkey
     stored; a poisoned workspace, causal rows that see no key, ragged tiles, and (300
     keys) three key tiles at most, so deterministic copies above the key count stay
     unwritten."""
-    import fa4_aot.api
+    import fa4_aot.policy
 
-    monkeypatch.setattr(fa4_aot.api, "first_write_dq", lambda *_: first_write)
+    monkeypatch.setattr(fa4_aot.policy, "first_write_dq", lambda *_: first_write)
     q, k, v, dout, out, lse = _case((2, 700, 300, 4, 2), variant.head_dim, DTYPES[variant.dtype], variant.causal, gen)
     dq, dk, dv = _poisoned_grads(q, k, v)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=variant.deterministic,
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=variant.deterministic,
                    q_tiles=variant.q_tiles,
                    dq=dq, dk=dk, dv=dv, workspace=_poisoned_workspace(q, variant.causal, variant.deterministic))
     torch.cuda.synchronize()
@@ -183,13 +189,13 @@ def test_backward_with_and_without_first_write(variant, first_write, gen, monkey
 def test_deterministic_backward_is_bitwise_repeatable(variant, monkeypatch):
     """20 runs bitwise identical, whatever the number of query tiles per ordered turn
     (1 and 2 in turn, as the API picks by problem; 21 query tiles leave a partial run)."""
-    import fa4_aot.api
+    import fa4_aot.policy
 
     q, k, v, dout, out, lse = _case((2, 1300, 1300, 4, 2), variant.head_dim, torch.bfloat16, variant.causal)
     runs = []
     for i in range(20):
-        monkeypatch.setattr(fa4_aot.api, "deterministic_turn_tiles", lambda *_, turns=1 + i % 2: turns)
-        runs.append(flash_attn_bwd(dout, q, k, v, out, lse, causal=variant.causal, deterministic=True,
+        monkeypatch.setattr(fa4_aot.policy, "deterministic_turn_tiles", lambda *_, turns=1 + i % 2: turns)
+        runs.append(flash_attn_bwd(q, k, v, out, dout, lse, causal=variant.causal, deterministic=True,
                                    q_tiles=variant.q_tiles))
     for again in runs[1:]:
         for a, b in zip(runs[0], again):
@@ -205,7 +211,7 @@ def test_strided_inputs_and_gradients():
     out, lse = flash_attn_fwd(q, k, v, causal=True)
     grads = torch.full((b, s, 3, h, d), float("nan"), device="cuda", dtype=torch.bfloat16)
     dq, dk, dv = grads.unbind(dim=2)
-    flash_attn_bwd(dout, q, k, v, out, lse, causal=True, dq=dq, dk=dk, dv=dv)
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=True, dq=dq, dk=dk, dv=dv)
     torch.cuda.synchronize()
     check_grads((dq, dk, dv), q, k, v, dout, out, True)
 
@@ -252,8 +258,10 @@ def test_forward_and_backward_in_one_cuda_graph():
 
     fa4_aot.default_library().preload(["fwd.sm90a.fp16.d96.causal", "bwd.sm90a.fp16.d96.causal.det"],
                                       device=q.device.index)
-    step = lambda: flash_attn_bwd(dout, q, k, v, *flash_attn_fwd(q, k, v, causal=True),  # noqa: E731
-                                  causal=True, deterministic=True)
+    def step():
+        out, lse = flash_attn_fwd(q, k, v, causal=True)
+        return flash_attn_bwd(q, k, v, out, dout, lse, causal=True, deterministic=True)
+
     eager = step()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -1,0 +1,111 @@
+"""Run-time policy: every choice the run time makes from a problem's sizes, in one place.
+
+The manifest says what each kernel is (its row's ``config`` and ``workspace`` rule); this
+module says which kernel a problem takes and the run-time values it is launched with.
+Each threshold carries the measurement behind it (docs/perf-notes.md, by session). All of
+these are speed choices: none changes what a kernel computes beyond the order of its fp32
+sums (and not even that where the kernel is deterministic).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+# Keys up to which the forward takes two query tiles per CTA (``q_tiles`` 2, where built):
+# measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k (session 5).
+TWO_TILES_MAX_SEQLEN_K = 4096
+
+# Keys above which the backward takes two query tiles per step where a variant has both
+# kernels (``q_tiles`` 2: head_dim 64 causal, not deterministic): the one-tile kernel's
+# CTAs are persistent up to these keys (the build's PERSISTENT_MAX_KEYS), where the
+# two-tile one measured 5% slower (1k), and it 2% faster at 4k and 16k (session 19).
+BWD_ONE_TILE_MAX_SEQLEN_K = 2048
+
+
+def forward_two_tiles(seqlen_k: int) -> bool:
+    """Whether the forward takes its two-query-tile kernel, where built."""
+    return seqlen_k <= TWO_TILES_MAX_SEQLEN_K
+
+
+def backward_two_tiles(seqlen_k: int) -> bool:
+    """Whether the backward takes its two-query-tile kernel, where built."""
+    return seqlen_k > BWD_ONE_TILE_MAX_SEQLEN_K
+
+
+def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
+    """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
+    faster than 1 (up to head_dim 192, not causal, and 16k keys and more), else 1 (causal
+    head_dim 256 below 16k keys: 2 measured 8-9% slower). Speed only: the bits of the
+    results are the same either way (sessions 6, 7 and 12)."""
+    return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
+
+
+def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
+    """Whether the backward skips clearing its fp32 dQ accumulator, each query tile's first
+    share being stored instead of added. It halves the preprocess's bytes. Deterministic,
+    the first turn at a tile stores, and the turns order the rest anyway: +4% at 4k keys,
+    +7-10% at 1k, 0 to +1.5% at 16k. Not deterministic, the first CTA to take a tile's
+    ticket stores and the others wait for that store: +2-5% at 1k keys, +1-1.5% at 4k, but
+    at 16k keys 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the
+    one above it through the query tiles and waits for its stores (session 14). Speed
+    only: the results are the same sums (bitwise so, deterministic)."""
+    return deterministic or seqlen_k <= 4096
+
+
+# The backward's split last wave (variants whose config has ``tail_split``: not causal, not
+# deterministic, head_dim 64, 96, 128): when the key tiles (one CTA each, all the same
+# length) leave a last partial wave of at most ``tail_max_tiles`` CTAs (the workspace
+# rule's constant), those tiles are each split by query range into pieces that spread
+# over all the SMs; their dK, dV partial sums meet in an fp32 workspace region. 4096 key
+# tiles on 132 SMs are 31.03 waves: the 32nd, 4 CTAs long, cost 2.6-2.8% of every such
+# backward (session 18).
+# A piece's own cost (K, V loads, the partial sums, its start and end), in steps: what
+# splitting finer pays per piece (the per-CTA timelines of session 18: 3-5 us, ~2 steps).
+PIECE_COST_STEPS = 2
+
+
+@functools.lru_cache(maxsize=1024)
+def tail_split(items: int, sm_count: int, units: int, max_tiles: int) -> tuple[int, int]:
+    """(tiles, pieces): the last ``tiles`` of ``items`` equal CTAs of ``units`` steps each
+    are split into ``pieces`` each, or (0, 1). The pieces run in rounds of ``sm_count``;
+    taken where rounds x (steps a piece + PIECE_COST_STEPS) is least and under ``units``
+    (the last wave unsplit), after at least one full wave and for at most ``max_tiles``
+    tiles (what the workspace holds partial sums for)."""
+    waves, tail = divmod(items, sm_count)
+    if waves == 0 or tail == 0 or tail > max_tiles:
+        return 0, 1
+    best, cost = 1, units
+    for pieces in range(2, units + 1):
+        rounds = -(-tail * pieces // sm_count)
+        split_cost = rounds * (-(-units // pieces) + PIECE_COST_STEPS)
+        if split_cost < cost:
+            best, cost = pieces, split_cost
+    return (tail, best) if best > 1 else (0, 1)
+
+
+def splittable_items(sizes: dict, key_tile: int) -> int:
+    """The backward's (key tile, KV head, batch) items a split last wave takes its tiles
+    from, for a problem's ``sizes`` (batch, seqlen_k, heads_q, heads_kv): none with GQA (a
+    piece walks one query head's tiles)."""
+    if sizes["heads_q"] != sizes["heads_kv"]:
+        return 0
+    return -(-sizes["seqlen_k"] // key_tile) * sizes["heads_kv"] * sizes["batch"]
+
+
+def partial_tiles(sizes: dict, config: dict, tail_max_tiles: int) -> int:
+    """Bound on the key tiles the problem's split last wave can take (what the workspace's
+    partial sums are sized for): its key tiles, at most ``tail_max_tiles``."""
+    return min(tail_max_tiles, splittable_items(sizes, config["tile_n"]))
+
+
+def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count: int) -> tuple[int, int]:
+    """(tiles, pieces) of the backward's split last wave for a problem's ``sizes`` (batch,
+    seqlen_q, seqlen_k, heads_q, heads_kv) with the kernel of manifest ``config``
+    (tail_split, tile_n, step_rows) on ``sm_count`` SMs: ``tail_split`` where the kernel
+    splits and a CTA walks one query head's tiles (not GQA), else (0, 1)."""
+    items = splittable_items(sizes, config["tile_n"])
+    if not config["tail_split"] or items == 0:
+        return 0, 1
+    return tail_split(items, sm_count, -(-sizes["seqlen_q"] // config["step_rows"]), tail_max_tiles)
