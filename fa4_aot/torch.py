@@ -157,3 +157,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     else:
         out, lse = _FlashAttention.apply(q, k, v, bool(causal), scale, bool(deterministic))
     return (out, lse) if return_lse else out
+
+
+from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)
