@@ -46,6 +46,23 @@ def fwd_plan() -> list[dict]:
     return with_offsets(slots)
 
 
+def fwd_varlen_plan() -> list[dict]:
+    """Slots of FlashFwdSm90.kernel_varlen: packed Q, K, V as (total, d, h, 1) tensor maps,
+    O by address and (row, head) strides, LSE (h_q, total_q), the sequences' metadata."""
+    slots = []
+    for tensor, sizes in (("q", ["total_q", "heads_q", "one"]), ("k", ["total_k", "heads_kv", "one"]),
+                          ("v", ["total_k", "heads_kv", "one"])):
+        slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
+        slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
+    slots.append(_slot("o", "ptr", tensor="o"))
+    slots += [_slot(f"o_stride_{a}", "i64", fields=[f"stride.o.{a}"]) for a in "sh"]
+    slots.append(_slot("lse", "ptr", tensor="lse"))
+    slots.append(_slot("scale_log2", "f32", value="scale_log2"))
+    slots += [_slot(n, "ptr", tensor=n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
+    slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k")]
+    return with_offsets(slots)
+
+
 def _strides(tensor: str) -> list[dict]:
     return [_slot(f"{tensor}_stride_{a}", "i64", fields=[f"stride.{tensor}.{a}"]) for a in "bsh"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from .errors import DeviceError, DTypeError, LayoutError, ShapeError
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1}  # u8: workspaces
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4}  # u8: workspaces; i32: sequence lengths
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class DeviceArray:
         return {"ptr": self.ptr, "shape": self.shape, "strides": self.strides, "itemsize": self.itemsize}
 
 
-_CAI_TYPES = {"<f2": "fp16", "<f4": "fp32", "<V2": "bf16", "|u1": "u8"}
+_CAI_TYPES = {"<f2": "fp16", "<f4": "fp32", "<V2": "bf16", "|u1": "u8", "<i4": "i32"}
 
 
 # CUstream handles of the default streams, as the driver and both protocols spell them
@@ -128,7 +128,7 @@ class _DLTensor(ctypes.Structure):
 
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
-_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16", (1, 8): "u8"}  # kDLUInt=1, kDLFloat=2, kDLBfloat=4
+_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16", (1, 8): "u8", (0, 32): "i32"}  # kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4
 
 
 def _from_dlpack(obj, stream: int | None = None) -> DeviceArray:

@@ -187,3 +187,6 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     else:
         out, lse = _FlashAttention.apply(q, k, v, causal, scale, deterministic)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
+
+
+from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)

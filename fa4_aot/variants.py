@@ -12,6 +12,7 @@ Imports nothing beyond the standard library: the runtime uses it to select kerne
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 ARCHS = ("sm90a", "sm100a")
@@ -26,7 +27,7 @@ AXES = {
     "dtype": {"declared": DTYPES, "built": DTYPES},
     "head_dim": {"declared": HEAD_DIMS, "built": HEAD_DIMS},
     "causal": {"declared": (False, True), "built": (False, True)},
-    "varlen": {"declared": (False, True), "built": (False,)},
+    "varlen": {"declared": (False, True), "built": (False, True)},
     "cta_mode": {"declared": (1, 2), "built": (1,)},
     "deterministic": {"declared": (False, True), "built": (False, True)},
     "q_tiles": {"declared": (1, 2), "built": (1, 2)},
@@ -34,12 +35,14 @@ AXES = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
+    "bwd": {"varlen": (False,)},
 }
 
 NOT_BUILT_REASONS = {
     "arch=sm100a": "no Blackwell kernel is written yet; the sm90a kernels use wgmma, "
     "which sm_100a does not have",
-    "varlen=True": "variable-length (cu_seqlens) kernels are not written yet",
+    "kind=bwd,varlen=True": "the variable-length (cu_seqlens) backward is not written yet",
+    "kind=fwd,varlen=True,q_tiles=2": "packed sequences take one query tile per CTA",
     "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
     "on sm90a; not built (docs/perf-notes.md, session 5)",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
@@ -166,12 +169,14 @@ def _build_matrix() -> tuple[Variant, ...]:
         for arch in built_values(kind, "arch"):
             for dtype in built_values(kind, "dtype"):
                 for head_dim in built_values(kind, "head_dim"):
-                    for causal in built_values(kind, "causal"):
-                        for det in built_values(kind, "deterministic"):
-                            for q_tiles in built_values(kind, "q_tiles"):
-                                v = Variant(kind, arch, dtype, head_dim, causal, deterministic=det, q_tiles=q_tiles)
-                                if not any(matches(v, key) for key in NOT_BUILT_REASONS):
-                                    out.append(v)
+                    for causal, varlen in itertools.product(built_values(kind, "causal"),
+                                                            built_values(kind, "varlen")):
+                        for det, q_tiles in itertools.product(built_values(kind, "deterministic"),
+                                                              built_values(kind, "q_tiles")):
+                            v = Variant(kind, arch, dtype, head_dim, causal, varlen=varlen, deterministic=det,
+                                        q_tiles=q_tiles)
+                            if not any(matches(v, key) for key in NOT_BUILT_REASONS):
+                                out.append(v)
     return tuple(sorted(out))
 
 

@@ -138,12 +138,31 @@ def compile_fwd(variant: Variant) -> dict:
     dtype = DTYPES[variant.dtype]
     cfg = FwdConfig.of(variant)
     kernel = FlashFwdSm90(cfg)
+    if cfg.varlen:
+        return _compile_fwd_varlen(variant, cfg, kernel)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
     cubin, ptx, symbols = _compile(kernel, args, variant)
     if len(symbols) != 1:
         raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
     grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], ["size", "heads_q"], ["size", "batch"]]
     launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],
+            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
+
+
+def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) -> dict:
+    """The varlen forward: packed (1, total, h, d) tensors, LSE (h_q, total_q), cu_seqlens
+    and seqused int32 vectors; one CTA per (query tile of max_seqlen_q, head, sequence)."""
+    dtype = DTYPES[variant.dtype]
+    lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
+    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 2), Float32(1.0),
+            *lengths, cutlass.Int32(0), cutlass.Int32(0)]
+    cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
+    if len(symbols) != 1 or "kernel_cutlass_kernel_varlen_" not in symbols[0]:
+        raise RuntimeError(f"{variant.name}: expected the varlen kernel, got {symbols}")
+    grid = [["ceil_div", "max_seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
+    launch = _launch(cubin, ptx, symbols[0], abi.fwd_varlen_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
     return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],
             "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}

@@ -37,6 +37,7 @@ def main():
                 if two_tiles(d, causal):  # the variant's other kernel (picked for longer keys)
                     flash_attn_bwd(q, k, v, out, do, lse, causal=causal, q_tiles=2)
     split_dims = split_tail_cases()
+    varlen_cases()
     torch.cuda.synchronize()
     print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
 
@@ -71,6 +72,22 @@ def split_tail_cases():
             out, lse = flash_attn_fwd(q, k, v)
             flash_attn_bwd(q, k, v, out, do, lse)
     return dims
+
+
+def varlen_cases():
+    """The varlen forward of every bf16 head dim, causal and not: a mix with empty, one-row
+    and ragged sequences, and metadata that lies (cu_seqlens decreasing and past the
+    totals, a max_seqlen_q too small): every access must stay inside the tensors."""
+    from fa4_aot.torch import flash_attn_varlen_fwd
+
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    for v in (v for v in MATRIX if v.kind == "fwd" and v.varlen and v.dtype == "bf16"):
+        d = v.head_dim
+        q = torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16)
+        k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for cu_q, cu_k, max_q in (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199),
+                                  ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64)):
+            flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal)
 
 
 if __name__ == "__main__":

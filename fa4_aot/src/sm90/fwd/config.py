@@ -32,6 +32,7 @@ class FwdConfig:
     tile_n: int  # keys per step
     stages: int  # K / V pipeline stages
     q_tiles: int  # query tiles per CTA (2: tiles m and M-1-m, Q double-buffered)
+    varlen: bool  # packed sequences (cu_seqlens): offsets and lengths per batch entry
     num_consumers: int
     producer_regs: int
     consumer_regs: int
@@ -46,8 +47,9 @@ class FwdConfig:
         tile_m, tile_n, stages = TILES[variant.head_dim]
         consumers = tile_m // 64
         producer_regs, consumer_regs = REGISTERS[consumers]
+        assert not (variant.varlen and variant.q_tiles != 1)
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=tile_m,
-                   tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, num_consumers=consumers,
+                   tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, varlen=variant.varlen, num_consumers=consumers,
                    producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
                    paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0)
 

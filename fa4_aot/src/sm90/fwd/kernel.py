@@ -25,13 +25,16 @@ heads_q a multiple of heads_kv. Build with ``build_kernels.py``; the kernel read
 environment and queries no device.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common import symbols
+from ...common.seqlen import sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
@@ -92,6 +95,43 @@ class FlashFwdSm90:
         scale_log2: Float32,  # softmax_scale * log2(e)
     ):
         q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
+        tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv = self._atoms(q, k, v, o)
+        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m * self.cfg.q_tiles), q.shape[2], q.shape[3])
+        self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+        )
+
+    @cute.jit
+    def varlen_call(
+        self,
+        mQ: cute.Tensor,  # (1, total_q, h_q, d): packed sequences
+        mK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mV: cute.Tensor,  # (1, total_k, h_kv, d)
+        mO: cute.Tensor,  # (1, total_q, h_q, d)
+        mLSE: cute.Tensor,  # (h_q, total_q) float32, contiguous
+        scale_log2: Float32,  # softmax_scale * log2(e)
+        mCuQ: cute.Tensor,  # (b + 1,) int32: each sequence's first query row, then total_q
+        mCuK: cute.Tensor,  # (b + 1,) int32
+        mUsedQ: cute.Tensor,  # (b,) int32: query rows used (read where use_used_q)
+        mUsedK: cute.Tensor,  # (b,) int32
+        use_used_q: Int32,
+        use_used_k: Int32,
+    ):
+        """The varlen forward: as ``__call__``, sequences located by cu_seqlens (and
+        seqused); one CTA per (query tile of the longest sequence, head, sequence), O
+        written row by row (a tile's rows past its sequence belong to the next one)."""
+        q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
+        tma_q, gq, tma_k, gk, tma_v, gv, _, _, sq, skv = self._atoms(q, k, v, None)
+        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m), q.shape[2], mCuQ.shape[0] - 1)
+        seqs = (mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k)
+        self.kernel_varlen(tma_q, gq, tma_k, gk, tma_v, gv, mO.iterator, mO.stride[1], mO.stride[2], mLSE.iterator,
+                           scale_log2, *seqs, sq, skv).launch(
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+        )
+
+    def _atoms(self, q, k, v, o):
+        """TMA atoms and coordinates of Q, K, V (and O, if given), shared layouts, storage:
+        (tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv)."""
         sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, self.cfg.q_tiles)
         sq_one = cute.select(sq, mode=[0, 1])
         skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
@@ -100,20 +140,18 @@ class FlashFwdSm90:
         tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
         tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
         tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
-        self.tma_boxes = {  # name -> (atom type, smem swizzle), read by the build for the manifest
-            name: (str(atom.type), str(layout.inner))
-            for name, atom, layout in (("q", tma_q, sq_one), ("k", tma_k, skv_one), ("v", tma_v, skv_one),
-                                       ("o", tma_o, sq_one))
-        }
+        boxes = [("q", tma_q, sq_one), ("k", tma_k, skv_one), ("v", tma_v, skv_one)]
+        tma_o, go = None, None
+        if const_expr(o is not None):
+            tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
+            boxes.append(("o", tma_o, sq_one))
+        # name -> (atom type, smem swizzle), read by the build for the manifest
+        self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
         self.q_bytes = cute.size_in_bytes(self.dtype, sq_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m * self.cfg.q_tiles), q.shape[2], q.shape[3])
-        self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
-            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
-        )
+        return tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv
 
     @cute.kernel
     def kernel(
@@ -131,22 +169,8 @@ class FlashFwdSm90:
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
     ):
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tidx, _, _ = cute.arch.thread_idx()
-        if warp == 0:
-            for atom in (tma_q, tma_k, tma_v, tma_o):
-                cpasync.prefetch_descriptor(atom)
-
-        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_q = tma_pipeline(storage.mbar_q, self.cfg.q_tiles, self.cfg.num_consumers, self.q_bytes)
-        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, self.kv_bytes)
-                          for bar in (storage.mbar_k, storage.mbar_v)]
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
-
-        sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
-        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
-        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
-
+        warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v, tma_o), sq_layout,
+                                                                      skv_layout)
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         if const_expr(self.cfg.q_tiles == 1):
@@ -183,6 +207,86 @@ class FlashFwdSm90:
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
                 mLSE[None, head, batch],
             )
+
+    @cute.kernel
+    def kernel_varlen(
+        self,
+        tma_q: cute.CopyAtom,
+        gQ: cute.Tensor,  # TMA coordinates (total_q, d, h_q, 1)
+        tma_k: cute.CopyAtom,
+        gK: cute.Tensor,  # TMA coordinates (total_k, d, h_kv, 1)
+        tma_v: cute.CopyAtom,
+        gV: cute.Tensor,  # TMA coordinates (total_k, d, h_kv, 1)
+        o_ptr: cute.Pointer,  # O (total_q, h_q, d), 16-byte aligned rows
+        o_ss: Int64,  # O's row stride (elements)
+        o_sh: Int64,  # O's head stride
+        lse_ptr: cute.Pointer,  # float32 LSE, contiguous (h_q, total_q)
+        scale_log2: Float32,
+        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
+        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
+        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
+        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
+        use_used_q: Int32,
+        use_used_k: Int32,
+        sq_layout: cute.ComposedLayout,
+        skv_layout: cute.ComposedLayout,
+    ):
+        """One (query tile, head, sequence) of packed sequences: as ``kernel``, with the
+        sequence's rows from cu_seqlens (common/seqlen.py); CTAs past their sequence's
+        last tile compute an empty tile and write nothing."""
+        warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v), sq_layout, skv_layout)
+        bidx, head, batch = cute.arch.block_idx()
+        total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
+        batches = cute.arch.grid_dim()[2]
+        seq_q = sequence(batch, cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)),
+                         cute.make_tensor(used_q_ptr, cute.make_layout(batches)), use_used_q, total_q)
+        seq_k = sequence(batch, cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)),
+                         cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
+        # longest causal tiles of the sequence first; a CTA past its last tile idles
+        m_block = cute.ceil_div(seq_q.length, self.cfg.tile_m) - 1 - bidx
+        live = m_block >= 0
+        seqlen_q = Int32(cutlass.select_(live, seq_q.length, 0))
+        seqlen_k = Int32(cutlass.select_(live, seq_k.length, 0))
+        m_blocks = (cutlass.max(m_block, 0),)
+        head_kv = head // (heads_q // gK.shape[2])
+        out = RowsOut(o_ptr, o_ss, o_sh, cute.make_tensor(lse_ptr, cute.make_layout(heads_q * total_q)),
+                      seq_q.offset, total_q, head, heads_q)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if warp < 4:
+            # ---------------- producer warpgroup: TMA loads ----------------
+            cute.arch.setmaxregister_decrease(self.cfg.producer_regs)
+            if warp == 0:
+                q = (tma_q, cute.domain_offset((seq_q.offset, 0), gQ[None, None, head, 0]), sQ)
+                k = (tma_k, cute.domain_offset((seq_k.offset, 0), gK[None, None, head_kv, 0]), sK)
+                v = (tma_v, cute.domain_offset((seq_k.offset, 0), gV[None, None, head_kv, 0]), sV)
+                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k)
+        else:
+            # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
+            cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
+            self.attend(tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k,
+                        scale_log2, None, out, None)
+
+    @cute.jit
+    def _setup(self, atoms, sq_layout, skv_layout):
+        """The CTA's start: descriptors prefetched, shared storage, pipelines, tiles.
+        Returns (warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV)."""
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp == 0:
+            for atom in atoms:
+                cpasync.prefetch_descriptor(atom)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        pipe_q = tma_pipeline(storage.mbar_q, self.cfg.q_tiles, self.cfg.num_consumers, self.q_bytes)
+        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, self.kv_bytes)
+                          for bar in (storage.mbar_k, storage.mbar_v)]
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+
+        sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        return warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV
 
     def _key_tiles(self, m_block, seqlen_q, seqlen_k):
         """Key tiles query tile ``m_block`` attends to (causal: up to its last row's diagonal)."""
@@ -457,13 +561,67 @@ class FlashFwdSm90:
     @cute.jit
     def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q,
                  wait_read: cutlass.Constexpr[bool]):
-        """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows."""
-        tile_o = cute.local_tile(gO, (self.cfg.tile_m, self.cfg.head_dim), (m_block, 0))
-        stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
-                        self.cfg.num_consumers * WARPGROUP, wait_read)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
+        """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows.
+        Varlen (``gO``: the sequence's RowsOut): O's rows written from shared memory."""
+        if const_expr(self.cfg.varlen):
+            self._epilogue_rows(tidx, acc_o, lse, mma_pv, thr_pv, sO, gO, m_block, seqlen_q)
+        else:
+            tile_o = cute.local_tile(gO, (self.cfg.tile_m, self.cfg.head_dim), (m_block, 0))
+            stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
+                            self.cfg.num_consumers * WARPGROUP, wait_read)
+            coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
+            if tidx % 4 == 0:
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    row = m_block * self.cfg.tile_m + coords[r, 0][0]
+                    if row < seqlen_q:
+                        mLSE[row] = lse[r]
+
+    @cute.jit
+    def _epilogue_rows(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, out, m_block, seqlen_q):
+        """Varlen: O staged in shared memory (over Q) as for the TMA store, then written 16
+        bytes per access by every consumer thread, only the sequence's rows (the tile's
+        other rows belong to the next sequence); LSE likewise, at (head, offset + row)."""
+        cfg = self.cfg
+        threads = cfg.num_consumers * WARPGROUP
+        staged = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        staged.store(acc_o.load().to(self.dtype))
+        atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        copy = cute.make_tiled_copy_C(atom, mma_pv)
+        thr = copy.get_slice(tidx)
+        cute.copy(copy, thr.retile(staged), thr.partition_D(sO))
+        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
+        vec = 16 // (self.dtype.width // 8)  # elements per 16-byte access
+        per_row = cfg.head_dim // vec
+        assert cfg.tile_m * per_row % threads == 0
+        first_row = m_block * cfg.tile_m
+        for i in cutlass.range_constexpr(cfg.tile_m * per_row // threads):
+            chunk = i * threads + tidx
+            row, part = chunk // per_row, chunk % per_row
+            if first_row + row < seqlen_q:
+                values = cute.make_rmem_tensor((vec,), self.dtype)
+                cute.autovec_copy(cute.local_tile(sO[row, None], (vec,), (part,)), values)
+                at = (Int64(out.offset + first_row + row) * out.o_ss + Int64(out.head) * out.o_sh
+                      + part * vec) * (self.dtype.width // 8)
+                dst = cute.make_ptr(self.dtype, out.o_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(values, cute.make_tensor(dst, cute.make_layout(vec)))
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
-                row = m_block * self.cfg.tile_m + coords[r, 0][0]
+                row = first_row + coords[r, 0][0]
                 if row < seqlen_q:
-                    mLSE[row] = lse[r]
+                    out.lse[out.head * out.total + out.offset + row] = lse[r]
+
+
+class RowsOut(NamedTuple):
+    """Where a varlen CTA writes: O (its address and row and head strides, in elements),
+    LSE (h_q, total_q) as one flat tensor, the sequence's first row, the packed rows, the
+    head."""
+
+    o_ptr: object
+    o_ss: object
+    o_sh: object
+    lse: object
+    offset: object
+    total: object
+    head: object
+    heads_q: object

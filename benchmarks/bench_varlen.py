@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""Varlen forward benchmark: packed sequences of mixed lengths, head_dim 128 bf16.
+
+Run on an sm_90 GPU:  python benchmarks/bench_varlen.py [--rounds 3] [--out results/]
+
+Peers in the same process, on the same inputs: torch's ``varlen_attn`` (FlashAttention
+through torch; GQA only where the installed torch takes ``enable_gqa``), and our dense
+forward on the batch padded to the longest sequence (its FLOPs counted as the varlen
+problem's: the padding is wasted work, which is the point of varlen). FA4 upstream's
+varlen kernels are not timed here (benchmarks/fa4_upstream compiles its dense ones).
+
+Mixes (issue 28): one 16384-token sequence plus 63 of 256; 16 sequences of uniform random
+length in 1..8191 (seed 0); a serving-like mix of 256 short prompts (16..1024 tokens,
+seed 1) with GQA 32:8. Heads: 16 (2048 / 128) unless the mix says. FLOPs per sequence:
+4 * s_q * s_k * d * heads for the rows x keys pairs computed; causal counts only the
+visible pairs (bottom-right aligned). Time: median of CUDA-event timings
+(triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves the peers
+round by round and reports each cell's median and range.
+"""
+
+import argparse
+import json
+import random
+import statistics
+from pathlib import Path
+
+import torch
+import triton.testing
+
+from fa4_aot.torch import flash_attn_fwd, flash_attn_varlen_fwd
+
+D = 128
+
+
+def mixes():
+    rng = random.Random(0)
+    serving = random.Random(1)
+    return {
+        "1x16384+63x256": ([16384] + [256] * 63, 16, 16),
+        "16xU(1,8191)": ([rng.randint(1, 8191) for _ in range(16)], 16, 16),
+        "256 prompts GQA 32:8": ([serving.randint(16, 1024) for _ in range(256)], 32, 8),
+    }
+
+
+def flops(lengths, heads, causal):
+    total = 0
+    for s in lengths:
+        pairs = s * (s + 1) // 2 if causal else s * s
+        total += 4 * pairs * D * heads
+    return total
+
+
+def tflops(fn, work):
+    ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+    return work / ms / 1e9
+
+
+def cells(lengths, hq, hkv, causal):
+    """{peer: callable} on one set of inputs."""
+    total, longest = sum(lengths), max(lengths)
+    q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = torch.tensor(lengths, device="cuda").cumsum(0)
+    out, lse = torch.empty_like(q), torch.empty(hq, total, device="cuda")
+    peers = {"fa4_aot varlen": lambda: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal,
+                                                             out=out, lse=lse)}
+    b = len(lengths)
+    qp = torch.zeros(b, longest, hq, D, device="cuda", dtype=torch.bfloat16)
+    kp, vp = (torch.zeros(b, longest, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for i, (start, s) in enumerate(zip(cu.tolist(), lengths)):
+        qp[i, :s], kp[i, :s], vp[i, :s] = q[start:start + s], k[start:start + s], v[start:start + s]
+    peers["fa4_aot dense, padded"] = lambda: flash_attn_fwd(qp, kp, vp, causal=causal)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        gqa = {"enable_gqa": True} if hq != hkv else {}
+        window = {"window_size": (-1, 0)} if causal else {}
+        varlen_attn(q, k, v, cu, cu, longest, longest, **gqa, **window)
+        peers["torch varlen_attn"] = lambda: varlen_attn(q, k, v, cu, cu, longest, longest, **gqa, **window)
+    except Exception as e:  # this torch's varlen_attn lacks the mix's GQA or causal options
+        print(f"  torch varlen_attn skipped: {type(e).__name__}: {str(e)[:80]}")
+    return peers
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results = {}
+    for name, (lengths, hq, hkv) in mixes().items():
+        for causal in (False, True):
+            peers = cells(lengths, hq, hkv, causal)
+            work = flops(lengths, hq, causal)
+            rounds = {p: [] for p in peers}
+            for _ in range(args.rounds):
+                for p, fn in peers.items():
+                    rounds[p].append(tflops(fn, work))
+            results[f"{name}{' causal' if causal else ''}"] = rounds
+    peers = sorted({p for r in results.values() for p in r})
+    print(f"varlen forward, head_dim {D}, bf16, TFLOP/s (median of {args.rounds} rounds [range]), "
+          f"{torch.cuda.get_device_name()}")
+    print("| mix | " + " | ".join(peers) + " | ours / torch varlen |")
+    print("|---|" + "---|" * (len(peers) + 1))
+    for cell, rounds in results.items():
+        med = {p: statistics.median(v) for p, v in rounds.items()}
+        line = [f"{med[p]:.0f} [{min(rounds[p]):.0f}-{max(rounds[p]):.0f}]" if p in med else "-" for p in peers]
+        ratio = (f"{med['fa4_aot varlen'] / med['torch varlen_attn']:.2f}" if "torch varlen_attn" in med else "-")
+        print(f"| {cell} | " + " | ".join(line) + f" | {ratio} |")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "varlen-fwd-bf16.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
