@@ -59,7 +59,7 @@ def fwd_varlen_plan() -> list[dict]:
     slots.append(_slot("lse", "ptr", tensor="lse"))
     slots.append(_slot("scale_log2", "f32", value="scale_log2"))
     slots += [_slot(n, "ptr", tensor=n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
-    slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k")]
+    slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k", "batch")]
     return with_offsets(slots)
 
 

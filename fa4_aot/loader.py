@@ -281,7 +281,7 @@ def launch_attributes(launch: dict) -> list:
 
 def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int, int, int]:
     """The launch's grid from its manifest rules and the problem's sizes: ["ceil_div",
-    size, n], ["size", size], ["const", n], ["persistent", [rules], [size, bound]]: the
+    size, n], ["size", size], ["const", n], ["add", rule, rule, ...], ["persistent", [rules], [size, bound]]: the
     product of the rules (the kernel's work items), and while ``size`` is at most ``bound``
     at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
     in steps of the grid; or ["split_tail", [rules], tiles, pieces]: the product, with the
@@ -294,6 +294,8 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
             return sizes[args[0]]
         if op == "const":
             return args[0]
+        if op == "add":
+            return sum(rule(*r) for r in args)
         if op == "persistent":
             if not sm_count:
                 raise AbiMismatchError(f"the persistent grid of {launch['symbol'][:40]}... needs the device's "

@@ -153,7 +153,8 @@ def compile_fwd(variant: Variant) -> dict:
 
 def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) -> dict:
     """The varlen forward: packed (1, total, h, d) tensors, LSE (h_q, total_q), cu_seqlens
-    and seqused int32 vectors; one CTA per (query tile of max_seqlen_q, head, sequence)."""
+    and seqused int32 vectors; one CTA per (query tile, head), every sequence's tiles back to
+    back."""
     dtype = DTYPES[variant.dtype]
     lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 2), Float32(1.0),
@@ -161,7 +162,8 @@ def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) 
     cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
     if len(symbols) != 1 or "kernel_cutlass_kernel_varlen_" not in symbols[0]:
         raise RuntimeError(f"{variant.name}: expected the varlen kernel, got {symbols}")
-    grid = [["ceil_div", "max_seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
+    # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
+    grid = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
     launch = _launch(cubin, ptx, symbols[0], abi.fwd_varlen_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
     return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],

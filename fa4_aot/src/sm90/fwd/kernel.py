@@ -34,7 +34,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common import symbols
-from ...common.seqlen import sequence
+from ...common.seqlen import packed_tile, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
@@ -118,12 +118,13 @@ class FlashFwdSm90:
         use_used_k: Int32,
     ):
         """The varlen forward: as ``__call__``, sequences located by cu_seqlens (and
-        seqused); one CTA per (query tile of the longest sequence, head, sequence), O
+        seqused); one CTA per (query tile, head), the sequences' tiles back to back, O
         written row by row (a tile's rows past its sequence belong to the next one)."""
         q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
         tma_q, gq, tma_k, gk, tma_v, gv, _, _, sq, skv = self._atoms(q, k, v, None)
-        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m), q.shape[2], mCuQ.shape[0] - 1)
-        seqs = (mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k)
+        batches = mCuQ.shape[0] - 1
+        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m) + batches, q.shape[2], 1)
+        seqs = (mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k, batches)
         self.kernel_varlen(tma_q, gq, tma_k, gk, tma_v, gv, mO.iterator, mO.stride[1], mO.stride[2], mLSE.iterator,
                            scale_log2, *seqs, sq, skv).launch(
             grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
@@ -228,23 +229,28 @@ class FlashFwdSm90:
         used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
         use_used_q: Int32,
         use_used_k: Int32,
+        batch_count: Int32,  # sequences: cu_seqlens has batch_count + 1 entries
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
     ):
-        """One (query tile, head, sequence) of packed sequences: as ``kernel``, with the
-        sequence's rows from cu_seqlens (common/seqlen.py); CTAs past their sequence's
-        last tile compute an empty tile and write nothing."""
+        """One (query tile, head) of packed sequences: as ``kernel``, with the
+        sequence's rows from cu_seqlens (common/seqlen.py); CTAs past the last tile
+        compute an empty tile and write nothing."""
         warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v), sq_layout, skv_layout)
-        bidx, head, batch = cute.arch.block_idx()
+        bidx, head, _ = cute.arch.block_idx()
         total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
-        batches = cute.arch.grid_dim()[2]
-        seq_q = sequence(batch, cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)),
-                         cute.make_tensor(used_q_ptr, cute.make_layout(batches)), use_used_q, total_q)
+        batches = batch_count
+        cu_q, used_q = (cute.make_tensor(p, cute.make_layout(batches + extra))
+                        for p, extra in ((cu_q_ptr, 1), (used_q_ptr, 0)))
+        # the sequences' query tiles back to back (no CTA per tile of a longest sequence
+        # each); CTAs past the last tile idle
+        found, tile = packed_tile(bidx, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m)
+        live = found >= 0
+        batch = cutlass.max(found, 0)
+        seq_q = sequence(batch, cu_q, used_q, use_used_q, total_q)
         seq_k = sequence(batch, cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)),
                          cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
-        # longest causal tiles of the sequence first; a CTA past its last tile idles
-        m_block = cute.ceil_div(seq_q.length, self.cfg.tile_m) - 1 - bidx
-        live = m_block >= 0
+        m_block = cute.ceil_div(seq_q.length, self.cfg.tile_m) - 1 - tile  # longest causal tiles first
         seqlen_q = Int32(cutlass.select_(live, seq_q.length, 0))
         seqlen_k = Int32(cutlass.select_(live, seq_k.length, 0))
         m_blocks = (cutlass.max(m_block, 0),)
