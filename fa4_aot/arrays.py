@@ -22,6 +22,9 @@ from .errors import DeviceError, DTypeError, LayoutError, ShapeError
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4}  # u8: workspaces; i32: sequence lengths
 
 
+_EXACT_INT = frozenset({int})
+
+
 @dataclass(frozen=True)
 class DeviceArray:
     ptr: int  # device address of element [0, 0, ...]
@@ -33,6 +36,15 @@ class DeviceArray:
     device: int | None = None
 
     def __post_init__(self):
+        # the common case in one pass of C-level checks (this runs for every array of every
+        # call: the host path, benchmarks/launch_overhead.py); the detailed refusal after
+        shape, strides = self.shape, self.strides
+        if not (type(self.ptr) is int and self.ptr >= 0 and type(shape) is tuple and type(strides) is tuple
+                and _EXACT_INT.issuperset(map(type, shape + strides)) and self.dtype in ITEMSIZE
+                and len(shape) == len(strides)):
+            self._refuse()
+
+    def _refuse(self):
         if isinstance(self.ptr, bool) or not isinstance(self.ptr, int) or self.ptr < 0:
             raise DeviceError(f"ptr must be a device address (a non-negative int); got {self.ptr!r}")
         for what, dims in (("shape", self.shape), ("strides", self.strides)):
