@@ -2,7 +2,8 @@
 
 The manifest says what each kernel is (its row's ``config`` and ``workspace`` rule); this
 module says which kernel a problem takes and the run-time values it is launched with.
-Each threshold carries the measurement behind it (docs/perf-notes.md, by session). All of
+Each threshold carries the measurement behind it (docs/design.md, "Run-time selection
+policy", which names the log's sessions). All of
 these are speed choices: none changes what a kernel computes beyond the order of its fp32
 sums (and not even that where the kernel is deterministic).
 
@@ -14,13 +15,13 @@ from __future__ import annotations
 import functools
 
 # Keys up to which the forward takes two query tiles per CTA (``q_tiles`` 2, where built):
-# measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k (session 5).
+# measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k.
 TWO_TILES_MAX_SEQLEN_K = 4096
 
 # Keys above which the backward takes two query tiles per step where a variant has both
 # kernels (``q_tiles`` 2: head_dim 64 causal, not deterministic): the one-tile kernel's
 # CTAs are persistent up to these keys (the build's PERSISTENT_MAX_KEYS), where the
-# two-tile one measured 5% slower (1k), and it 2% faster at 4k and 16k (session 19).
+# two-tile one measured 5% slower (1k), and it 2% faster at 4k and 16k.
 BWD_ONE_TILE_MAX_SEQLEN_K = 2048
 
 
@@ -38,7 +39,7 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     """Query tiles per ordered dQ turn of the deterministic backward: 2 where measured
     faster than 1 (up to head_dim 192, not causal, and 16k keys and more), else 1 (causal
     head_dim 256 below 16k keys: 2 measured 8-9% slower). Speed only: the bits of the
-    results are the same either way (sessions 6, 7 and 12)."""
+    results are the same either way."""
     return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
 
 
@@ -49,7 +50,7 @@ def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
     +7-10% at 1k, 0 to +1.5% at 16k. Not deterministic, the first CTA to take a tile's
     ticket stores and the others wait for that store: +2-5% at 1k keys, +1-1.5% at 4k, but
     at 16k keys 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the
-    one above it through the query tiles and waits for its stores (session 14). Speed
+    one above it through the query tiles and waits for its stores. Speed
     only: the results are the same sums (bitwise so, deterministic)."""
     return deterministic or seqlen_k <= 4096
 
@@ -60,9 +61,9 @@ def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
 # rule's constant), those tiles are each split by query range into pieces that spread
 # over all the SMs; their dK, dV partial sums meet in an fp32 workspace region. 4096 key
 # tiles on 132 SMs are 31.03 waves: the 32nd, 4 CTAs long, cost 2.6-2.8% of every such
-# backward (session 18).
+# backward.
 # A piece's own cost (K, V loads, the partial sums, its start and end), in steps: what
-# splitting finer pays per piece (the per-CTA timelines of session 18: 3-5 us, ~2 steps).
+# splitting finer pays per piece (the per-CTA timelines: 3-5 us, ~2 steps).
 PIECE_COST_STEPS = 2
 
 

@@ -44,7 +44,7 @@ NOT_BUILT_REASONS = {
     "kind=bwd,varlen=True": "the variable-length (cu_seqlens) backward is not written yet",
     "kind=fwd,varlen=True,q_tiles=2": "packed sequences take one query tile per CTA",
     "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
-    "on sm90a; not built (docs/perf-notes.md, session 5)",
+    "on sm90a; not built (docs/design.md, \"What was tried and rejected\")",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
     # the backward's q_tiles: query tiles per step, where a variant has both kernels
     "kind=bwd,causal=False,q_tiles=2": "not causal, head_dim 64 steps over two query tiles already (q_tiles 1)",
