@@ -93,6 +93,12 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     nothing waits for the GPU. Every bad argument raises a fa4_aot.Fa4AotError before
     anything is launched, and before the driver is asked where no driver is needed.
     """
+    _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library)
+
+
+def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
+    """``forward``; its launches kept under ``aliases`` too (keys an adapter computes from
+    its own arrays, for its repeated calls: fa4_aot.torch)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
     arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse}, stream)
@@ -111,7 +117,7 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     tensors = {name: _tma_tensor(arrays[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
     tensors["lse"] = arrays["lse"].as_launch_tensor()
     library.launch(row, device, stream, {**problem.sizes, "scale_log2": scale * LOG2E}, tensors, key=key,
-                   waits=waits)
+                   waits=waits, aliases=aliases)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
@@ -172,6 +178,13 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     None picks by seqlen_k (backward_row). ``stream``: as for ``forward``. Asynchronous,
     allocation-free; bad arguments raise as in ``forward``.
     """
+    _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
+              stream, library)
+
+
+def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
+              stream, library, aliases=()) -> None:
+    """``backward``; its launches kept under ``aliases`` too (as ``_forward``)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
@@ -207,4 +220,4 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride
-    library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)

@@ -15,7 +15,9 @@ import math
 import torch
 
 from . import checks
-from .api import backward, backward_workspace_bytes, forward
+from .api import _backward as _launch_backward
+from .api import _forward as _launch_forward
+from .api import backward_workspace_bytes, default_library
 from .arrays import DeviceArray
 from .errors import DeviceError, ShapeError
 
@@ -39,6 +41,13 @@ def _stream(t: torch.Tensor) -> int:
     return torch.cuda.current_stream(t.device).cuda_stream
 
 
+def _repeat_key(kind: str, tensors, options) -> tuple:
+    """What determines a launch, read off torch tensors without building DeviceArrays:
+    a call with outputs given whose key was launched before is launched again at once
+    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py)."""
+    return (kind, *((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), *options)
+
+
 def _given(**named) -> dict:
     return {name: t for name, t in named.items() if t is not None}
 
@@ -59,6 +68,12 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
                    q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
     Every option is keyword-only."""
+    repeat = None
+    if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor:
+        stream = _stream(q)
+        repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles, stream))
+        if default_library().launch_again(repeat):
+            return out, lse
     _check_tensors({"q": q, "k": k, "v": v}, _given(out=out, lse=lse))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -66,7 +81,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
-    forward(*arrays, causal=causal, softmax_scale=softmax_scale, q_tiles=q_tiles, stream=_stream(q))
+    _launch_forward(*arrays, softmax_scale, causal, q_tiles, _stream(q), None, (repeat,) if repeat else ())
     return out, lse
 
 
@@ -79,6 +94,12 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
     least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
     allocator unless given."""
+    given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
+    repeat = None
+    if all(type(t) is torch.Tensor for t in given):
+        repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, _stream(q)))
+        if default_library().launch_again(repeat):
+            return dq, dk, dv
     _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                    {"lse": lse, **_given(dq=dq, dk=dk, dv=dv, workspace=workspace)})
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
@@ -90,8 +111,8 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                         seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=_KERNEL_DTYPES.get(q.dtype))
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
-    backward(*arrays, causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, q_tiles=q_tiles,
-             stream=_stream(q))
+    _launch_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, _stream(q), None,
+                     (repeat,) if repeat else ())
     return dq, dk, dv
 
 

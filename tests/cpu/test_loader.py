@@ -222,7 +222,7 @@ class _RecordingLibrary:
     def sm_count(self, device):
         return 132
 
-    def launch(self, row, device, stream, values, tensors, key=None, waits=()):
+    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=()):
         self.last.update(row=row, values=values, tensors=tensors, stream=stream, waits=waits)
         self.launched.append((row["name"], device))
 

@@ -70,7 +70,7 @@ class _FakeLibrary:
     def arch(self, device):
         return "sm90a"
 
-    def launch(self, row, device, stream, values, tensors, key=None, waits=()):
+    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=()):
         self.launches.append((row, values, tensors))
 
 
