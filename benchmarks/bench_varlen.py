@@ -2,6 +2,7 @@
 """Varlen forward benchmark: packed sequences of mixed lengths, head_dim 128 bf16.
 
 Run on an sm_90 GPU:  python benchmarks/bench_varlen.py [--rounds 3] [--out results/]
+    [--kernels DIR ...]   # A/B: each build's varlen forward beside the package's, interleaved
 
 Peers in the same process, on the same inputs: torch's ``varlen_attn`` (FlashAttention
 through torch; GQA only where the installed torch takes ``enable_gqa``), and our dense
@@ -55,8 +56,9 @@ def tflops(fn, work):
     return work / ms / 1e9
 
 
-def cells(lengths, hq, hkv, causal):
-    """{peer: callable} on one set of inputs."""
+def cells(lengths, hq, hkv, causal, libraries=()):
+    """{peer: callable} on one set of inputs; ``libraries``: (name, KernelLibrary) of other
+    builds whose varlen forward runs beside the package's."""
     total, longest = sum(lengths), max(lengths)
     q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(total, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -65,6 +67,13 @@ def cells(lengths, hq, hkv, causal):
     out, lse = torch.empty_like(q), torch.empty(hq, total, device="cuda")
     peers = {"fa4_aot varlen": lambda: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal,
                                                              out=out, lse=lse)}
+    for name, library in libraries:
+        import fa4_aot
+
+        arrays = [fa4_aot.torch_varlen._array(x) for x in (q, k, v, out, lse, cu, cu)]
+        stream = torch.cuda.current_stream().cuda_stream
+        peers[f"fa4_aot varlen {name}"] = (lambda lib=library: fa4_aot.forward_varlen(
+            *arrays, longest, longest, causal=causal, stream=stream, library=lib))
     b = len(lengths)
     qp = torch.zeros(b, longest, hq, D, device="cuda", dtype=torch.bfloat16)
     kp, vp = (torch.zeros(b, longest, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -87,11 +96,16 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--kernels", type=Path, action="append", default=[],
+                        help="another build's folder (manifest.json, cubins/); repeatable")
     args = parser.parse_args()
+    from fa4_aot.loader import KernelLibrary
+
+    libraries = [(str(folder), KernelLibrary(folder)) for folder in args.kernels]
     results = {}
     for name, (lengths, hq, hkv) in mixes().items():
         for causal in (False, True):
-            peers = cells(lengths, hq, hkv, causal)
+            peers = cells(lengths, hq, hkv, causal, libraries)
             work = flops(lengths, hq, causal)
             rounds = {p: [] for p in peers}
             for _ in range(args.rounds):
