@@ -106,7 +106,7 @@ def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
     # The arrays (pointers, shapes, strides, dtypes) and options determine every check and
     # every parameter: a call made before with the same ones is launched again as packed.
     key = ("fwd", *arrays.values(), causal, scale, q_tiles, stream)
-    if library.launch_again(key, waits):
+    if library.launch_again(key, waits, aliases):
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal)
@@ -139,8 +139,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
             "deterministic": checks.flag("deterministic", deterministic)}
     if dtype is not None:
         axes["dtype"] = dtype
-    rows = [r for r in library.manifest.data["kernels"]
-            if all(r["variant"].get(axis) == value for axis, value in axes.items())]
+    rows = library.manifest.matching(**axes)
     if not rows:
         raise UnsupportedVariantError(f"no backward kernel is built for {axes}; built: "
                                       f"{', '.join(sorted(n for n in library.manifest.rows if n.startswith('bwd.')))}")
@@ -192,7 +191,7 @@ def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, cau
                                       "dk": dk, "dv": dv, "workspace": workspace}, stream)
     library = library or default_library()
     key = ("bwd", *arrays.values(), causal, scale, deterministic, q_tiles, stream)
-    if library.launch_again(key, waits):  # as in forward
+    if library.launch_again(key, waits, aliases):  # as in forward
         return
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
     space = arrays["workspace"]

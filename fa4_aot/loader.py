@@ -227,10 +227,11 @@ class KernelLibrary:
                     while len(self._plans) > PLANS_KEPT:
                         self._plans.popitem(last=False)
 
-    def launch_again(self, key, waits=()) -> bool:
+    def launch_again(self, key, waits=(), aliases=()) -> bool:
         """Repeat the launches kept under ``key`` (same kernels, parameters and stream) and
         return True; False when none are kept, or they were made in another context.
-        ``waits``: as for ``launch`` (the key's stream waits for them first)."""
+        ``waits``: as for ``launch`` (the key's stream waits for them first); ``aliases``:
+        keys to keep the launches under too, as ``launch``'s."""
         entry = self._plans.get(key)
         if entry is None:
             return False
@@ -245,6 +246,10 @@ class KernelLibrary:
         with self._lock:
             if key in self._plans:
                 self._plans.move_to_end(key)
+            for name in aliases:
+                self._plans[name] = entry
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
         return True
 
     def _wait(self, context: int, stream: int, waits) -> None:

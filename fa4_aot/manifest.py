@@ -51,6 +51,7 @@ class Manifest:
         # find() and built() by their sorted axes: launches ask the same few questions again
         self._found: dict[tuple, dict] = {}
         self._built: dict[tuple, bool] = {}
+        self._matching: dict[tuple, list] = {}
 
     def _validate(self, path: Path) -> None:
         missing = [k for k in TOP_FIELDS if k not in self.data]
@@ -82,6 +83,16 @@ class Manifest:
         if row is None:
             raise UnsupportedVariantError(self._not_built_message(variant))
         return row
+
+    def matching(self, **axes) -> list:
+        """The rows whose variants have these axis values (any others), kept per question:
+        the backward asks it on every call that sizes its workspace."""
+        key = tuple(sorted(axes.items()))
+        rows = self._matching.get(key)
+        if rows is None:
+            rows = self._matching[key] = [r for r in self.data["kernels"]
+                                          if all(r["variant"].get(axis) == value for axis, value in axes.items())]
+        return rows
 
     def built(self, **axes) -> bool:
         """Whether the variant with these axes is in this build (False for undeclared values)."""

@@ -216,7 +216,7 @@ class _RecordingLibrary:
     def arch(self, device):
         return "sm90a"
 
-    def launch_again(self, key, waits=()):
+    def launch_again(self, key, waits=(), aliases=()):
         return False
 
     def sm_count(self, device):

@@ -64,7 +64,7 @@ class _FakeLibrary:
         self.manifest = manifest
         self.launches = []
 
-    def launch_again(self, key, waits=()):
+    def launch_again(self, key, waits=(), aliases=()):
         return False
 
     def arch(self, device):

@@ -151,7 +151,7 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
         pytest.skip(f"{variant.name} does not split its last wave")
     if sm_count is not None:
         monkeypatch.setattr(library, "sm_count", lambda device: sm_count)
-    monkeypatch.setattr(library, "launch_again", lambda key, waits=(): False)  # plans are kept by arrays, not counts
+    monkeypatch.setattr(library, "launch_again", lambda key, waits=(), aliases=(): False)  # plans are kept by arrays, not counts
     monkeypatch.setattr(fa4_aot.policy, "first_write_dq", lambda *_: first_write)
     b, sq, sk, hq, hkv = shape
     sizes = {"batch": b, "seqlen_q": sq, "seqlen_k": sk, "heads_q": hq, "heads_kv": hkv, "head_dim": variant.head_dim}
