@@ -34,6 +34,11 @@ class UnsupportedVariantError(Fa4AotError, LookupError):
     """The requested combination (head_dim, dtype, causal, arch, ...) was not built."""
 
 
+class FrameworkError(Fa4AotError, RuntimeError):
+    """The installed framework lacks what an adapter needs (a torch without the
+    flash-attention registry or torch.library.get_kernel, for fa4_aot.torch_sdpa)."""
+
+
 class ManifestError(Fa4AotError):
     """manifest.json is missing, malformed, or disagrees with the cubins beside it."""
 
