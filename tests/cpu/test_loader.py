@@ -297,7 +297,8 @@ class _RulesOnly:
     """A library whose manifest holds one row (backward_workspace_bytes reads only rows)."""
 
     def __init__(self, row):
-        self.manifest = type("M", (), {"data": {"kernels": [row]}, "rows": {row["name"]: row}})()
+        self.manifest = type("M", (), {"data": {"kernels": [row]}, "rows": {row["name"]: row},
+                                       "matching": lambda self, **axes: [row]})()
 
 
 def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):

@@ -40,6 +40,9 @@ class RulesLibrary:
         class _Manifest:
             data = {"kernels": rows}
 
+            def matching(self, **axes):  # as fa4_aot.manifest.Manifest.matching
+                return [r for r in rows if all(r["variant"].get(a) == x for a, x in axes.items())]
+
         _Manifest.rows = {r["name"]: r for r in rows}
         self.manifest = _Manifest()
 
