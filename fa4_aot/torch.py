@@ -69,7 +69,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
     Every option is keyword-only."""
     repeat = None
-    if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor:
+    if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
         stream = _stream(q)
         repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles, stream))
         if default_library().launch_again(repeat):
@@ -96,7 +96,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     allocator unless given."""
     given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
     repeat = None
-    if all(type(t) is torch.Tensor for t in given):
+    if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
         repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, _stream(q)))
         if default_library().launch_again(repeat):
             return dq, dk, dv
