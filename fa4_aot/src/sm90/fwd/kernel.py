@@ -407,11 +407,7 @@ class FlashFwdSm90:
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
-            # Key tiles at or past this index need a mask (padding or the causal diagonal).
-            first_masked = seqlen_k // self.cfg.tile_n
-            if const_expr(self.cfg.causal):
-                first_unmasked_diag = (m_block * self.cfg.tile_m + seqlen_k - seqlen_q) // self.cfg.tile_n
-                first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
+            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k)
 
             # Bound methods: the DSL would treat a method call on a local object inside a
             # run-time loop as a write of that object and try to carry it through the loop.
@@ -427,10 +423,7 @@ class FlashFwdSm90:
             # (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles, none
             # at all for rows that see no key): it passes over the tile's highest key tile
             # without computing it (_skip_key_tile), or over all of them.
-            n_own = n_blocks
-            if const_expr(self.cfg.causal):
-                n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
-            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
+            n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k)
             if n_blocks > 0:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
@@ -501,6 +494,26 @@ class FlashFwdSm90:
         softmax.finalize(inv_sum, lse)
         scale_rows(acc_o, inv_sum)
         self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q, wait_read)
+
+    @cute.jit
+    def _first_masked(self, m_block, seqlen_q, seqlen_k):
+        """The first key tile of query tile m_block that needs a mask (padding or the causal
+        diagonal): every one from it on."""
+        first_masked = seqlen_k // self.cfg.tile_n
+        if const_expr(self.cfg.causal):
+            first_unmasked_diag = (m_block * self.cfg.tile_m + seqlen_k - seqlen_q) // self.cfg.tile_n
+            first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
+        return first_masked
+
+    @cute.jit
+    def _own_key_tiles(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
+        """(key tiles warpgroup ``wg``'s rows see, whether it idles: no row in the sequence
+        or none that sees a key)."""
+        n_own = n_blocks
+        if const_expr(self.cfg.causal):
+            n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
+        idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
+        return n_own, idle
 
     def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
         """Causal: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block`` see, up to
