@@ -43,6 +43,14 @@ def main():
     empty = host_us(lambda: torch.empty(1, device="cuda"), args.calls)
     print(f"host time per call, us: forward {fwd:.1f} | backward (3 kernels, workspace from torch) {bwd:.1f} | "
           f"torch.empty for scale {empty:.1f}")
+    # the raw API with its DeviceArrays made once (a framework-free caller's steady state)
+    import fa4_aot
+    from fa4_aot.torch import as_device_array
+
+    raw = [as_device_array(t) for t in (q, k, v, out, lse)]
+    stream = torch.cuda.current_stream().cuda_stream
+    raw_fwd = host_us(lambda: fa4_aot.forward(*raw, stream=stream), args.calls)
+    print(f"raw fa4_aot.forward (DeviceArrays kept), us: {raw_fwd:.1f}")
     # the autograd entry point: torch's custom-op dispatch and the allocations of out/lse
     # (and, with grad, the saved tensors and the backward's dq, dk, dv, workspace)
     q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
