@@ -57,28 +57,6 @@ NOT_BUILT_REASONS = {
 }
 
 
-@dataclass(frozen=True)
-class Tiling:
-    """Per-variant tile shape: query rows per CTA, key rows per step, K/V buffers."""
-
-    tile_m: int
-    tile_n: int
-    stages: int
-
-
-# Consumer warpgroups of 64 rows each: three (192-row tiles, 160 registers each) for
-# head_dim 64, where a warpgroup's softmax needs the GEMMs of two others to hide behind;
-# two elsewhere (three spill from head_dim 96 up). Key tiles sized so that S (64 x tile_n)
-# and O (64 x head_dim) fp32 fragments fit the registers, and K/V stages in 227 KB of smem.
-FWD_SM90_TILING = {
-    64: Tiling(192, 128, 2),
-    96: Tiling(128, 128, 2),
-    128: Tiling(128, 128, 2),
-    192: Tiling(128, 112, 2),
-    256: Tiling(128, 80, 2),
-}
-
-
 @dataclass(frozen=True, order=True)
 class Variant:
     kind: str
@@ -117,14 +95,6 @@ class Variant:
     @property
     def cubin_file(self) -> str:
         return f"{self.name}.cubin"
-
-    @property
-    def tiling(self) -> Tiling:
-        """The forward's tile shape (the backward's knobs: fa4_aot/src/sm90/bwd/config.py,
-        and its manifest rows' ``config``)."""
-        if self.kind == "fwd" and self.arch == "sm90a":
-            return FWD_SM90_TILING[self.head_dim]
-        raise NotImplementedError(f"no tiling table for {self.name}")
 
     @property
     def gpu_arch(self) -> str:

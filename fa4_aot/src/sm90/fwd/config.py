@@ -15,8 +15,10 @@ from dataclasses import dataclass
 WARPGROUP = 128
 
 # (tile_m query rows per CTA, tile_n keys per step, K/V stages) per head dim: three
-# consumer warpgroups (192-row tiles, 160 registers each) at head_dim 64, two elsewhere;
-# key tiles sized so S and O fit the registers and the K/V stages 227 KB of shared memory
+# consumer warpgroups (192-row tiles, 160 registers each) at head_dim 64, where a
+# warpgroup's softmax needs the GEMMs of two others to hide behind; two elsewhere (three
+# spill from head_dim 96 up); key tiles sized so that S (64 x tile_n) and O (64 x
+# head_dim) fp32 fragments fit the registers and the K/V stages 227 KB of shared memory
 # (docs/design.md, "Forward: tiles and warpgroups").
 TILES = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
