@@ -68,7 +68,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
                    q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
     Every option is keyword-only."""
-    repeat = None
+    repeat, stream = None, None
     if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
         stream = _stream(q)
         repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles, stream))
@@ -81,7 +81,8 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
-    _launch_forward(*arrays, softmax_scale, causal, q_tiles, _stream(q), None, (repeat,) if repeat else ())
+    stream = _stream(q) if stream is None else stream  # asked once a call
+    _launch_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, (repeat,) if repeat else ())
     return out, lse
 
 
@@ -95,9 +96,10 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
     allocator unless given."""
     given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
-    repeat = None
+    repeat, stream = None, None
     if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
-        repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, _stream(q)))
+        stream = _stream(q)
+        repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, stream))
         if default_library().launch_again(repeat):
             return dq, dk, dv
     _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
@@ -111,7 +113,8 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                                         seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=_KERNEL_DTYPES.get(q.dtype))
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
-    _launch_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, _stream(q), None,
+    stream = _stream(q) if stream is None else stream  # asked once a call
+    _launch_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
                      (repeat,) if repeat else ())
     return dq, dk, dv
 
