@@ -15,5 +15,6 @@ from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
 from .variants import MATRIX, Variant  # noqa: E402
 from .varlen import forward_varlen  # noqa: E402
+from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
 
-__all__ = ["forward", "forward_varlen", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]
+__all__ = ["forward", "forward_varlen", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

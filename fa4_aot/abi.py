@@ -63,6 +63,32 @@ def fwd_varlen_plan() -> list[dict]:
     return with_offsets(slots)
 
 
+def decode_plan() -> list[dict]:
+    """Slots of DecodeSm90.kernel: K, V cache tensor maps over (pages, page rows, h_kv, d),
+    Q and O by address and (b, s, h) strides, LSE, the split workspace, the cache lengths
+    and page table, the scale and the launch's sizes."""
+    cache = ["cache_rows", "heads_kv", "cache_pages"]
+    slots = []
+    for tensor in ("k", "v"):
+        slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
+        slots.append(_slot(f"{tensor}_coords", "i32", fields=cache))
+    slots += [_slot("q", "ptr", tensor="q"), *_strides("q"), _slot("o", "ptr", tensor="o"), *_strides("o")]
+    slots += [_slot(n, "ptr", tensor=n) for n in ("lse", "o_partial", "lse_partial", "cache_seqlens", "page_table")]
+    slots.append(_slot("scale_log2", "f32", value="scale_log2"))
+    slots += [_slot(n, "i32", fields=[n])
+              for n in ("batch", "seqlen_q", "heads_q", "splits", "max_pages", "piece_rows", "paged", "turn_stride")]
+    return with_offsets(slots)
+
+
+def combine_plan() -> list[dict]:
+    """Slots of CombineSm90.kernel: the split workspace in, O (by address and strides) and
+    LSE out, the sizes."""
+    slots = [_slot("o_partial", "ptr", tensor="o_partial"), _slot("lse_partial", "ptr", tensor="lse_partial"),
+             _slot("o", "ptr", tensor="o"), *_strides("o"), _slot("lse", "ptr", tensor="lse")]
+    slots += [_slot(n, "i32", fields=[n]) for n in ("batch", "seqlen_q", "heads_q", "splits")]
+    return with_offsets(slots)
+
+
 def _strides(tensor: str) -> list[dict]:
     return [_slot(f"{tensor}_stride_{a}", "i64", fields=[f"stride.{tensor}.{a}"]) for a in "bsh"]
 

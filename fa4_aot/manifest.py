@@ -15,7 +15,7 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 10  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 11  # 11: the decode and combine kinds; 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
@@ -25,7 +25,7 @@ SCHEMA = 10  # 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
-KIND_FIELDS = {"bwd": ("config", "workspace")}  # row fields a kind needs besides ROW_FIELDS
+KIND_FIELDS = {"bwd": ("config", "workspace"), "decode": ("config", "workspace")}  # row fields a kind needs besides ROW_FIELDS
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent

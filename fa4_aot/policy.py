@@ -110,3 +110,29 @@ def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count
     if not config["tail_split"] or items == 0:
         return 0, 1
     return tail_split(items, sm_count, -(-sizes["seqlen_q"] // config["step_rows"]), tail_max_tiles)
+
+
+# Decode (fa4_aot.kvcache): the most key-range splits a launch takes (the workspace rule's
+# max_splits), and what a split costs beyond its key tiles: its start, its partial O
+# write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
+DECODE_MAX_SPLITS = 128
+SPLIT_COST_TILES = 1
+# Key tiles between the starting points of consecutive (sequence, split) CTAs in their key
+# ranges (the KV heads of one start together: they read the same cache rows).
+DECODE_TURN_STRIDE = 11
+
+
+@functools.lru_cache(maxsize=1024)
+def decode_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
+    """Splits of each (row tile, KV head, sequence)'s ``key_tiles`` key tiles over CTAs,
+    one CTA per SM at a time: the fewest that minimize waves x (tiles per split +
+    SPLIT_COST_TILES), e.g. 8 sequences x 8 KV heads x 256 tiles on 132 SMs: 2 splits (one
+    wave of 128 CTAs of 128 tiles); 1 x 8 x 1024: 16; 64 x 8 x 32: 1 (512 CTAs already
+    fill the SMs). From the shapes only, so the same launch serves a CUDA graph's replays."""
+    best, cost = 1, -(-ctas // sm_count) * key_tiles
+    for splits in range(2, min(DECODE_MAX_SPLITS, max(key_tiles, 1)) + 1):
+        waves = -(-ctas * splits // sm_count)
+        split_cost = waves * (-(-key_tiles // splits) + SPLIT_COST_TILES)
+        if split_cost < cost:
+            best, cost = splits, split_cost
+    return best

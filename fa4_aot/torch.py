@@ -21,7 +21,8 @@ from .api import backward_workspace_bytes, default_library
 from .arrays import DeviceArray
 from .errors import DeviceError, ShapeError
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+           torch.int32: "i32"}
 _KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
 
 
@@ -32,7 +33,7 @@ def as_device_array(t: torch.Tensor) -> DeviceArray:
     if device.type != "cuda":
         raise DeviceError(f"tensor is on {device}; move it to a CUDA device")
     if t.dtype not in _DTYPES:
-        raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16 or fp32")
+        raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16, fp32, uint8 or int32")
     # the device torch knows: fa4_aot then asks the driver nothing about the pointer
     return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype], device.index)
 
@@ -214,3 +215,4 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
 
 
 from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)
+from .torch_kvcache import flash_attn_with_kvcache  # noqa: E402,F401  (decode against a KV cache)

@@ -22,7 +22,10 @@ HEAD_DIMS = (64, 96, 128, 192, 256)
 # What each axis can take, and what this release builds of it. Kept in sync with MATRIX by
 # a CPU test.
 AXES = {
-    "kind": {"declared": ("fwd", "bwd"), "built": ("fwd", "bwd")},
+    # decode: a few query tokens against a KV cache, GQA-packed, split-KV, paged or not
+    # (one kernel: packing and paging are how it reads, the splits a launch value);
+    # combine: the split-KV merge of the decode's partial outputs
+    "kind": {"declared": ("fwd", "bwd", "decode", "combine"), "built": ("fwd", "bwd", "decode", "combine")},
     "arch": {"declared": ARCHS, "built": ("sm90a",)},
     "dtype": {"declared": DTYPES, "built": DTYPES},
     "head_dim": {"declared": HEAD_DIMS, "built": HEAD_DIMS},
@@ -36,6 +39,8 @@ AXES = {
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
     "bwd": {"varlen": (False,)},
+    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
+    "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
 }
 
 NOT_BUILT_REASONS = {
@@ -46,6 +51,13 @@ NOT_BUILT_REASONS = {
     "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
     "on sm90a; not built (docs/design.md, \"What was tried and rejected\")",
     "kind=fwd,deterministic=True": "the forward is deterministic already; the axis is the backward's",
+    "kind=decode,varlen=True": "decode takes each sequence's cache length (cache_seqlens) and pages instead",
+    "kind=decode,deterministic=True": "decode is deterministic for a given num_splits already",
+    "kind=decode,q_tiles=2": "decode packs query tokens and heads into one 64-row tile per KV head",
+    "kind=combine,causal=True": "the combine merges rows whatever the mask was",
+    "kind=combine,varlen=True": "the combine merges rows whatever the layout was",
+    "kind=combine,deterministic=True": "the combine sums the splits in order: deterministic already",
+    "kind=combine,q_tiles=2": "the combine has no query tiles",
     # the backward's q_tiles: query tiles per step, where a variant has both kernels
     "kind=bwd,causal=False,q_tiles=2": "not causal, head_dim 64 steps over two query tiles already (q_tiles 1)",
     "kind=bwd,deterministic=True,q_tiles=2": "deterministic, head_dim 64 steps over two query tiles already "

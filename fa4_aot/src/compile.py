@@ -22,6 +22,9 @@ from ..cubin_info import kernel_info
 from ..variants import Variant
 from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
 from .sm90.bwd.kernel import FlashBwdSm90
+from .sm90.decode import config as decode_config
+from .sm90.decode.combine import CombineSm90
+from .sm90.decode.kernel import DecodeSm90
 from .sm90.fwd.config import FwdConfig
 from .sm90.fwd.kernel import FlashFwdSm90
 from .sm90.primitives import DTYPES
@@ -217,9 +220,48 @@ def _bwd_main_grid(cfg: BwdConfig) -> list:
     return items
 
 
+def compile_decode(variant: Variant) -> dict:
+    """The decode kernel: K/V cache tensor maps, Q/O by address, the split workspace; one
+    CTA per (row tile x split, KV head, batch), the grid's x the launch's ``decode_ctas``."""
+    dtype = DTYPES[variant.dtype]
+    cfg = decode_config.DecodeConfig.of(variant)
+    kernel = DecodeSm90(cfg)
+    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), _fake_rows(Float32, 5),
+            _fake_rows(Float32, 4), _fake_rows(cutlass.Int32, 1), _fake_rows(cutlass.Int32, 2), Float32(1.0),
+            *(cutlass.Int32(1) for _ in range(8))]
+    cubin, ptx, symbols = _compile(kernel, args, variant)
+    if len(symbols) != 1:
+        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
+    grid = [["size", "decode_ctas"], ["size", "heads_kv"], ["size", "batch"]]
+    launch = _launch(cubin, ptx, symbols[0], abi.decode_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    return {"cubin": cubin, "ptx": ptx, "tiling": {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages},
+            "launches": [launch], "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(),
+            "workspace": decode_config.workspace_rule(cfg)}
+
+
+def compile_combine(variant: Variant) -> dict:
+    """The split-KV combine: one warp per (batch, query token, query head) row."""
+    dtype = DTYPES[variant.dtype]
+    cfg = decode_config.CombineConfig.of(variant)
+    kernel = CombineSm90(cfg)
+    args = [_fake_rows(Float32, 5), _fake_rows(Float32, 4), _fake_bshd(dtype, variant.head_dim), _fake_rows(Float32, 3),
+            *(cutlass.Int32(1) for _ in range(4))]
+    cubin, ptx, symbols = _compile(kernel, args, variant)
+    if len(symbols) != 1:
+        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
+    grid = [["ceil_div", "combine_rows", cfg.rows], ["const", 1], ["const", 1]]
+    launch = _launch(cubin, ptx, symbols[0], abi.combine_plan(), [cfg.threads, 1, 1], grid, 0)
+    return {"cubin": cubin, "ptx": ptx, "tiling": {}, "launches": [launch], "tensormaps": {},
+            "config": cfg.to_dict()}
+
+
 def compile_variant(variant: Variant) -> dict:
     if variant.kind == "fwd" and variant.arch == "sm90a":
         return compile_fwd(variant)
+    if variant.kind == "decode" and variant.arch == "sm90a":
+        return compile_decode(variant)
+    if variant.kind == "combine" and variant.arch == "sm90a":
+        return compile_combine(variant)
     if variant.kind == "bwd" and variant.arch == "sm90a":
         return compile_bwd(variant)
     raise NotImplementedError(f"no kernel source for {variant.name}")

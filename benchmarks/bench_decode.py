@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""Decode benchmark: a few query tokens per sequence against a KV cache, bf16.
+
+Run on an sm_90 GPU:  python benchmarks/bench_decode.py [--rounds 3] [--out results/] [--quick]
+
+Figure: bytes of K and V read (batch x keys x heads_kv x head_dim x 2 tensors x 2 bytes)
+per second, and its ratio to the same run's device-to-device copy (torch's copy_ of 2 GiB:
+bytes read plus bytes written per second). Peer in the same process, on the same cache
+memory: cuDNN through torch SDPA (``enable_gqa=True``, the cache as a (b, h, s, d) view).
+Every cache is full (cache_seqlens = keys) and not causal (SDPA's causal aligns top-left,
+the decode's bottom-right; at one query token they agree). Time: median of CUDA-event
+timings (triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves ours
+and cuDNN round by round and reports each cell's median and range. Writes
+decode-<date>.json and a plot of bandwidth against keys (decode-keys-<date>.png).
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fa4_aot
+
+# (name, batch, seqlen_q, heads_q, heads_kv, head_dim, keys, page_size or None)
+ISSUE = [("8x1x32768", 8, 1, 32, 8, 128, 32768, None), ("1x1x131072", 1, 1, 32, 8, 128, 131072, None),
+         ("64x1x4096", 64, 1, 32, 8, 128, 4096, None), ("8x4x32768", 8, 4, 32, 8, 128, 32768, None)]
+MORE = [("MHA 8x1x32768", 8, 1, 32, 32, 128, 32768, None), ("d64 8x1x32768", 8, 1, 32, 8, 64, 32768, None),
+        ("d256 8x1x32768", 8, 1, 32, 8, 256, 32768, None), ("8x16x32768", 8, 16, 32, 8, 128, 32768, None),
+        ("1x1x4096", 1, 1, 32, 8, 128, 4096, None), ("16x1x4096", 16, 1, 32, 8, 128, 4096, None),
+        ("128x1x4096", 128, 1, 32, 8, 128, 4096, None)]
+KEYS = [("keys", 8, 1, 32, 8, 128, n, None) for n in (1024, 4096, 16384, 65536, 131072)]
+PAGED = [(f"{n} paged {p}", b, sq, hq, hkv, d, s, p) for n, b, sq, hq, hkv, d, s, _ in ISSUE for p in (256, 64, 16)]
+
+
+def kv_bytes(batch, heads_kv, head_dim, keys):
+    return batch * keys * heads_kv * head_dim * 2 * 2
+
+
+def copy_bandwidth(bench):
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, sq, device="cuda")
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    table = None
+    k_cache, v_cache = k, v
+    if page:
+        pages = keys // page
+        perm = torch.randperm(batch * pages, device="cuda")
+        table = perm.view(batch, pages).to(torch.int32).contiguous()
+        k_cache = torch.empty(batch * pages, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.empty_like(k_cache)
+        k_cache[perm] = k.view(batch * pages, page, hkv, d)
+        v_cache[perm] = v.view(batch * pages, page, hkv, d)
+    need = max(fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, keys, num_splits=n)
+               for n in (None, *split_counts))
+    space = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def ours(splits=None):
+        fa4_aot.forward_kvcache(q, k_cache, v_cache, out, lse, lengths, space if need else None, page_table=table,
+                                num_splits=splits, stream=stream)
+
+    ours.split_counts = split_counts
+
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    return ours, (cudnn if not page else None), (q, k, v, out, qt, kt, vt)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--quick", action="store_true", help="the issue's four shapes and their paged forms only")
+    ap.add_argument("--kernels", type=Path, default=None, help="a built folder instead of the package's cubins")
+    ap.add_argument("--turn-strides", default="", help="comma-separated policy.DECODE_TURN_STRIDE values to time "
+                    "beside the policy's (an A/B of the CTAs' starting points)")
+    ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the heuristic's")
+    ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
+    args = ap.parse_args()
+    if args.kernels:
+        import fa4_aot.api as api
+
+        api._default_library = fa4_aot.KernelLibrary(args.kernels)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
+    shapes = ISSUE + PAGED if args.quick else ISSUE + MORE + KEYS + PAGED
+    if args.only:
+        keep = set(args.only.split(","))
+        shapes = [s for s in shapes if s[0] in keep]
+    split_counts = [int(x) for x in args.splits.split(",") if x]
+    import fa4_aot.policy as policy
+
+    default_turn = policy.DECODE_TURN_STRIDE
+    turns = [int(x) for x in args.turn_strides.split(",") if x]
+    copies, cells = [], {}
+    for r in range(args.rounds):
+        copies.append(copy_bandwidth(bench))
+        for shape in shapes:
+            name, batch, sq, hq, hkv, d, keys, page = shape
+            label = name if name != "keys" else f"8x1x{keys}"
+            ours, cudnn, keep = setup(batch, sq, hq, hkv, d, keys, page, split_counts)
+            nbytes = kv_bytes(batch, hkv, d, keys)
+            cell = cells.setdefault(label, {"shape": shape, "ours": [], "cudnn": []})
+            if r == 0 and cudnn is not None:
+                ours()
+                ref = cudnn().transpose(1, 2)
+                cell["max_diff_vs_cudnn"] = (keep[3].float() - ref.float()).abs().max().item()
+            cell["ours"].append(nbytes / (bench(ours) * 1e-3))
+            for n in ours.split_counts:
+                cell.setdefault(f"splits{n}", []).append(nbytes / (bench(lambda: ours(n)) * 1e-3))
+            for turn in turns:
+                policy.DECODE_TURN_STRIDE = turn
+                cell.setdefault(f"turn{turn}", []).append(nbytes / (bench(ours) * 1e-3))
+                policy.DECODE_TURN_STRIDE = default_turn
+            if cudnn is not None:
+                try:
+                    cell["cudnn"].append(nbytes / (bench(cudnn) * 1e-3))
+                except RuntimeError as e:
+                    cell["cudnn_error"] = str(e)[:200]
+            del keep
+            torch.cuda.empty_cache()
+    copy = statistics.median(copies)
+    print(f"device-to-device copy: {copy / 1e12:.2f} TB/s (range {min(copies) / 1e12:.2f}-{max(copies) / 1e12:.2f})")
+    print(f"{'shape':28s} {'ours TB/s':>16s} {'x copy':>7s} {'cuDNN TB/s':>16s} {'ours/cuDNN':>10s}")
+    for label, cell in cells.items():
+        o = cell["ours"]
+        line = f"{label:28s} {statistics.median(o) / 1e12:6.2f} ({min(o) / 1e12:.2f}-{max(o) / 1e12:.2f})"
+        line += f" {statistics.median(o) / copy:7.2f}"
+        if cell["cudnn"]:
+            c = cell["cudnn"]
+            line += f" {statistics.median(c) / 1e12:6.2f} ({min(c) / 1e12:.2f}-{max(c) / 1e12:.2f})"
+            line += f" {statistics.median(o) / statistics.median(c):10.2f}"
+        line += "".join(f"  {n} splits: {statistics.median(cell[f'splits{n}']) / 1e12:.2f}" for n in split_counts)
+        line += "".join(f"  turn {t}: {statistics.median(cell[f'turn{t}']) / 1e12:.2f}" for t in turns)
+        print(line)
+    date = datetime.date.today().isoformat()
+    gpu = torch.cuda.get_device_name()
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"gpu": gpu, "date": date, "copy_bytes_per_s": copies, "cells": cells}
+    (args.out / f"decode-{date}.json").write_text(json.dumps(result, indent=1))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    keys = [(c["shape"][6], c) for label, c in cells.items() if c["shape"][0] == "keys"]
+    if keys:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        xs = [k for k, _ in keys]
+        ax.plot(xs, [statistics.median(c["ours"]) / 1e12 for _, c in keys], "o-", label="fa4_aot")
+        if all(c["cudnn"] for _, c in keys):
+            ax.plot(xs, [statistics.median(c["cudnn"]) / 1e12 for _, c in keys], "s-", label="cuDNN (SDPA)")
+        ax.axhline(copy / 1e12, color="gray", ls="--", label="device copy")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("keys per sequence")
+        ax.set_ylabel("K+V read, TB/s")
+        ax.set_title(f"Decode, 8 x 1 query token, GQA 32:8, d128 bf16\n{gpu}, {date}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out / f"decode-keys-{date}.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The split-KV combine (sm_90a): each (batch, query token, query head) row's splits,
+merged by their LSEs into out and lse.
+
+Split s wrote its O normalized by its own softmax sum, O_s, and LSE_s (decode/kernel.py).
+The row's LSE is m + log(sum_s exp(LSE_s - m)) with m the largest LSE_s, and its O is
+sum_s w_s O_s with w_s = exp(LSE_s - LSE): the weights of the splits' shares of the whole
+softmax sum. Splits that saw no key have LSE_s = -inf and weight 0; a row none of whose
+splits saw a key gets out 0 and lse -inf, as the one-split kernel writes it. The splits
+are summed in order, so a given num_splits gives the same bits every run.
+
+One warp per row: lanes take the splits 32 at a time for the maximum and the sum, then
+head_dim / 32 columns each for O.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from ..primitives import DTYPES
+from ..softmax import exp2_mufu
+from .config import CombineConfig
+
+LOG2E = math.log2(math.e)
+
+
+class CombineSm90:
+    def __str__(self):
+        return "fa4_aot_combine_sm90"
+
+    def __init__(self, cfg: CombineConfig):
+        assert cfg.head_dim % 32 == 0
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+
+    @cute.jit
+    def __call__(
+        self,
+        mOPart: cute.Tensor,  # (splits, b, s_q, h_q, d) float32, contiguous
+        mLSEPart: cute.Tensor,  # (splits, b, h_q, s_q) float32, contiguous
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
+        batch: Int32,
+        seqlen_q: Int32,
+        heads_q: Int32,
+        splits: Int32,
+    ):
+        rows = batch * seqlen_q * heads_q
+        self.kernel(mOPart.iterator, mLSEPart.iterator, mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
+                    mLSE.iterator, batch, seqlen_q, heads_q, splits).launch(
+            grid=(cute.ceil_div(rows, self.cfg.rows), 1, 1), block=[self.cfg.threads, 1, 1])
+
+    @cute.kernel
+    def kernel(
+        self,
+        o_part_ptr: cute.Pointer,
+        lse_part_ptr: cute.Pointer,
+        o_ptr: cute.Pointer,  # O (b, s_q, h_q, d)
+        o_sb: Int64,
+        o_ss: Int64,
+        o_sh: Int64,
+        lse_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
+        batch: Int32,
+        seqlen_q: Int32,
+        heads_q: Int32,
+        splits: Int32,
+    ):
+        d = self.cfg.head_dim
+        per_lane = d // 32
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        row = bidx * self.cfg.rows + warp
+        rows = batch * seqlen_q * heads_q
+        if row < rows:
+            head = row % heads_q
+            token = (row // heads_q) % seqlen_q
+            b = row // (heads_q * seqlen_q)
+            plane = batch * heads_q * seqlen_q  # one split's LSEs
+            lse_at = (b * heads_q + head) * seqlen_q + token
+            lse_part = cute.make_tensor(lse_part_ptr, cute.make_layout(splits * plane))
+            top = -Float32.inf
+            for s in cutlass.range(lane, splits, 32, unroll=1):
+                top = cute.arch.fmax(top, lse_part[Int64(s) * plane + lse_at])
+            for offset in cutlass.range_constexpr(5):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
+            base = Float32(cutlass.select_(top == -Float32.inf, Float32(0.0), top)) * LOG2E
+            total = Float32(0.0)
+            for s in cutlass.range(lane, splits, 32, unroll=1):
+                total = total + exp2_mufu(lse_part[Int64(s) * plane + lse_at] * LOG2E - base)
+            for offset in cutlass.range_constexpr(5):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
+            # the row's LSE in the exp2 domain; a row of no key keeps -inf (weights 0)
+            lse2 = base + cute.math.log2(total, fastmath=True)
+            acc = cute.make_rmem_tensor((per_lane,), Float32)
+            acc.fill(0.0)
+            row_in_split = (Int64(b) * seqlen_q + token) * heads_q + head  # (b, s_q, h_q) order
+            if top != -Float32.inf:
+                for s in cutlass.range(splits, unroll=1):
+                    weight = exp2_mufu(lse_part[Int64(s) * plane + lse_at] * LOG2E - lse2)
+                    share = cute.make_rmem_tensor((per_lane,), Float32)
+                    first = (Int64(s) * plane + row_in_split) * d + lane * per_lane
+                    cute.autovec_copy(gmem(o_part_ptr, Float32, first, per_lane), share)
+                    for e in cutlass.range_constexpr(per_lane):
+                        acc[e] = acc[e] + weight * share[e]
+            out = cute.make_rmem_tensor((per_lane,), self.dtype)
+            out.store(acc.load().to(self.dtype))
+            at = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh + lane * per_lane
+            cute.autovec_copy(out, gmem(o_ptr, self.dtype, at, per_lane))
+            if lane == 0:
+                lse = cute.make_tensor(lse_ptr, cute.make_layout(plane))
+                lse[lse_at] = Float32(cutlass.select_(top == -Float32.inf, -Float32.inf, lse2 / LOG2E))
+
+
+def gmem(ptr: cute.Pointer, dtype, offset, n: int) -> cute.Tensor:
+    """``n`` contiguous elements of global memory at element ``offset`` (64-bit) from ``ptr``."""
+    at = ptr.toint() + offset * (dtype.width // 8)
+    return cute.make_tensor(cute.make_ptr(dtype, at, cute.AddressSpace.gmem, assumed_align=dtype.width // 8),
+                            cute.make_layout(n))

@@ -1,0 +1,78 @@
+"""Every compile-time knob of one sm_90a decode variant (attention of a few query tokens
+against a KV cache), derived once from its ``Variant``. Pure Python: no DSL import.
+
+Decode reads each K and V byte once per KV head and does little arithmetic on it, so the
+shape is chosen for bytes in flight, not for tensor-core throughput: one consumer
+warpgroup of 64 packed rows (the query heads that share a KV head, times the query
+tokens), key tiles as deep as 227 KB of shared memory allows, and a split of the key
+range over CTAs chosen at run time (docs/design.md, "Decode").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+WARPGROUP = 128
+ROWS = 64  # packed (query token, query head) rows per CTA: one consumer warpgroup
+# (tile_n keys per step, K/V stages) per head dim: 2 x stages x tile_n x head_dim x 2 bytes
+# of K/V plus the 64-row Q tile within 227 KB (one CTA per SM; 192-224 KB in flight).
+TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3), 192: (64, 4), 256: (64, 3)}
+PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K registers
+COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
+MAX_SPLITS = 128  # the most key-range splits a launch takes: fa4_aot.policy.DECODE_MAX_SPLITS
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    dtype: str  # "bf16" or "fp16"
+    head_dim: int
+    causal: bool  # each sequence's queries aligned to the end of its cache
+    tile_m: int  # packed rows per CTA
+    tile_n: int  # keys per step
+    stages: int  # K / V pipeline stages
+    threads: int
+    producer_regs: int
+    consumer_regs: int
+
+    @classmethod
+    def of(cls, variant) -> "DecodeConfig":
+        """The config of a ``fa4_aot.variants.Variant`` of kind decode, arch sm90a."""
+        assert variant.kind == "decode" and variant.arch == "sm90a", variant
+        tile_n, stages = TILES[variant.head_dim]
+        return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
+                   tile_n=tile_n, stages=stages, threads=2 * WARPGROUP, producer_regs=PRODUCER_REGS,
+                   consumer_regs=CONSUMER_REGS)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    dtype: str
+    head_dim: int
+    rows: int  # rows per CTA (one warp each)
+    threads: int
+
+    @classmethod
+    def of(cls, variant) -> "CombineConfig":
+        assert variant.kind == "combine" and variant.arch == "sm90a", variant
+        return cls(dtype=variant.dtype, head_dim=variant.head_dim, rows=COMBINE_ROWS, threads=32 * COMBINE_ROWS)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def workspace_rule(cfg: DecodeConfig) -> dict:
+    """The split-KV workspace (fa4_aot.workspace's rule form): each split's normalized O
+    (fp32, (splits, batch, seqlen_q, heads_q, head_dim)) and LSE ((splits, batch, heads_q,
+    seqlen_q)); ``splits`` is the launch's num_splits."""
+    return {
+        "align": 256,
+        "constants": {"query_tile": cfg.tile_m, "max_splits": MAX_SPLITS},
+        "regions": [
+            {"name": "o_partial", "itemsize": 4, "count": ["splits", "batch", "seqlen_q", "heads_q", "head_dim"]},
+            {"name": "lse_partial", "itemsize": 4, "count": ["splits", "batch", "heads_q", "seqlen_q"]},
+        ],
+    }

@@ -1,0 +1,405 @@
+"""Attention of a few query tokens against a KV cache (decode) for Hopper (sm_90a).
+
+Decode is bound by reading the cache: each K and V byte is used by the few query rows of
+its KV head and nothing else. So (docs/design.md, "Decode"):
+- GQA packing: one CTA's 64 rows are the (query token, query head) pairs of one KV head,
+  query head fastest (row p: token p // group, head head_kv * group + p % group), so each
+  K/V tile is read once per KV head, not once per query head.
+- Split-KV: the grid is (row tiles x splits, KV heads, batch); split s of a sequence's key
+  tiles takes an equal share of them. With one split the CTA writes out and lse; with more,
+  each writes its normalized O (fp32) and LSE to the workspace and the combine kernel
+  (combine.py) merges them by LSE.
+- Paging: K and V tiles are TMA loads from a cache viewed as (pages, page rows, heads, d):
+  a contiguous cache is one page per sequence (page = batch entry), a paged one looks each
+  piece of a key tile up in the page table. A piece is ``piece_rows`` keys (the host's box:
+  the key tile, or the largest power of two dividing both it and the page size), so a tile
+  that crosses pages is loaded in pieces from each.
+
+Warpgroups: warp 0 of warpgroup 0 loads K and V through `stages`-deep TMA pipelines, key
+tiles from the last (the one that may need masking) to the first; warpgroup 1 loads Q
+(plain loads: packed rows are not a TMA box), then per key tile S = Q K^T (SS-wgmma),
+masking, online softmax (conditional rescaling, exp2), O += P V (RS-wgmma), and writes.
+
+Nothing is read out of bounds whatever the device-side metadata says: cache_seqlens is
+clamped to the cache's rows (or the page table's), page numbers to the pages, and TMA
+fills a box past the tensor with zeros.
+
+Constraints: head_dim in {64, 96, 128, 192, 256}; bf16 or fp16; heads_q a multiple of
+heads_kv. Build with ``build_kernels.py``.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+from cutlass import Float32, Int32, Int64, const_expr
+from cutlass.cute.nvgpu import cpasync
+
+from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
+from ..primitives import (
+    DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, tiled_mma, tma_pipeline, wgmma,
+)
+from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from .config import DecodeConfig
+
+Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory
+
+
+def _key_tile(i, n_end, steps, turn):
+    """The ``i``-th key tile a CTA takes of its ``steps`` ending at ``n_end``: from the
+    last, downwards, starting ``turn`` tiles in and wrapping around."""
+    return n_end - 1 - (i + turn) % steps
+
+
+class DecodeSm90:
+    """One decode variant (its ``config.DecodeConfig``): host side and kernel."""
+
+    def __str__(self):
+        return "fa4_aot_decode_sm90"
+
+    def __init__(self, cfg: DecodeConfig):
+        assert cfg.tile_m == 64 and cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.tma_boxes = {}
+        self.smem_bytes = None
+
+    def _storage(self, sq, skv):
+        dtype, stages = self.dtype, self.cfg.stages
+
+        @cute.struct
+        class Storage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: smem_buffer(sq, dtype)  # (64, d) packed rows
+            sK: smem_buffer(skv, dtype)  # (tile_n, d, stages)
+            sV: smem_buffer(skv, dtype)
+
+        return Storage
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, d)
+        mK: cute.Tensor,  # (pages, page rows, h_kv, d): (b, max_cache, h_kv, d) when not paged
+        mV: cute.Tensor,  # like mK
+        mO: cute.Tensor,  # (b, s_q, h_q, d)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
+        mOPart: cute.Tensor,  # (splits, b, s_q, h_q, d) float32, contiguous: workspace
+        mLSEPart: cute.Tensor,  # (splits, b, h_q, s_q) float32, contiguous: workspace
+        mSeqlens: cute.Tensor,  # (b,) int32: keys in each sequence's cache
+        mPageTable: cute.Tensor,  # (b, max_pages) int32, read where paged
+        scale_log2: Float32,  # softmax_scale * log2(e)
+        batch: Int32,
+        seqlen_q: Int32,
+        heads_q: Int32,
+        splits: Int32,
+        max_pages: Int32,  # page table columns (paged); 1 otherwise
+        piece_rows: Int32,  # keys per TMA piece: tile_n, or a divisor of it (small pages)
+        paged: Int32,  # 1: K/V pages from the page table; 0: page = batch entry
+        turn_stride: Int32,  # key tiles between consecutive (sequence, split) CTAs' starts
+    ):
+        k, v = sdhb(mK), sdhb(mV)
+        sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim)
+        skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
+        skv_one = cute.select(skv, mode=[0, 1])
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
+        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
+        self.tma_boxes = {name: (str(atom.type), str(skv_one.inner)) for name, atom in (("k", tma_k), ("v", tma_v))}
+        self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
+        self.storage = self._storage(sq, skv)
+        self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
+        heads_kv = mK.shape[2]
+        group = heads_q // heads_kv
+        m_tiles = cute.ceil_div(group * seqlen_q, self.cfg.tile_m)
+        grid = (m_tiles * splits, heads_kv, batch)
+        self.kernel(
+            tma_k, gk, tma_v, gv,
+            mQ.iterator, mQ.stride[0], mQ.stride[1], mQ.stride[2],
+            mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
+            mLSE.iterator, mOPart.iterator, mLSEPart.iterator, mSeqlens.iterator, mPageTable.iterator,
+            scale_log2, batch, seqlen_q, heads_q, splits, max_pages, piece_rows, paged, turn_stride, sq, skv,
+        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_k: cute.CopyAtom,
+        gK: cute.Tensor,  # TMA coordinates (page rows, d, h_kv, pages)
+        tma_v: cute.CopyAtom,
+        gV: cute.Tensor,  # TMA coordinates (page rows, d, h_kv, pages)
+        q_ptr: cute.Pointer,  # Q (b, s_q, h_q, d), 16-byte aligned rows
+        q_sb: Int64,  # Q's strides (elements)
+        q_ss: Int64,
+        q_sh: Int64,
+        o_ptr: cute.Pointer,  # O (b, s_q, h_q, d)
+        o_sb: Int64,
+        o_ss: Int64,
+        o_sh: Int64,
+        lse_ptr: cute.Pointer,  # float32 (b, h_q, s_q), contiguous
+        o_part_ptr: cute.Pointer,  # float32 (splits, b, s_q, h_q, d), contiguous
+        lse_part_ptr: cute.Pointer,  # float32 (splits, b, h_q, s_q), contiguous
+        seqlens_ptr: cute.Pointer,  # int32 (b,)
+        page_table_ptr: cute.Pointer,  # int32 (b, max_pages)
+        scale_log2: Float32,
+        batch: Int32,
+        seqlen_q: Int32,
+        heads_q: Int32,
+        splits: Int32,
+        max_pages: Int32,
+        piece_rows: Int32,
+        paged: Int32,
+        turn_stride: Int32,
+        sq_layout: cute.ComposedLayout,
+        skv_layout: cute.ComposedLayout,
+    ):
+        cfg = self.cfg
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tidx, _, _ = cute.arch.thread_idx()
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+        storage = cutlass.utils.SmemAllocator().allocate(self.storage)
+        pipe_k, pipe_v = [tma_pipeline(bar, cfg.stages, 1, self.kv_bytes) for bar in (storage.mbar_k, storage.mbar_v)]
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+
+        bidx, head_kv, b = cute.arch.block_idx()
+        heads_kv = gK.shape[2]
+        group = heads_q // heads_kv
+        rows = group * seqlen_q  # packed rows of this KV head
+        m_tiles = cute.ceil_div(rows, cfg.tile_m)
+        m_block, split = bidx % m_tiles, bidx // m_tiles
+        # keys of the sequence: clamped to the cache (or the page table's reach)
+        page_rows = gK.shape[0]
+        reach = cutlass.select_(paged != 0, max_pages * page_rows, page_rows)
+        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+        seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
+        n_begin, n_end = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k)
+        # Where in its key range a CTA starts (it wraps around): every (sequence, split)
+        # elsewhere, the KV heads of one together. CTAs that walk ranges a power of two
+        # apart in step read addresses that the memory's channel hash maps alike and queue
+        # on the same channels (measured: 1.6-1.9 TB/s unturned, docs/design.md, "Decode").
+        turn = ((b * splits + split) * turn_stride) % cutlass.max(n_end - n_begin, Int32(1))
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        if warp < 4:
+            # ---------------- producer warpgroup: TMA loads of K and V ----------------
+            cute.arch.setmaxregister_decrease(cfg.producer_regs)
+            if warp == 0:
+                table = cute.make_tensor(page_table_ptr, cute.make_layout(batch * max_pages))
+                pages = (table, b * max_pages, max_pages, page_rows, gK.shape[3], paged, piece_rows)
+                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
+                          turn)
+        else:
+            # ---------------- consumer warpgroup: Q, MMA, softmax, epilogue ----------------
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
+            ctidx = tidx - WARPGROUP
+            place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
+            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place)
+            acc_o, softmax = self.attend(ctidx, sQ, sK, sV, (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
+                                         turn, scale_log2)
+            out = (o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
+            self.epilogue(ctidx, acc_o, softmax, place, out)
+
+    @cute.jit
+    def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k):
+        """[n_begin, n_end): the key tiles of split ``split`` of row tile ``m_block``.
+        Causal, the tile sees keys up to its last token's diagonal."""
+        limit = seqlen_k
+        if const_expr(self.cfg.causal):
+            last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
+            limit = cutlass.max(seqlen_k - seqlen_q + last_token + 1, Int32(0))
+        n_tiles = cute.ceil_div(limit, self.cfg.tile_n)
+        per = cute.ceil_div(n_tiles, splits)
+        n_begin = cutlass.min(split * per, n_tiles)
+        n_end = cutlass.min(n_begin + per, n_tiles)
+        return n_begin, n_end
+
+    @cute.jit
+    def load(self, k, v, pipes, pages, head_kv, b, n_begin, n_end, turn):
+        """K and V of the CTA's key tiles in ``_key_tile`` order, K one tile ahead of V;
+        each tile in pieces of ``piece_rows`` keys, each from its page. A tile's pieces
+        are looked up in the page table by one lane each, once for its K and its V."""
+        (tma_k, gK, sK), (tma_v, gV, sV) = k, v
+        pipe_k, pipe_v = pipes
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
+        steps = n_end - n_begin
+        if steps > 0:
+            place_next = self._piece_place(_key_tile(0, n_end, steps, turn), pages, b)
+            pipe_k.producer_acquire(state)
+            self._load_tile(tma_k, gK, sK, pipe_k, state, place_next, pages, head_kv)
+            for i in cutlass.range(steps - 1, unroll=1):
+                place = place_next
+                place_next = self._piece_place(_key_tile(i + 1, n_end, steps, turn), pages, b)
+                v_state = state.clone()
+                state.advance()
+                pipe_k.producer_acquire(state)
+                self._load_tile(tma_k, gK, sK, pipe_k, state, place_next, pages, head_kv)
+                pipe_v.producer_acquire(v_state)
+                self._load_tile(tma_v, gV, sV, pipe_v, v_state, place, pages, head_kv)
+            pipe_v.producer_acquire(state)
+            self._load_tile(tma_v, gV, sV, pipe_v, state, place_next, pages, head_kv)
+
+    @cute.jit
+    def _piece_place(self, n_block, pages, b):
+        """(page, row in the page) of lane j's piece of key tile ``n_block`` (lanes past
+        the tile's pieces: of its first), as an Int32 pair per lane."""
+        table, first_entry, max_pages, page_rows, num_pages, paged, piece_rows = pages
+        lane = cute.arch.lane_idx()
+        j = cutlass.select_(lane * piece_rows < self.cfg.tile_n, lane, Int32(0))
+        key = n_block * self.cfg.tile_n + j * piece_rows
+        page, row = b, key
+        if paged != 0:
+            entry = cutlass.min(key // page_rows, max_pages - 1)
+            page = cutlass.min(cutlass.max(table[first_entry + entry], Int32(0)), num_pages - 1)
+            row = key % page_rows
+        return page, row
+
+    @cute.jit
+    def _load_tile(self, atom, g, s, pipe, state, place, pages, head_kv):
+        piece_rows = pages[6]
+        page_of, row_of = place
+        whole = cute.make_layout(1)
+        for j in cutlass.range(self.cfg.tile_n // piece_rows, unroll=1):
+            page = cute.arch.shuffle_sync(page_of, j)
+            row = cute.arch.shuffle_sync(row_of, j)
+            tile = cute.local_tile(cute.domain_offset((row, 0), g[None, None, head_kv, page]),
+                                   (self.cfg.tile_n, self.cfg.head_dim), (0, 0))
+            dst = cute.domain_offset((j * piece_rows, 0), s[None, None, state.index])
+            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(dst, 0, 2), cute.group_modes(tile, 0, 2))
+            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    @cute.jit
+    def load_q(self, tidx, sQ, q_ptr, q_strides, place):
+        """The tile's packed Q rows into shared memory, 16 bytes per access (rows past the
+        KV head's rows are zeros), made visible to the wgmma."""
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        q_sb, q_ss, q_sh = q_strides
+        vec = 16 // (self.dtype.width // 8)
+        per_row = self.cfg.head_dim // vec
+        for i in cutlass.range_constexpr(self.cfg.tile_m * per_row // WARPGROUP):
+            chunk = i * WARPGROUP + tidx
+            r, part = chunk // per_row, chunk % per_row
+            p = first_row + r
+            values = cute.make_rmem_tensor((vec,), self.dtype)
+            values.fill(0.0)
+            if p < rows:
+                token, head = p // group, head_kv * group + p % group
+                at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
+                src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
+                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
+            cute.autovec_copy(values, cute.local_tile(sQ[r, None], (vec,), (part,)))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
+
+    @cute.jit
+    def attend(self, tidx, sQ, sK, sV, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2):
+        """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1,
+        in ``_key_tile`` order."""
+        cfg = self.cfg
+        pipe_k, pipe_v = pipes
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        mma_qk = tiled_mma(self.dtype, "K", "K", (1, 1, 1), cfg.tile_n)
+        mma_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True)
+        thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+        s_shape = thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+        coords = acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))))
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_o.fill(0.0)
+        nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
+        softmax = OnlineSoftmax(scale_log2, nrows)
+        softmax.reset()
+        row_scale = cute.make_rmem_tensor((nrows,), Float32)
+        # each row's key limit (exclusive): its token's diagonal when causal
+        limits = cute.make_rmem_tensor((nrows,), Int32)
+        for r in cutlass.range_constexpr(nrows):
+            limits[r] = seqlen_k
+            if const_expr(cfg.causal):
+                token = (first_row + coords[r, 0][0]) // group
+                limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1)
+        # key tiles from the first whose end passes the lowest limit need the mask
+        lowest = seqlen_k
+        if const_expr(cfg.causal):
+            lowest = cutlass.min(seqlen_k, seqlen_k - seqlen_q + first_row // group + 1)
+        softmax_step = softmax.step
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        steps = n_end - n_begin
+        for i in cutlass.range(steps, unroll=1):
+            n_block = _key_tile(i, n_end, steps, turn)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(state)
+            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
+            pipe_k.consumer_release(state)
+            if (n_block + 1) * cfg.tile_n > lowest:
+                s = acc_as_rows_cols(acc_s)
+                for r in cutlass.range_constexpr(nrows):
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        key = n_block * cfg.tile_n + coords[r, c][1]
+                        s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+            softmax_step(acc_s, row_scale)
+            rescale_rows(acc_o, row_scale)
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            pipe_v.consumer_wait(state)
+            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
+            pipe_v.consumer_release(state)
+            state.advance()
+        return acc_o, softmax
+
+    @cute.jit
+    def epilogue(self, tidx, acc_o, softmax, place, out):
+        """O normalized and LSE: with one split into out and lse (the dtype), else this
+        split's share into the workspace (fp32), for the combine. Rows past the KV head's
+        packed rows are not written. Pairs of adjacent columns per store."""
+        cfg = self.cfg
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
+        nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
+        inv_sum = cute.make_rmem_tensor((nrows,), Float32)
+        lse = cute.make_rmem_tensor((nrows,), Float32)
+        softmax.finalize(inv_sum, lse)
+        scale_rows(acc_o, inv_sum)
+        thr_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True).get_slice(tidx)
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        o = acc_as_rows_cols(acc_o)
+        ncols = cute.size(o, mode=[1])
+        for r in cutlass.range_constexpr(nrows):
+            p = first_row + coords[r, 0][0]
+            if p < rows:
+                token, head = p // group, head_kv * group + p % group
+                lse_at = (b * heads_q + head) * seqlen_q + token
+                if splits == 1:
+                    base = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh
+                    for c in cutlass.range_constexpr(0, ncols, 2):
+                        pair32 = cute.make_rmem_tensor((2,), Float32)
+                        pair32[0] = o[r, c]
+                        pair32[1] = o[r, c + 1]
+                        pair = cute.make_rmem_tensor((2,), self.dtype)
+                        pair.store(pair32.load().to(self.dtype))
+                        at = (base + coords[r, c][1]) * (self.dtype.width // 8)
+                        dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=4)
+                        cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout(2)))
+                    if tidx % 4 == 0:
+                        cute.make_tensor(lse_ptr, cute.make_layout(batch * heads_q * seqlen_q))[lse_at] = lse[r]
+                else:
+                    row = (Int64(split) * batch + b) * seqlen_q + token
+                    part_base = (row * heads_q + head) * cfg.head_dim
+                    for c in cutlass.range_constexpr(0, ncols, 2):
+                        pair = cute.make_rmem_tensor((2,), Float32)
+                        pair[0] = o[r, c]
+                        pair[1] = o[r, c + 1]
+                        part_dst = cute.make_ptr(Float32, o_part_ptr.toint() + (part_base + coords[r, c][1]) * 4,
+                                                 cute.AddressSpace.gmem, assumed_align=8)
+                        cute.autovec_copy(pair, cute.make_tensor(part_dst, cute.make_layout(2)))
+                    if tidx % 4 == 0:
+                        lse_part_at = Int64(split) * (batch * heads_q * seqlen_q) + lse_at
+                        lse_dst = cute.make_ptr(Float32, lse_part_ptr.toint() + lse_part_at * 4,
+                                                cute.AddressSpace.gmem, assumed_align=4)
+                        cute.make_tensor(lse_dst, cute.make_layout(1))[0] = lse[r]
+

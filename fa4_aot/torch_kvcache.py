@@ -1,0 +1,73 @@
+"""PyTorch adapter for decode against a KV cache (imports torch; re-exported by
+``fa4_aot.torch``).
+
+    from fa4_aot.torch import flash_attn_with_kvcache
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, causal=True)
+
+flash-attn's names and semantics: ``k``/``v`` (batch, seqlen_new, heads_kv, head_dim),
+when given, are written into the cache in place at positions cache_seqlens[b] ..
+cache_seqlens[b] + seqlen_new - 1 (through page_table for a paged cache) before
+attending, and the attention then covers cache_seqlens + seqlen_new keys;
+``cache_seqlens`` itself is not changed. Nothing synchronizes with the host: positions
+past the cache are clamped to its last row (metadata that lies overwrites a wrong row of
+the cache, never memory outside it). Inference only: no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes
+from .torch import as_device_array as _array
+
+
+def _append(k_cache, v_cache, k, v, cache_seqlens, page_table):
+    """k, v into the cache at each sequence's end (see the module's docstring)."""
+    batch, new = k.shape[0], k.shape[1]
+    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]  # (b, new)
+    if page_table is None:
+        positions = positions.clamp(0, k_cache.shape[1] - 1)
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        return
+    page_size, max_pages = k_cache.shape[1], page_table.shape[1]
+    entry = (positions // page_size).clamp(0, max_pages - 1)
+    pages = torch.gather(page_table.long(), 1, entry).clamp(0, k_cache.shape[0] - 1)
+    k_cache[pages, positions % page_size] = k
+    v_cache[pages, positions % page_size] = v
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, page_table=None,
+                            softmax_scale: float | None = None, causal: bool = False, num_splits: int | None = None,
+                            return_lse: bool = False):
+    """flash-attn's decode: q (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache
+    (batch, max_cache, heads_kv, head_dim) or, with page_table int32 (batch, max_pages),
+    (num_pages, page_size, heads_kv, head_dim); cache_seqlens int32 (batch,) on the device
+    (None: every cache full); see fa4_aot.forward_kvcache. Returns out, and lse (batch,
+    heads_q, seqlen_q) float32 too where ``return_lse``."""
+    batch = q.shape[0]
+    if cache_seqlens is None:
+        rows = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+        cache_seqlens = torch.full((batch,), rows - (k.shape[1] if k is not None else 0), dtype=torch.int32,
+                                   device=q.device)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if (k is None) != (v is None):
+        raise ValueError("k and v are appended together: give both or neither")
+    if k is not None:
+        _append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+        cache_seqlens = (cache_seqlens + k.shape[1]).to(torch.int32)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+    need = forward_kvcache_workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach,
+                                           num_splits=num_splits,
+                                           sm_count=torch.cuda.get_device_properties(q.device).multi_processor_count)
+    workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
+    forward_kvcache(_array(q), _array(k_cache), _array(v_cache), _array(out), _array(lse), _array(cache_seqlens),
+                    _array(workspace) if workspace is not None else None,
+                    page_table=_array(page_table) if page_table is not None else None, causal=causal,
+                    softmax_scale=softmax_scale, num_splits=num_splits,
+                    stream=torch.cuda.current_stream(q.device).cuda_stream)
+    return (out, lse) if return_lse else out

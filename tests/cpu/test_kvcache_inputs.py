@@ -1,0 +1,162 @@
+"""Decode's input checks (fa4_aot.forward_kvcache): every bad argument is a typed error
+before any launch; a good call packs the decode kernel's plan (and the combine's where
+it splits); the split heuristic and the workspace size."""
+
+import pytest
+
+from fa4_aot import policy
+from fa4_aot.arrays import DeviceArray
+from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError
+from fa4_aot.kvcache import MAX_SEQLEN_Q, check_forward_kvcache, forward_kvcache, forward_kvcache_workspace_bytes
+
+BASE = 0x7F0000000000
+
+
+def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=BASE):
+    return DeviceArray(ptr, (b, s, h, d), strides or (s * h * d, h * d, d, 1), dtype, 0)
+
+
+def ints(shape, ptr=BASE, dtype="i32", strides=None):
+    shape = tuple(shape)
+    contiguous = tuple(1 if i == len(shape) - 1 else shape[-1] for i in range(len(shape)))
+    return DeviceArray(ptr, shape, strides or contiguous, dtype, 0)
+
+
+def arrays(paged=False, **over):
+    a = {"q": bshd(4, 1, 32, 128), "out": bshd(4, 1, 32, 128), "lse": DeviceArray(BASE, (4, 32, 1), (32, 1, 1), "fp32", 0),
+         "cache_seqlens": ints((4,))}
+    if paged:
+        a.update(k_cache=bshd(40, 64, 8, 128), v_cache=bshd(40, 64, 8, 128), page_table=ints((4, 10)))
+    else:
+        a.update(k_cache=bshd(4, 1000, 8, 128), v_cache=bshd(4, 1000, 8, 128))
+    a.update(over)
+    return {n: x for n, x in a.items() if x is not None}
+
+
+def test_good_problems_pass():
+    sizes = check_forward_kvcache(arrays())
+    assert (sizes["batch"], sizes["heads_kv"], sizes["max_seqlen_k"], sizes["paged"]) == (4, 8, 1000, 0)
+    sizes = check_forward_kvcache(arrays(paged=True))
+    assert (sizes["cache_rows"], sizes["cache_pages"], sizes["max_pages"], sizes["max_seqlen_k"]) == (64, 40, 10, 640)
+
+
+@pytest.mark.parametrize("over, paged, error, message", [
+    ({"q": bshd(4, 1, 32, 128, "fp32")}, False, DTypeError, "bf16 or fp16"),
+    ({"k_cache": bshd(4, 1000, 8, 128, "fp16")}, False, DTypeError, "one dtype"),
+    ({"k_cache": bshd(3, 1000, 8, 128), "v_cache": bshd(3, 1000, 8, 128)}, False, ShapeError, "without a page_table"),
+    ({"v_cache": bshd(4, 999, 8, 128)}, False, ShapeError, "k_cache's shape"),
+    ({"k_cache": bshd(4, 1000, 8, 64), "v_cache": bshd(4, 1000, 8, 64)}, False, ShapeError, "head_dim"),
+    ({"k_cache": bshd(4, 1000, 5, 128), "v_cache": bshd(4, 1000, 5, 128)}, False, ShapeError, "multiple of heads_kv"),
+    ({"q": bshd(4, MAX_SEQLEN_Q + 1, 32, 128), "out": bshd(4, MAX_SEQLEN_Q + 1, 32, 128),
+      "lse": DeviceArray(BASE, (4, 32, MAX_SEQLEN_Q + 1), (32 * (MAX_SEQLEN_Q + 1), MAX_SEQLEN_Q + 1, 1), "fp32", 0)},
+     False, ShapeError, "seqlen_q"),
+    ({"out": bshd(4, 2, 32, 128)}, False, ShapeError, "q's shape"),
+    ({"lse": DeviceArray(BASE, (4, 1, 32), (32, 32, 1), "fp32", 0)}, False, ShapeError, "batch, heads_q, seqlen_q"),
+    ({"lse": DeviceArray(BASE, (4, 32, 1), (32, 1, 1), "bf16", 0)}, False, DTypeError, "fp32"),
+    ({"cache_seqlens": ints((4,), dtype="fp32")}, False, DTypeError, "int32"),
+    ({"cache_seqlens": ints((5,))}, False, ShapeError, r"\(4,\)"),
+    ({"cache_seqlens": ints((4,), strides=(2,))}, False, LayoutError, "contiguous"),
+    ({"cache_seqlens": ints((4,), ptr=BASE + 2)}, False, LayoutError, "4-byte"),
+    ({"page_table": ints((3, 10))}, True, ShapeError, "page_table"),
+    ({"page_table": ints((4, 10), dtype="fp32")}, True, DTypeError, "int32"),
+    ({"page_table": ints((4, 10), strides=(20, 1))}, True, LayoutError, "contiguous"),
+    ({"k_cache": bshd(40, 40, 8, 128), "v_cache": bshd(40, 40, 8, 128)}, True, ShapeError, "multiple of 16"),
+    ({"k_cache": bshd(4, 1000, 8, 128, strides=(1000 * 1024, 1024, 128, 2))}, False, LayoutError, "contiguous"),
+    ({"q": bshd(4, 1, 32, 128, ptr=BASE + 8)}, False, LayoutError, "16-byte"),
+])
+def test_bad_inputs(over, paged, error, message):
+    with pytest.raises(error, match=message):
+        check_forward_kvcache(arrays(paged, **over))
+
+
+class _FakeLibrary:
+    """Records the launches instead of making them (no driver, no GPU)."""
+
+    def __init__(self, manifest):
+        self.manifest = manifest
+        self.launches = []
+
+    def arch(self, device):
+        return "sm90a"
+
+    def sm_count(self, device):
+        return 132
+
+    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=()):
+        self.launches.append((row, values, tensors))
+
+
+def _every_slot_given(row, values, tensors):
+    for slot in row["launches"][0]["params"]:
+        for name in slot.get("fields", []):
+            assert name in values, (slot, name)
+        if "tensor" in slot:
+            assert slot["tensor"] in tensors, slot
+
+
+def _call(a, library, **options):
+    forward_kvcache(a["q"], a["k_cache"], a["v_cache"], a["out"], a["lse"], a["cache_seqlens"], a.get("workspace"),
+                    page_table=a.get("page_table"), library=library, **options)
+
+
+def test_one_split_launches_the_decode_alone(built):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    _call(arrays(), library, num_splits=1)
+    (row, values, tensors), = library.launches
+    assert row["name"] == "decode.sm90a.bf16.d128"
+    _every_slot_given(row, values, tensors)
+    assert (values["splits"], values["paged"], values["decode_ctas"], values["piece_rows"]) == (1, 0, 1, 128)
+
+
+def test_splits_launch_the_combine_on_a_carved_workspace(built):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    need = forward_kvcache_workspace_bytes(4, 1, 32, 8, 128, 640, num_splits=3, library=library)
+    space = DeviceArray(BASE + 4096, (need,), (1,), "u8", 0)
+    _call(arrays(paged=True, workspace=space), library, num_splits=3)
+    (decode, values, tensors), (combine, _, _) = library.launches
+    assert (decode["name"], combine["name"]) == ("decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128")
+    _every_slot_given(decode, values, tensors)
+    _every_slot_given(combine, values, tensors)
+    assert values["piece_rows"] == 64 and values["paged"] == 1 and values["splits"] == 3
+    assert decode["tensormaps"]["k"]["box"][1] == 64  # pieces of the pages' 64 rows
+    assert tensors["lse_partial"]["ptr"] - tensors["o_partial"]["ptr"] >= 3 * 4 * 32 * 128 * 4
+    with pytest.raises(ShapeError, match="workspace"):
+        _call(arrays(paged=True), _FakeLibrary(Manifest(folder)), num_splits=3)
+    with pytest.raises(ShapeError, match="bytes"):
+        small = DeviceArray(BASE + 4096, (need - 1,), (1,), "u8", 0)
+        _call(arrays(paged=True, workspace=small), _FakeLibrary(Manifest(folder)), num_splits=3)
+
+
+@pytest.mark.parametrize("splits", [0, -1, policy.DECODE_MAX_SPLITS + 1, 2.0, True, "2"])
+def test_bad_split_counts(built, splits):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    with pytest.raises(OptionError, match="num_splits"):
+        _call(arrays(), _FakeLibrary(Manifest(folder)), num_splits=splits)
+
+
+def test_everything_is_a_typed_error(built):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    for bad in ({"causal": "yes"}, {"softmax_scale": float("nan")}, {"stream": -1}):
+        with pytest.raises(Fa4AotError):
+            _call(arrays(), _FakeLibrary(Manifest(folder)), **bad)
+
+
+@pytest.mark.parametrize("ctas, tiles, want", [
+    (64, 256, 2),  # 8 sequences x 8 KV heads x 32k keys: one wave of 128
+    (8, 1024, 16),  # 1 x 8 x 128k keys
+    (512, 32, 1),  # 64 x 8 x 4k keys: the SMs are full already
+    (1, 1, 1),  # one key tile cannot split
+])
+def test_split_heuristic(ctas, tiles, want):
+    assert policy.decode_splits(ctas, tiles, 132) == want
+    assert policy.decode_splits(ctas, tiles, 132) <= max(tiles, 1)

@@ -1,0 +1,177 @@
+"""Decode against a KV cache (fa4_aot.forward_kvcache / flash_attn_with_kvcache) against a
+per-sequence float32 reference on the gathered cache (twice PyTorch's low-precision
+error), fresh random inputs, outputs poisoned with NaN before each launch."""
+
+import pytest
+import torch
+
+import fa4_aot
+from fa4_aot.policy import decode_splits
+from fa4_aot.torch import flash_attn_with_kvcache
+from fa4_aot.variants import MATRIX
+
+from ..reference import attention_ref
+
+DECODE = [v for v in MATRIX if v.kind == "decode"]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None), each with its edge
+CASES = [
+    (4, 1, 32, 8, 1000, None),  # GQA 4, one token, cache not a multiple of the tile
+    (3, 4, 8, 8, 640, 128),  # MHA, four tokens, pages of one key tile
+    (2, 16, 16, 1, 300, 48),  # MQA: 16 heads x 16 tokens = 256 rows (4 row tiles); pages of 48 keys
+    (5, 64, 4, 2, 2048, 16),  # 64 tokens (chunked decode), pages of 16
+]
+
+
+def _lengths(batch, max_cache, seqlen_q, gen):
+    """Cache lengths with 0, 1, a full cache and random ones (at least seqlen_q where
+    possible, as a decoder would have)."""
+    fixed = [0, 1, max_cache]
+    rand = torch.randint(1, max_cache + 1, (batch,), generator=gen, device="cuda").tolist()
+    return torch.tensor((fixed + rand)[:batch], dtype=torch.int32, device="cuda")
+
+
+def _cache(batch, max_cache, heads_kv, d, dtype, page_size, gen):
+    """(k_cache, v_cache, page_table, contiguous views (batch, max_cache, h, d)) with pages
+    permuted and spare pages between them."""
+    if page_size is None:
+        k = torch.randn(batch, max_cache, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(batch, max_cache, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+        return k, v, None, k, v
+    max_pages = -(-max_cache // page_size)
+    num_pages = batch * max_pages + 3
+    k = torch.randn(num_pages, page_size, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    v = torch.randn(num_pages, page_size, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    table = torch.randperm(num_pages, generator=gen, device="cuda")[:batch * max_pages].view(batch, max_pages)
+    table = table.to(torch.int32).contiguous()
+    gathered = lambda c: c[table.long()].reshape(batch, max_pages * page_size, heads_kv, d)  # noqa: E731
+    return k, v, table, gathered(k), gathered(v)
+
+
+def _check(out, lse, q, k_full, v_full, lengths, causal):
+    for b, n in enumerate(lengths.tolist()):
+        qs = q[b:b + 1]
+        if n:
+            ref, lse_ref = attention_ref(qs, k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal, upcast=True)
+            low, lse_low = attention_ref(qs, k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal, upcast=False)
+        else:
+            ref = low = torch.zeros_like(qs)
+            lse_ref = lse_low = torch.full((1, q.shape[2], q.shape[1]), float("-inf"), device="cuda")
+        got = out[b:b + 1]
+        assert not got.isnan().any(), f"sequence {b} ({n} keys): NaN or unwritten output"
+        err = (got.float() - ref.float()).abs().max().item()
+        tol = 2 * (low.float() - ref.float()).abs().max().item() + 1e-5
+        assert err <= tol, f"sequence {b} ({n} keys): out max error {err:.3e} > {tol:.3e}"
+        got_lse = lse[b:b + 1]
+        finite = torch.isfinite(lse_ref)
+        assert torch.equal(torch.isfinite(got_lse), finite), f"sequence {b}: LSE -inf exactly where no key is seen"
+        if finite.any():
+            lse_err = (got_lse - lse_ref)[finite].abs().max().item()
+            lse_tol = 2 * (lse_low - lse_ref)[finite].abs().max().item() + 1e-4
+            assert lse_err <= lse_tol, f"sequence {b}: lse max error {lse_err:.3e} > {lse_tol:.3e}"
+
+
+def _run(q, k_cache, v_cache, lengths, table, causal, num_splits):
+    b, sq, hq, d = q.shape
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((b, hq, sq), float("nan"), device="cuda")
+    reach = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
+    need = fa4_aot.forward_kvcache_workspace_bytes(b, sq, hq, k_cache.shape[2], d, reach, num_splits=num_splits)
+    space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+    fa4_aot.forward_kvcache(q, k_cache, v_cache, out, lse, lengths, space if need else None, page_table=table,
+                            causal=causal, num_splits=num_splits,
+                            stream=torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    return out, lse
+
+
+@pytest.mark.parametrize("variant", DECODE, ids=lambda v: v.name)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
+def test_decode_matches_reference(variant, case, gen):
+    batch, sq, hq, hkv, max_cache, page = case
+    dtype, d = DTYPES[variant.dtype], variant.head_dim
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, dtype, page, gen)
+    lengths = _lengths(batch, max_cache, sq, gen)
+    for splits in (None, 1, 3):
+        out, lse = _run(q, k, v, lengths, table, variant.causal, splits)
+        _check(out, lse, q, k_full, v_full, lengths, variant.causal)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_every_split_count_agrees(causal, gen):
+    """num_splits 1 .. the heuristic's choice and more: equal within tolerance; each count
+    bitwise the same on a second run."""
+    batch, sq, hq, hkv, d, max_cache = 2, 2, 16, 4, 128, 4096
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v, _, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, None, gen)
+    lengths = torch.tensor([4096, 3001], dtype=torch.int32, device="cuda")
+    ref, ref_lse = _run(q, k, v, lengths, None, causal, 1)
+    most = max(decode_splits(batch * hkv, max_cache // 128, 132), 8)
+    for splits in range(1, most + 1):
+        out, lse = _run(q, k, v, lengths, None, causal, splits)
+        again, again_lse = _run(q, k, v, lengths, None, causal, splits)
+        assert torch.equal(out, again) and torch.equal(lse, again_lse), f"{splits} splits: not bitwise repeatable"
+        assert (out.float() - ref.float()).abs().max().item() <= 2e-2, f"{splits} splits differ from one"
+        assert (lse - ref_lse).abs().max().item() <= 1e-3
+
+
+def test_paged_equals_contiguous(gen):
+    """The same cache paged (permuted pages of 64) and contiguous: the same bits."""
+    batch, sq, hq, hkv, d, max_cache = 3, 1, 32, 8, 128, 1024
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, torch.bfloat16, 64, gen)
+    lengths = torch.tensor([1024, 77, 500], dtype=torch.int32, device="cuda")
+    paged = _run(q, k, v, lengths, table, False, 2)
+    contiguous = _run(q, k_full.contiguous(), v_full.contiguous(), lengths, None, False, 2)
+    assert torch.equal(paged[0], contiguous[0]) and torch.equal(paged[1], contiguous[1])
+
+
+@pytest.mark.parametrize("page", [None, 32])
+def test_append_then_attend(page, gen):
+    """flash_attn_with_kvcache with k, v: written into the cache at cache_seqlens, then
+    attended over cache_seqlens + new keys."""
+    batch, new, hq, hkv, d, max_cache = 3, 3, 8, 2, 64, 256
+    q = torch.randn(batch, new, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache, table, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, page, gen)
+    k_new = torch.randn(batch, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_new = torch.randn(batch, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lengths = torch.tensor([0, 100, 250], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lengths, page_table=table,
+                                       causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    if table is None:
+        k_full, v_full = k_cache, v_cache
+    else:
+        k_full = k_cache[table.long()].reshape(batch, -1, hkv, d)
+        v_full = v_cache[table.long()].reshape(batch, -1, hkv, d)
+    for b, n in enumerate(lengths.tolist()):
+        assert torch.equal(k_full[b, n:n + new], k_new[b]) and torch.equal(v_full[b, n:n + new], v_new[b])
+    assert torch.equal(lengths, torch.tensor([0, 100, 250], dtype=torch.int32, device="cuda"))
+    _check(out, lse, q, k_full, v_full, lengths + new, True)
+
+
+def test_cuda_graph_replays_with_new_lengths(gen):
+    """Captured once; the device-side cache_seqlens changed between replays."""
+    batch, sq, hq, hkv, d, max_cache = 4, 1, 32, 8, 128, 2048
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v, _, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, None, gen)
+    lengths = torch.tensor([2048, 1, 700, 1500], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, hq, sq, device="cuda")
+    need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, max_cache)
+    space = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+    fa4_aot.default_library().preload([v.name for v in MATRIX if v.kind in ("decode", "combine")
+                                       and v.dtype == "bf16" and v.head_dim == 128])
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None,
+                                stream=torch.cuda.current_stream().cuda_stream)
+    for new in ([2048, 1, 700, 1500], [5, 2000, 0, 129]):
+        lengths.copy_(torch.tensor(new, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, lse, q, k, v, lengths, False)
