@@ -28,7 +28,7 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _tma_tensor, default_library
+from .api import LOG2E, _check_built, _repeat_key, _tma_tensor, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_of
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
@@ -156,12 +156,18 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     Asynchronous and allocation-free; bad arguments raise a Fa4AotError before anything
     is launched.
     """
+    library = library or default_library()
+    # a repeated call of DeviceArrays on an int stream: its launches again, as packed
+    given = [a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None]
+    repeat = _repeat_key("kvcache", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
+                                            policy.DECODE_TURN_STRIDE), stream)
+    if repeat is not None and library.launch_again(repeat):
+        return
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
              ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
-    library = library or default_library()
     sizes = check_forward_kvcache(arrays)
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
     _check_built(library.manifest, axes, 1)
@@ -197,11 +203,11 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     for name, src in (("q", "q"), ("o", "out")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride
-    library.launch(launch_row, device, stream, values, tensors, waits=waits)
+    library.launch(launch_row, device, stream, values, tensors, key=repeat, waits=waits)
     if splits > 1:
         combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
                                         causal=False, arch=arch, q_tiles=1)
-        library.launch(combine, device, stream, values, tensors)
+        library.launch(combine, device, stream, values, tensors, key=repeat, append=True)
 
 
 _PIECE_ROWS: dict = {}

@@ -192,14 +192,16 @@ class KernelLibrary:
 
     # ------------------------------------------------------------------ launching
     def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None, waits=(),
-               aliases=()):
+               aliases=(), append: bool = False):
         """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
         ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
         options of a call): the packed launches are kept under it for ``launch_again``.
         ``waits``: streams whose work so far ``stream`` waits for first (the producers of
         __cuda_array_interface__ arrays made on other streams). ``aliases``: more keys for the
-        same launches (an adapter's, computed from its own arrays)."""
+        same launches (an adapter's, computed from its own arrays). ``append``: this row's
+        launches are kept after those already under ``key`` (a call of two rows, such as
+        decode and its combine, repeated as one)."""
         with _Context(device) as context:
             fns = self.functions(row, device, int(context.handle))
             self._wait(int(context.handle), stream, waits)
@@ -221,6 +223,8 @@ class KernelLibrary:
                 plan.append((fn, config, pointers, buffer))
             if key is not None:
                 with self._lock:
+                    if append and key in self._plans:
+                        plan = self._plans[key][3] + plan
                     for name in (key, *aliases):
                         self._plans[name] = (device, int(context.handle), stream, plan)
                         self._plans.move_to_end(name)

@@ -79,10 +79,13 @@ class _FakeLibrary:
     def arch(self, device):
         return "sm90a"
 
+    def launch_again(self, key, waits=(), aliases=()):
+        return False
+
     def sm_count(self, device):
         return 132
 
-    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=()):
+    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=(), append=False):
         self.launches.append((row, values, tensors))
 
 

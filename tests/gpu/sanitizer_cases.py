@@ -38,6 +38,7 @@ def main():
                     flash_attn_bwd(q, k, v, out, do, lse, causal=causal, q_tiles=2)
     split_dims = split_tail_cases()
     varlen_cases()
+    decode_cases()
     torch.cuda.synchronize()
     print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
 
@@ -88,6 +89,26 @@ def varlen_cases():
         for cu_q, cu_k, max_q in (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199),
                                   ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64)):
             flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal)
+
+
+def decode_cases():
+    """Decode of every bf16 head dim, causal and not, contiguous and paged (pages of 48
+    keys: pieces of 16), one split and three, with metadata that lies: cache lengths
+    negative and past the cache, page numbers negative and past the pages."""
+    from fa4_aot.torch import flash_attn_with_kvcache
+
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    for v in (v for v in MATRIX if v.kind == "decode" and v.dtype == "bf16"):
+        d = v.head_dim
+        q = torch.randn(3, 5, 8, d, device="cuda", dtype=torch.bfloat16)
+        k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        pk, pv = (torch.randn(7, 48, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        table = as_i32([[0, 1, 2, 3], [-4, 6, 2**30, 5], [6, 5, 4, 3]])
+        for lengths in ([0, 1, 200], [-7, 2**30, 150]):
+            for splits in (1, 3):
+                flash_attn_with_kvcache(q, k, val, cache_seqlens=as_i32(lengths), causal=v.causal, num_splits=splits)
+                flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table, causal=v.causal,
+                                        num_splits=splits)
 
 
 if __name__ == "__main__":
