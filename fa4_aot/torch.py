@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from . import api as _api
 from . import checks
 from .api import _backward as _launch_backward
 from .api import _forward as _launch_forward
@@ -38,14 +39,26 @@ def as_device_array(t: torch.Tensor) -> DeviceArray:
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return _current_stream(t.get_device())
+
+
+# The raw handle of a device's current stream, as torch's own generated code asks for it,
+# without building the Stream object torch.cuda.current_stream(device).cuda_stream does;
+# the public spelling where this torch lacks the private one.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def _repeat_key(kind: str, tensors, options) -> tuple:
     """What determines a launch, read off torch tensors without building DeviceArrays:
     a call with outputs given whose key was launched before is launched again at once
-    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py)."""
-    return (kind, *((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), *options)
+    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py).
+    No device: under unified addressing a pointer names its device."""
+    key = [kind]
+    for t in tensors:
+        key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    key += options
+    return tuple(key)
 
 
 def _given(**named) -> dict:
@@ -70,9 +83,11 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     Every option is keyword-only."""
     repeat, stream = None, None
     if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
-        stream = _stream(q)
-        repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles, stream))
-        if default_library().launch_again(repeat):
+        stream = _current_stream(q.get_device())
+        repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
+                  v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
+                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, stream)
+        if (_api._default_library or default_library()).launch_again(repeat):  # _repeat_key, spelt out
             return out, lse
     _check_tensors({"q": q, "k": k, "v": v}, _given(out=out, lse=lse))
     if out is None:
@@ -82,7 +97,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     stream = _stream(q) if stream is None else stream  # asked once a call
-    _launch_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, (repeat,) if repeat else ())
+    _launch_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else ())
     return out, lse
 
 
@@ -100,7 +115,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
         stream = _stream(q)
         repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, stream))
-        if default_library().launch_again(repeat):
+        if (_api._default_library or default_library()).launch_again(repeat):
             return dq, dk, dv
     _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                    {"lse": lse, **_given(dq=dq, dk=dk, dv=dv, workspace=workspace)})
@@ -115,7 +130,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     stream = _stream(q) if stream is None else stream  # asked once a call
     _launch_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
-                     (repeat,) if repeat else ())
+                     ((repeat, ()),) if repeat else ())
     return dq, dk, dv
 
 
