@@ -70,7 +70,7 @@ def _check_built(manifest, axes: dict, q_tiles: int | None) -> None:
     the arch) with ``q_tiles`` (None: any) are built for some architecture of this
     manifest: asked before the device, so a request no device could serve says so even
     where there is none."""
-    archs = sorted({v.arch for v in manifest.variants}) or ["sm90a"]
+    archs = manifest.archs or ["sm90a"]
     tiles = (1, 2) if q_tiles is None else (q_tiles,)
     if not any(manifest.built(**axes, arch=arch, q_tiles=t) for arch in archs for t in tiles):
         manifest.find(**axes, arch=archs[0], q_tiles=tiles[0])  # raises

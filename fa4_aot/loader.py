@@ -96,11 +96,12 @@ class KernelLibrary:
             init()
             cc = compute_capability(device)
             arch = arch_for_capability(cc)
-            built = sorted({r["arch"] for r in self.manifest.data["kernels"]})
-            if arch is None or arch not in {v.arch for v in self.manifest.variants}:
+            built = self.manifest.archs
+            if arch is None or arch not in built:
+                spelt = sorted({v.gpu_arch for v in self.manifest.variants})
                 raise ArchitectureError(
                     f"device {device} ({device_name(device)}) is sm_{cc[0]}{cc[1]}; the kernels here "
-                    f"are built for {', '.join(built) or 'nothing'}. Use a GPU of that architecture."
+                    f"are built for {', '.join(spelt) or 'nothing'}. Use a GPU of that architecture."
                 )
             self._archs[device] = arch
         return arch
@@ -122,8 +123,8 @@ class KernelLibrary:
             raise DriverTooOldError(
                 f"the CUDA driver supports CUDA {version // 1000}.{version % 1000 // 10}; these "
                 f"cubins need {floor // 1000}.{floor % 1000 // 10} or newer "
-                f"({self.manifest.data['driver_floor'].get('why', '')}). Update the NVIDIA driver "
-                f"(to {self.manifest.data['driver_floor'].get('driver', 'a newer one')} or later)."
+                f"({self.manifest.head['driver_floor'].get('why', '')}). Update the NVIDIA driver "
+                f"(to {self.manifest.head['driver_floor'].get('driver', 'a newer one')} or later)."
             )
         cc = compute_capability(device)
         if list(cc) != list(row["compute_capability"]):

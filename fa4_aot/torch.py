@@ -228,4 +228,11 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     return (out, lse) if checks.flag("return_lse", return_lse) else out
 
 
-from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)
+def __getattr__(name: str):
+    """The packed-sequence functions (fa4_aot.torch_varlen), imported on first use: their
+    custom op's registration is milliseconds a dense caller need not spend."""
+    if name in ("flash_attn_varlen_func", "flash_attn_varlen_fwd"):
+        from . import torch_varlen
+
+        return getattr(torch_varlen, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fa4_aot import loader, tma
+from fa4_aot import manifest as fa4_manifest
 from fa4_aot.api import backward_row, forward_row
 from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             ShapeError, UnsupportedVariantError)
@@ -47,6 +48,38 @@ def test_malformed_and_foreign_schema_manifests_are_refused(copy):
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="symbol"):
         Manifest(copy)
+
+
+def test_the_manifest_decodes_the_rows_asked_for_each_as_the_whole_file_has_it(copy):
+    """The build lays the manifest out with an index (fa4_aot.manifest.dumps): a load
+    decodes the header and index, a row when it is asked for; every row so decoded, and
+    the header, equal the whole file's decoding. Another layout of the same JSON is read
+    whole, with the same rows."""
+    path = copy / "manifest.json"
+    whole = json.loads(path.read_text())
+    m = Manifest(copy)
+    assert m._kernels_at is not None and not m.rows._decoded  # read lazily: no row decoded yet
+    first = whole["kernels"][0]
+    assert m.rows[first["name"]] == first and list(m.rows._decoded) == [first["name"]]
+    assert m.head == {k: v for k, v in whole.items() if k not in ("kernels", "index")}
+    assert list(m.rows) == [r["name"] for r in whole["kernels"]] and len(m.rows) == len(whole["kernels"])
+    for row in whole["kernels"]:
+        assert m.rows[row["name"]] == row
+    assert [v.to_dict() for v in m.variants] == [r["variant"] for r in whole["kernels"]]
+    assert m.data == whole
+    path.write_text(json.dumps(whole))  # another layout: read whole
+    other = Manifest(copy)
+    assert other._kernels_at is None and dict(other.rows) == {r["name"]: r for r in whole["kernels"]}
+    # a span that no longer holds its row (row 0 one character shorter, row 1 one longer)
+    a, b = whole["kernels"][0], whole["kernels"][1]
+    text = fa4_manifest.dumps({k: v for k, v in whole.items() if k not in ("kernels", "index")}, whole["kernels"])
+    shorter, longer = {**a, "size": a["size"] // 10}, {**b, "size": b["size"] * 10}
+    edited = text.replace(json.dumps(a, indent=1), json.dumps(shorter, indent=1), 1)
+    path.write_text(edited.replace(json.dumps(b, indent=1), json.dumps(longer, indent=1), 1))
+    edited = Manifest(copy)
+    assert edited._kernels_at is not None
+    with pytest.raises(ManifestError, match="span"):
+        edited.rows[b["name"]]
 
 
 def test_corrupt_cubin_fails_its_checksum(copy):
