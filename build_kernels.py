@@ -152,7 +152,7 @@ def main(only, archs, jobs, out, force, base):
         if stale.name not in keep:
             stale.unlink()
 
-    manifest = {
+    head = {
         "schema": mf.SCHEMA,
         "package_version": version_of_package(),
         "toolchain": toolchain or old_toolchain,
@@ -160,13 +160,13 @@ def main(only, archs, jobs, out, force, base):
         "built_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "axes": {k: {"declared": list(s["declared"]), "built": list(s["built"])} for k, s in AXES.items()},
         "not_built": NOT_BUILT_REASONS,
-        "kernels": [rows[n] for n in names],
     }
-    text = json.dumps(manifest, indent=1) + "\n"
+    kernels = [rows[n] for n in names]
+    text = mf.dumps(head, kernels)  # the rows last, with the index the run time reads them by
     (out / "manifest.json").write_text(text)
     if out == PACKAGE:
         (ROOT / "manifest.json").write_text(text)
-    total = sum(r["size"] for r in manifest["kernels"])
+    total = sum(r["size"] for r in kernels)
     click.echo(
         f"{len(wanted)} variants ({len(todo)} compiled, {len(wanted) - len(todo)} unchanged)"
         + (f" and {len(names) - len(wanted)} from {base}" if base is not None else "") + ", "

@@ -6,15 +6,95 @@ back-to-back calls measures the host, not the kernels: small problems (1k tokens
 a 0.2 ms forward) are where that starts to show. This times N calls of a tiny problem
 (the kernels take microseconds, so the queue never backs up the host), host clock only.
 
-Run on an sm_90 GPU:  python benchmarks/launch_overhead.py [--calls 2000]
+It also times the first call in fresh processes (``--fresh N``, default 5): in a torch
+process whose CUDA context is up, ``import fa4_aot.torch`` and the first
+``flash_attn_fwd`` (manifest, one cubin loaded, its launch, a synchronize), or the first
+``flash_attn_func`` (which registers its custom ops on first use); and in a
+cuda-python process with its context and arrays made, ``import fa4_aot`` and the first
+``fa4_aot.forward``. Those processes may cache bytecode (PYTHONDONTWRITEBYTECODE is
+cleared for them, the cache in a temporary folder, warmed by one unreported run), as an
+installed wheel has it.
+
+Run on an sm_90 GPU:  PYTHONPATH=$PWD python benchmarks/launch_overhead.py [--calls 2000] [--fresh 5]
 """
 
 import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from fa4_aot.torch import flash_attn_bwd, flash_attn_func, flash_attn_fwd
+
+# A fresh torch process: the context up and the inputs made before the clock starts.
+FIRST_TORCH = r"""
+import time, torch
+q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+torch.cuda.synchronize()
+start = time.perf_counter()
+import fa4_aot.torch
+imported = time.perf_counter()
+fa4_aot.torch.FUNCTION(q, k, v)
+torch.cuda.synchronize()
+done = time.perf_counter()
+print((imported - start) * 1e3, (done - imported) * 1e3)
+"""
+# A fresh cuda-python process: its context and device arrays made before the clock starts.
+FIRST_RAW = r"""
+import time
+from cuda.bindings import driver as cu
+cu.cuInit(0)
+_, ctx = cu.cuDevicePrimaryCtxRetain(0)
+cu.cuCtxSetCurrent(ctx)
+b, s, h, d = 1, 128, 2, 64
+ptrs = [int(cu.cuMemAlloc(b * s * h * d * 2)[1]) for _ in range(4)] + [int(cu.cuMemAlloc(b * h * s * 4)[1])]
+cu.cuCtxSynchronize()
+start = time.perf_counter()
+import fa4_aot
+imported = time.perf_counter()
+bshd = (s * h * d, h * d, d, 1)
+q, k, v, out = (fa4_aot.DeviceArray(p, (b, s, h, d), bshd, "bf16", 0) for p in ptrs[:4])
+lse = fa4_aot.DeviceArray(ptrs[4], (b, h, s), (h * s, s, 1), "fp32", 0)
+fa4_aot.forward(q, k, v, out, lse, stream=0)
+cu.cuCtxSynchronize()
+done = time.perf_counter()
+print((imported - start) * 1e3, (done - imported) * 1e3)
+"""
+
+
+def first_call(code: str, runs: int) -> list[tuple[float, float]]:
+    """(import ms, first call ms) in each of ``runs`` fresh processes, after one warm-up."""
+    env = {k: x for k, x in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    with tempfile.TemporaryDirectory() as cache:
+        env["PYTHONPYCACHEPREFIX"] = cache
+        times = []
+        for _ in range(runs + 1):
+            out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(out.stdout + out.stderr)
+            times.append(tuple(float(x) for x in out.stdout.split()[-2:]))
+    return times[1:]
+
+
+def print_first_calls(runs: int) -> None:
+    for name, code in (("torch process: import fa4_aot.torch + first flash_attn_fwd",
+                        FIRST_TORCH.replace("FUNCTION", "flash_attn_fwd")),
+                       ("torch process: import fa4_aot.torch + first flash_attn_func (its custom ops registered)",
+                        FIRST_TORCH.replace("FUNCTION", "flash_attn_func")),
+                       ("cuda-python process: import fa4_aot + first fa4_aot.forward", FIRST_RAW)):
+        times = first_call(code, runs)
+        imports, calls, totals = ([t[0] for t in times], [t[1] for t in times], [sum(t) for t in times])
+        print(f"{name}, ms (median [range] of {runs} fresh processes): import {statistics.median(imports):.1f} "
+              f"[{min(imports):.1f}-{max(imports):.1f}] | first call {statistics.median(calls):.1f} "
+              f"[{min(calls):.1f}-{max(calls):.1f}] | total {statistics.median(totals):.1f} "
+              f"[{min(totals):.1f}-{max(totals):.1f}]")
 
 
 def host_us(fn, calls):
@@ -34,7 +114,11 @@ def main():
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="also print the N functions with the most cumulative host time (cProfile)")
+    p.add_argument("--fresh", type=int, default=5, metavar="N",
+                   help="fresh processes for the first call's figures (0: skip them)")
     args = p.parse_args()
+    if args.fresh:
+        print_first_calls(args.fresh)
     q, k, v, dout = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     out, lse = flash_attn_fwd(q, k, v)
     grads = [torch.empty_like(x) for x in (q, k, v)]

@@ -13,8 +13,17 @@ from .api import backward, backward_workspace_bytes, default_library, forward  #
 from .arrays import DeviceArray  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
-from .variants import MATRIX, Variant  # noqa: E402
+from .variants import Variant  # noqa: E402
 from .varlen import forward_varlen  # noqa: E402
 from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
+
+
+def __getattr__(name: str):
+    if name == "MATRIX":  # built on first use (fa4_aot.variants.matrix)
+        from .variants import matrix
+
+        return matrix()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["forward", "forward_varlen", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

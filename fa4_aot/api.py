@@ -70,7 +70,7 @@ def _check_built(manifest, axes: dict, q_tiles: int | None) -> None:
     the arch) with ``q_tiles`` (None: any) are built for some architecture of this
     manifest: asked before the device, so a request no device could serve says so even
     where there is none."""
-    archs = sorted({v.arch for v in manifest.variants}) or ["sm90a"]
+    archs = manifest.archs or ["sm90a"]
     tiles = (1, 2) if q_tiles is None else (q_tiles,)
     if not any(manifest.built(**axes, arch=arch, q_tiles=t) for arch in archs for t in tiles):
         manifest.find(**axes, arch=archs[0], q_tiles=tiles[0])  # raises
@@ -93,24 +93,33 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     nothing waits for the GPU. Every bad argument raises a fa4_aot.Fa4AotError before
     anything is launched, and before the driver is asked where no driver is needed.
     """
-    repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles), stream)
-    if repeat is not None and (library or default_library()).launch_again(repeat):
+    arrays = (q, k, v, out, lse)
+    repeat = _repeat_key("fwd", arrays, (softmax_scale, causal, q_tiles), stream)
+    if repeat is not None and (library or _default_library or default_library()).launch_again(repeat):
         return
-    _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, (repeat,) if repeat else ())
+    _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
+             ((repeat, arrays),) if repeat else ())
 
 
 def _repeat_key(kind: str, arrays, options, stream):
     """A call of DeviceArrays on an int stream, as given: the key a repeated call with the
     same arguments is launched again under at once (its checks were made the first time;
-    the host path, benchmarks/launch_overhead.py); None for other arguments."""
-    if type(stream) is not int or not all(type(a) is DeviceArray for a in arrays):
+    the host path, benchmarks/launch_overhead.py); None for other arguments. The arrays
+    are named by id, which hashes at C speed (a DeviceArray's own hash is Python code):
+    the plan kept under the key pins them (``KernelLibrary.launch``'s aliases), so no
+    other array takes an id while the key is kept, and a DeviceArray cannot change."""
+    if type(stream) is not int:
         return None
-    return (kind, *arrays, *options, stream)
+    for a in arrays:
+        if type(a) is not DeviceArray:
+            return None
+    return (kind, *map(id, arrays), *options, stream)
 
 
 def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
-    """``forward``; its launches kept under ``aliases`` too (keys an adapter computes from
-    its own arrays, for its repeated calls: fa4_aot.torch)."""
+    """``forward``; its launches kept under ``aliases`` too ((key, pinned) pairs: keys an
+    adapter computes from its own arrays, for its repeated calls, as fa4_aot.torch's, or
+    the raw API's; KernelLibrary.launch)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
     arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse}, stream)
@@ -189,12 +198,12 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     None picks by seqlen_k (backward_row). ``stream``: as for ``forward``. Asynchronous,
     allocation-free; bad arguments raise as in ``forward``.
     """
-    repeat = _repeat_key("bwd", (q, k, v, out, dout, lse, dq, dk, dv, workspace),
-                         (softmax_scale, causal, deterministic, q_tiles), stream)
-    if repeat is not None and (library or default_library()).launch_again(repeat):
+    arrays = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
+    repeat = _repeat_key("bwd", arrays, (softmax_scale, causal, deterministic, q_tiles), stream)
+    if repeat is not None and (library or _default_library or default_library()).launch_again(repeat):
         return
     _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
-              stream, library, (repeat,) if repeat else ())
+              stream, library, ((repeat, arrays),) if repeat else ())
 
 
 def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,

@@ -12,6 +12,16 @@ except ImportError as e:  # pragma: no cover - cuda-bindings is a hard dependenc
     raise ImportError("fa4_aot needs cuda-bindings (pip install cuda-bindings)") from e
 
 
+SUCCESS = cu.CUresult.CUDA_SUCCESS
+
+
+def failed(fn, status) -> CudaError:
+    """The typed error for ``fn``'s non-success ``status``."""
+    _, name = cu.cuGetErrorName(status)
+    _, text = cu.cuGetErrorString(status)
+    return CudaError(fn.__name__, name.decode() if name else status, text.decode() if text else "")
+
+
 def call(fn, *args):
     """Call a driver function; return its results without the status, or raise CudaError."""
     try:
@@ -19,11 +29,8 @@ def call(fn, *args):
     except RuntimeError as e:  # the driver library could not be loaded or lacks the symbol
         raise NoDeviceError(str(e)) from e
     status, rest = result[0], result[1:]
-    if status != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(status)
-        _, text = cu.cuGetErrorString(status)
-        raise CudaError(fn.__name__, name.decode() if name else status,
-                        text.decode() if text else "")
+    if status != SUCCESS:
+        raise failed(fn, status)
     if not rest:
         return None
     return rest[0] if len(rest) == 1 else rest

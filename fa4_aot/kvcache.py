@@ -28,7 +28,7 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _repeat_key, _tma_tensor, default_library
+from .api import LOG2E, _check_built, _tma_tensor, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_of
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
@@ -158,9 +158,11 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     """
     library = library or default_library()
     # a repeated call of DeviceArrays on an int stream: its launches again, as packed
-    given = [a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None]
-    repeat = _repeat_key("kvcache", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
-                                            policy.DECODE_TURN_STRIDE), stream)
+    given = (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table)
+    repeat = None
+    if type(stream) is int and all(a is None or type(a) is DeviceArray for a in given):
+        # DeviceArrays by value (they cannot change), so the key holds no id to reuse
+        repeat = ("kvcache", *given, causal, softmax_scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
     if repeat is not None and library.launch_again(repeat):
         return
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)

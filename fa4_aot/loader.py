@@ -12,21 +12,21 @@ caller's stream, so it can be captured into a CUDA graph once ``preload`` has ru
 the caller keys (``launch(..., key=)``; fa4_aot.api keys every call by its arrays and
 options) keeps its packed launches, and ``launch_again(key)`` repeats them: the same
 arrays, options and stream give the same parameters, so the checks and the packing are
-not done twice (PLANS_KEPT calls kept, least recently used dropped).
+not done twice (PLANS_KEPT calls kept, least recently used dropped). A repeat asks the
+driver one question (the current context) before its launches; numpy is not imported.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
 
-import numpy as np
-
 from . import abi, tma
-from .driver import call, compute_capability, cu, device_name, init, multiprocessor_count
+from .driver import SUCCESS, call, compute_capability, cu, device_name, failed, init, multiprocessor_count
 from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
 from .variants import arch_for_capability
@@ -76,7 +76,8 @@ class KernelLibrary:
         self._sm_counts: dict[int, int] = {}
         self._events: dict[int, object] = {}  # context handle -> CUevent (stream waits)
         self._lock = threading.RLock()
-        # key -> (device, context, stream, [(function, launch config, pointer array, buffer)])
+        # key -> (device, context handle, stream, ((function, launch config, parameter pointers'
+        # address, (pointer array, buffer)), ...), objects the key names by id)
         self._plans: OrderedDict = OrderedDict()
 
     @property
@@ -95,11 +96,12 @@ class KernelLibrary:
             init()
             cc = compute_capability(device)
             arch = arch_for_capability(cc)
-            built = sorted({r["arch"] for r in self.manifest.data["kernels"]})
-            if arch is None or arch not in {v.arch for v in self.manifest.variants}:
+            built = self.manifest.archs
+            if arch is None or arch not in built:
+                spelt = sorted({v.gpu_arch for v in self.manifest.variants})
                 raise ArchitectureError(
                     f"device {device} ({device_name(device)}) is sm_{cc[0]}{cc[1]}; the kernels here "
-                    f"are built for {', '.join(built) or 'nothing'}. Use a GPU of that architecture."
+                    f"are built for {', '.join(spelt) or 'nothing'}. Use a GPU of that architecture."
                 )
             self._archs[device] = arch
         return arch
@@ -121,8 +123,8 @@ class KernelLibrary:
             raise DriverTooOldError(
                 f"the CUDA driver supports CUDA {version // 1000}.{version % 1000 // 10}; these "
                 f"cubins need {floor // 1000}.{floor % 1000 // 10} or newer "
-                f"({self.manifest.data['driver_floor'].get('why', '')}). Update the NVIDIA driver "
-                f"(to {self.manifest.data['driver_floor'].get('driver', 'a newer one')} or later)."
+                f"({self.manifest.head['driver_floor'].get('why', '')}). Update the NVIDIA driver "
+                f"(to {self.manifest.head['driver_floor'].get('driver', 'a newer one')} or later)."
             )
         cc = compute_capability(device)
         if list(cc) != list(row["compute_capability"]):
@@ -198,8 +200,10 @@ class KernelLibrary:
         ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
         options of a call): the packed launches are kept under it for ``launch_again``.
         ``waits``: streams whose work so far ``stream`` waits for first (the producers of
-        __cuda_array_interface__ arrays made on other streams). ``aliases``: more keys for the
-        same launches (an adapter's, computed from its own arrays). ``append``: this row's
+        __cuda_array_interface__ arrays made on other streams). ``aliases``: (key, pinned)
+        pairs, more keys for the same launches (an adapter's, computed from its own arrays;
+        the raw API's, from its arguments' ids), each kept with ``pinned``, the objects it
+        names by id, so that no other object takes their ids while it is kept. ``append``: this row's
         launches are kept after those already under ``key`` (a call of two rows, such as
         decode and its combine, repeated as one)."""
         with _Context(device) as context:
@@ -218,43 +222,64 @@ class KernelLibrary:
                 if attrs:
                     config.attrs = attrs
                     config.numAttrs = len(attrs)
-                # `buffer` stays referenced until the call returns; the driver copies it.
-                call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
-                plan.append((fn, config, pointers, buffer))
+                # the driver copies the parameters; `buffer` and `pointers` stay referenced
+                # by the plan for its repeats
+                address = ctypes.addressof(pointers)
+                call(cu.cuLaunchKernelEx, config, fn, address, 0)
+                plan.append((fn, config, address, (pointers, buffer)))
             if key is not None:
-                with self._lock:
-                    if append and key in self._plans:
-                        plan = self._plans[key][3] + plan
-                    for name in (key, *aliases):
-                        self._plans[name] = (device, int(context.handle), stream, plan)
-                        self._plans.move_to_end(name)
-                    while len(self._plans) > PLANS_KEPT:
-                        self._plans.popitem(last=False)
+                if append:
+                    with self._lock:
+                        kept = self._plans.get(key)
+                    if kept is not None:
+                        plan = list(kept[3]) + plan
+                self._keep(((key, ()), *aliases), (device, int(context.handle), stream, tuple(plan)))
+
+    def _keep(self, names, entry) -> None:
+        """Keep ``entry`` (device, context, stream, launches) under each (key, pinned) of
+        ``names``, dropping the least recently used past PLANS_KEPT."""
+        device, context, stream, plan = entry[:4]
+        with self._lock:
+            for name, pinned in names:
+                self._plans[name] = (device, context, stream, plan, pinned)
+                self._plans.move_to_end(name)
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
 
     def launch_again(self, key, waits=(), aliases=()) -> bool:
         """Repeat the launches kept under ``key`` (same kernels, parameters and stream) and
         return True; False when none are kept, or they were made in another context.
         ``waits``: as for ``launch`` (the key's stream waits for them first); ``aliases``:
-        keys to keep the launches under too, as ``launch``'s."""
+        (key, pinned) pairs to keep the launches under too, as ``launch``'s."""
         entry = self._plans.get(key)
         if entry is None:
             return False
-        device, context_handle, stream, plan = entry
-        with _Context(device) as context:
-            if int(context.handle) != context_handle:
-                return False
-            if waits:
-                self._wait(context_handle, stream, waits)
-            for fn, config, pointers, _buffer in plan:
-                call(cu.cuLaunchKernelEx, config, fn, pointers.ctypes.data, 0)
-        with self._lock:
-            if key in self._plans:
-                self._plans.move_to_end(key)
-            for name in aliases:
-                self._plans[name] = entry
-            while len(self._plans) > PLANS_KEPT:
-                self._plans.popitem(last=False)
+        status, current = cu.cuCtxGetCurrent()
+        if status != SUCCESS or int(current) != entry[1]:
+            # not the plan's context current: the caller's on the plan's device, or its
+            # primary one, where that is the plan's
+            with _Context(entry[0]) as context:
+                if int(context.handle) != entry[1]:
+                    return False
+                self._repeat(entry, waits)
+        else:
+            self._repeat(entry, waits)
+        try:
+            self._plans.move_to_end(key)
+        except KeyError:  # dropped by another thread meanwhile
+            pass
+        if aliases:
+            self._keep(aliases, entry)
         return True
+
+    def _repeat(self, entry, waits) -> None:
+        """Launch a kept plan in the current context (which is the plan's)."""
+        if waits:
+            self._wait(entry[1], entry[2], waits)
+        for fn, config, address, _ in entry[3]:
+            status, = cu.cuLaunchKernelEx(config, fn, address, 0)
+            if status != SUCCESS:
+                raise failed(cu.cuLaunchKernelEx, status)
 
     def _wait(self, context: int, stream: int, waits) -> None:
         """Make ``stream`` wait for the work so far on each of ``waits`` (cuEventRecord on
@@ -324,9 +349,9 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
 
 
 def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
-    """The parameter buffer (uint8 array) and the array of per-slot pointers
-    cuLaunchKernelEx takes. Filled with struct.pack_into: a launch packs some 30 slots,
-    and numpy slice assignments cost microseconds each (host time per call,
+    """The parameter buffer (a ctypes uint8 array over a bytearray) and the array of
+    per-slot pointers (ctypes uint64) cuLaunchKernelEx takes. Filled with
+    struct.pack_into: a launch packs some 30 slots (host time per call,
     benchmarks/launch_overhead.py)."""
     slots = launch["params"]
     raw = bytearray(abi.buffer_size(slots))
@@ -348,7 +373,7 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
             struct.pack_into("<f", raw, at, values[slot["value"]])
         else:
             raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
-    buffer = np.frombuffer(raw, dtype=np.uint8)
-    base = buffer.ctypes.data
-    pointers = np.array([base + s["offset"] for s in slots], dtype=np.uint64)
+    buffer = (ctypes.c_uint8 * len(raw)).from_buffer(raw)  # keeps `raw` alive, fixes its size
+    base = ctypes.addressof(buffer)
+    pointers = (ctypes.c_uint64 * len(slots))(*[base + s["offset"] for s in slots])
     return buffer, pointers

@@ -1,27 +1,32 @@
 """manifest.json: the launch contract of every built cubin, read and checked.
 
-The manifest is written by build_kernels.py; see its rows for the fields. This module only
-reads: it checks the schema once at load, finds a row for a variant, and hands out cubin
-bytes after verifying their sha256.
+The manifest is written by build_kernels.py (its text laid out by ``dumps``); see its rows
+for the fields. This module reads it lazily: at load only the small header and the index
+(each row's variant and where its text lies) are decoded, and a row when it is first asked
+for, checked then; ``data`` decodes and checks the whole file (``fa4-aot verify``, list).
+Cubin bytes are handed out after their sha256 is verified, one file at a time.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 11  # 11: the decode and combine kinds; 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 12  # 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
 # dq_done counters (the postprocess waits per head, not for the whole main grid); 9: the
 # backward's split last wave (grid rule "split_tail", its counters and partial sums); 10:
-# backward rows carry their "config" and "workspace" rule (the run time reads them)
+# backward rows carry their "config" and "workspace" rule (the run time reads them); 12:
+# the "index" (each row's variant and text span), "kernels" last (11: another branch's)
 ROW_FIELDS = (
     "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
 )
@@ -29,6 +34,24 @@ KIND_FIELDS = {"bwd": ("config", "workspace"), "decode": ("config", "workspace")
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder()
+
+
+def dumps(head: dict, rows: list[dict]) -> str:
+    """The manifest's text: ``head``'s fields, then the index, then the rows ("kernels",
+    last). The index gives each row's variant and its text's span [start, length] in
+    characters from the "[" that opens "kernels", so a reader decodes only the rows it
+    needs (``Manifest``); any JSON reader still reads the whole."""
+    texts = [json.dumps(row, indent=1) for row in rows]
+    spans, at = {}, 2  # past "[\n"
+    for row, text in zip(rows, texts):
+        spans[row["name"]] = {"variant": row["variant"], "at": [at, len(text)]}
+        at += len(text) + 2  # and ",\n"
+    kernels = "[\n" + ",\n".join(texts) + "\n]"
+    head_text = json.dumps({**head, "schema": SCHEMA, "index": {"kernels_chars": len(kernels), "rows": spans}},
+                           indent=1)
+    return head_text[:-2] + ',\n "kernels": ' + kernels + "\n}\n"
 
 
 class Manifest:
@@ -36,47 +59,124 @@ class Manifest:
 
     def __init__(self, folder: Path | str = PACKAGE_DIR):
         self.folder = Path(folder)
-        path = self.folder / "manifest.json"
+        self.path = path = self.folder / "manifest.json"
         if not path.exists():
             raise ManifestError(
                 f"{path} does not exist: no kernels are built. Run `python build_kernels.py` "
                 "in the source tree, or install a wheel that ships cubins."
             )
         try:
-            self.data = json.loads(path.read_text())
-        except ValueError as e:
-            raise ManifestError(f"{path} is not valid JSON ({e}); rebuild or reinstall") from e
-        self._validate(path)
-        self.rows = {row["name"]: row for row in self.data["kernels"]}
+            self._text = path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ManifestError(f"cannot read {path} ({e}); rebuild or reinstall") from e
+        # the header and index, where the file has them as ``dumps`` lays them out; else
+        # (any other layout of the same JSON) everything, now
+        self.head, self._kernels_at = self._scan()
+        if self._kernels_at is None:
+            self.head = {k: v for k, v in self.data.items() if k not in ("kernels", "index")}
+            self.index = {r["name"]: {"variant": r["variant"]} for r in self.data["kernels"]}
+        self._check_head(self.head)
+        self.rows = _Rows(self)
         # find() and built() by their sorted axes: launches ask the same few questions again
         self._found: dict[tuple, dict] = {}
         self._built: dict[tuple, bool] = {}
         self._matching: dict[tuple, list] = {}
 
-    def _validate(self, path: Path) -> None:
-        missing = [k for k in TOP_FIELDS if k not in self.data]
+    def _scan(self) -> tuple[dict, int | None]:
+        """(the top-level fields before "kernels", where the "kernels" array starts), the
+        fields decoded one by one; (_, None) where the file is not laid out as ``dumps``
+        does (no index before "kernels", or its span not the array's)."""
+        text, head = self._text, {}
+        try:
+            i = _SPACE.match(text, 0).end()
+            if text[i] != "{":
+                return head, None
+            i += 1
+            while True:
+                i = _SPACE.match(text, i).end()
+                key, i = _DECODER.raw_decode(text, i)
+                i = _SPACE.match(text, i).end()
+                if text[i] != ":":
+                    return head, None
+                i = _SPACE.match(text, i + 1).end()
+                if key == "kernels":
+                    break
+                head[key], i = _DECODER.raw_decode(text, i)
+                i = _SPACE.match(text, i).end()
+                if text[i] != ",":
+                    return head, None
+                i += 1
+            index = head.pop("index", None)
+            end = i + index["kernels_chars"]
+            if text[i] != "[" or text[end - 1] != "]" or text[_SPACE.match(text, end).end()] != "}":
+                return head, None
+            self.index = index["rows"]
+            return head, i
+        except (ValueError, IndexError, KeyError, TypeError):
+            return head, None  # not the layout: data (below) says what is wrong, if anything
+
+    def _check_head(self, head: dict) -> None:
+        """The top-level fields (but "kernels", which a lazy read has not decoded) and schema."""
+        missing = [k for k in TOP_FIELDS if k not in head and k != "kernels"]
         if missing:
-            raise ManifestError(f"{path} lacks {missing}; rebuild with build_kernels.py")
-        if self.data["schema"] != SCHEMA:
+            raise ManifestError(f"{self.path} lacks {missing}; rebuild with build_kernels.py")
+        if head["schema"] != SCHEMA:
             raise ManifestError(
-                f"{path} has schema {self.data['schema']}, this fa4_aot reads {SCHEMA}; "
+                f"{self.path} has schema {head['schema']}, this fa4_aot reads {SCHEMA}; "
                 "rebuild the kernels with this version"
             )
-        for row in self.data["kernels"]:
-            lacking = [k for k in ROW_FIELDS if k not in row]
-            lacking += [k for k in KIND_FIELDS.get(row.get("variant", {}).get("kind"), ()) if k not in row]
-            lacking += [f"launches[{i}].{k}" for i, launch in enumerate(row.get("launches", []))
-                        for k in LAUNCH_FIELDS if k not in launch]
-            if lacking:
-                raise ManifestError(f"{path}: row {row.get('name')} lacks {lacking}")
+
+    @cached_property
+    def data(self) -> dict:
+        """The whole manifest, decoded and every row checked."""
+        try:
+            data = json.loads(self._text)
+        except ValueError as e:
+            raise ManifestError(f"{self.path} is not valid JSON ({e}); rebuild or reinstall") from e
+        missing = [k for k in TOP_FIELDS if k not in data]
+        if missing:
+            raise ManifestError(f"{self.path} lacks {missing}; rebuild with build_kernels.py")
+        self._check_head(data)
+        for row in data["kernels"]:
+            self._check_row(row)
+        return data
+
+    def _check_row(self, row) -> None:
+        lacking = [k for k in ROW_FIELDS if k not in row]
+        lacking += [k for k in KIND_FIELDS.get(row.get("variant", {}).get("kind"), ()) if k not in row]
+        lacking += [f"launches[{i}].{k}" for i, launch in enumerate(row.get("launches", []))
+                    for k in LAUNCH_FIELDS if k not in launch]
+        if lacking:
+            raise ManifestError(f"{self.path}: row {row.get('name')} lacks {lacking}")
+
+    def _row(self, name: str) -> dict:
+        """Row ``name`` (in the index), decoded from its span and checked."""
+        if self._kernels_at is None:
+            return next(r for r in self.data["kernels"] if r["name"] == name)
+        start, length = self.index[name]["at"]
+        start += self._kernels_at
+        try:
+            row, end = _DECODER.raw_decode(self._text, start)
+        except ValueError:
+            row, end = None, None
+        if not isinstance(row, dict) or row.get("name") != name or end != start + length:
+            raise ManifestError(f"{self.path}: the index's span of {name} does not hold that row; "
+                                "the file was edited: rebuild or reinstall")
+        self._check_row(row)
+        return row
 
     @property
     def driver_floor(self) -> int:
-        return int(self.data["driver_floor"]["cuda_version"])
+        return int(self.head["driver_floor"]["cuda_version"])
 
     @cached_property
     def variants(self) -> list[Variant]:
-        return [Variant.from_dict(r["variant"]) for r in self.data["kernels"]]
+        return [Variant.from_dict(entry["variant"]) for entry in self.index.values()]
+
+    @cached_property
+    def archs(self) -> list[str]:
+        """The matrix architectures built here ("sm90a", ...), sorted."""
+        return sorted({entry["variant"]["arch"] for entry in self.index.values()})
 
     def row(self, variant: Variant) -> dict:
         row = self.rows.get(variant.name)
@@ -90,8 +190,8 @@ class Manifest:
         key = tuple(sorted(axes.items()))
         rows = self._matching.get(key)
         if rows is None:
-            rows = self._matching[key] = [r for r in self.data["kernels"]
-                                          if all(r["variant"].get(axis) == value for axis, value in axes.items())]
+            rows = self._matching[key] = [self.rows[name] for name, entry in self.index.items()
+                                          if all(entry["variant"].get(axis) == value for axis, value in axes.items())]
         return rows
 
     def built(self, **axes) -> bool:
@@ -99,7 +199,7 @@ class Manifest:
         key = tuple(sorted(axes.items()))
         if key not in self._built:
             try:
-                self._built[key] = Variant(**axes).name in self.rows
+                self._built[key] = Variant(**axes).name in self.index
             except ValueError:
                 self._built[key] = False
         return self._built[key]
@@ -149,3 +249,27 @@ class Manifest:
         return data
 
 
+
+
+class _Rows(Mapping):
+    """A manifest's rows by name, each decoded on first use and kept."""
+
+    def __init__(self, manifest: Manifest):
+        self._manifest, self._decoded = manifest, {}
+
+    def __getitem__(self, name: str) -> dict:
+        row = self._decoded.get(name)
+        if row is None:
+            if name not in self._manifest.index:
+                raise KeyError(name)
+            row = self._decoded[name] = self._manifest._row(name)
+        return row
+
+    def __contains__(self, name) -> bool:
+        return name in self._manifest.index
+
+    def __iter__(self):
+        return iter(self._manifest.index)
+
+    def __len__(self) -> int:
+        return len(self._manifest.index)

@@ -4,17 +4,18 @@
     out = flash_attn_func(q, k, v, causal=True)          # differentiable
     out, lse = flash_attn_func(q, k, v, return_lse=True)
 
-This module imports torch; nothing else in fa4_aot does. Launches go to torch's current
-stream; outputs and the backward's workspace come from torch's caching allocator.
+This module and its siblings (``torch_autograd``: flash_attn_func and the custom ops;
+``torch_varlen``; ``torch_sdpa``) import torch; nothing else in fa4_aot does. Launches go
+to torch's current stream; outputs and the backward's workspace come from torch's
+caching allocator. ``flash_attn_func`` and the varlen functions are imported from their
+modules on first use (``_LAZY``).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from . import checks
+from . import api as _api
 from .api import _backward as _launch_backward
 from .api import _forward as _launch_forward
 from .api import backward_workspace_bytes, default_library
@@ -39,14 +40,26 @@ def as_device_array(t: torch.Tensor) -> DeviceArray:
 
 
 def _stream(t: torch.Tensor) -> int:
-    return torch.cuda.current_stream(t.device).cuda_stream
+    return _current_stream(t.get_device())
+
+
+# The raw handle of a device's current stream, as torch's own generated code asks for it,
+# without building the Stream object torch.cuda.current_stream(device).cuda_stream does;
+# the public spelling where this torch lacks the private one.
+_current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
 
 
 def _repeat_key(kind: str, tensors, options) -> tuple:
     """What determines a launch, read off torch tensors without building DeviceArrays:
     a call with outputs given whose key was launched before is launched again at once
-    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py)."""
-    return (kind, *((t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()) for t in tensors), *options)
+    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py).
+    No device: under unified addressing a pointer names its device."""
+    key = [kind]
+    for t in tensors:
+        key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    key += options
+    return tuple(key)
 
 
 def _given(**named) -> dict:
@@ -71,9 +84,11 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     Every option is keyword-only."""
     repeat, stream = None, None
     if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
-        stream = _stream(q)
-        repeat = _repeat_key("fwd", (q, k, v, out, lse), (softmax_scale, causal, q_tiles, stream))
-        if default_library().launch_again(repeat):
+        stream = _current_stream(q.get_device())
+        repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
+                  v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
+                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, stream)
+        if (_api._default_library or default_library()).launch_again(repeat):  # _repeat_key, spelt out
             return out, lse
     _check_tensors({"q": q, "k": k, "v": v}, _given(out=out, lse=lse))
     if out is None:
@@ -83,7 +98,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     stream = _stream(q) if stream is None else stream  # asked once a call
-    _launch_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, (repeat,) if repeat else ())
+    _launch_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else ())
     return out, lse
 
 
@@ -101,7 +116,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
         stream = _stream(q)
         repeat = _repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, stream))
-        if default_library().launch_again(repeat):
+        if (_api._default_library or default_library()).launch_again(repeat):
             return dq, dk, dv
     _check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                    {"lse": lse, **_given(dq=dq, dk=dk, dv=dv, workspace=workspace)})
@@ -116,103 +131,21 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     stream = _stream(q) if stream is None else stream  # asked once a call
     _launch_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
-                     (repeat,) if repeat else ())
+                     ((repeat, ()),) if repeat else ())
     return dq, dk, dv
 
 
-def _kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
-    """dout as the backward takes it: last dim contiguous, 16-byte-aligned strides."""
-    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
-        return dout.contiguous()
-    return dout
+# name -> the module that defines it, imported on first use: registering a custom op
+# costs milliseconds (torch.library reads the source of each) that a caller of
+# flash_attn_fwd / flash_attn_bwd alone need not spend.
+_LAZY = {"flash_attn_func": "torch_autograd", "_fwd_op": "torch_autograd", "_bwd_op": "torch_autograd",
+         "_FlashAttention": "torch_autograd", "flash_attn_varlen_func": "torch_varlen",
+         "flash_attn_varlen_fwd": "torch_varlen", "flash_attn_with_kvcache": "torch_kvcache"}
 
 
-class _FlashAttention(torch.autograd.Function):
-    """Eager autograd over the kernels: the custom ops below are what torch.compile traces,
-    but torch.library's per-call dispatch and aliasing checks cost about 100 us a forward
-    and 400 a backward on the H200's host (benchmarks/launch_overhead.py), several times
-    the launches themselves; eager calls take this path instead. Same kernels, same
-    results."""
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
 
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
-        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
-        ctx.mark_non_differentiable(lse)
-        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        if dout is None:
-            return None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
-                                    causal=ctx.causal, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None
-
-
-@torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-
-
-@_fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale, deterministic):
-    b, s_q, h_q, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h_q, s_q), dtype=torch.float32)
-
-
-@torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-            lse: torch.Tensor, causal: bool, softmax_scale: float,
-            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
-                          deterministic=deterministic)
-
-
-@_bwd_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
-
-
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
-                    causal: bool = False, deterministic: bool = False, return_lse: bool = False):
-    """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q
-    (and its lse, float32 (b, h_q, s_q), with ``return_lse``). FA4's names; every option
-    is keyword-only.
-
-    The gradient flows to q, k and v through the backward kernels (not through lse).
-    """
-    _check_tensors({"q": q, "k": k, "v": v})
-    scale = checks.softmax_scale(softmax_scale)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
-    if torch.compiler.is_compiling():  # traced: the registered custom ops
-        out, lse = _fwd_op(q, k, v, causal, scale, deterministic)
-    else:
-        out, lse = _FlashAttention.apply(q, k, v, causal, scale, deterministic)
-    return (out, lse) if checks.flag("return_lse", return_lse) else out
-
-
-from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)
-from .torch_kvcache import flash_attn_with_kvcache  # noqa: E402,F401  (decode against a KV cache)
+        return getattr(importlib.import_module(f"{__package__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,6 +12,7 @@ Imports nothing beyond the standard library: the runtime uses it to select kerne
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -127,7 +128,7 @@ class Variant:
 
     @classmethod
     def from_name(cls, name: str) -> "Variant":
-        for v in MATRIX:
+        for v in matrix():
             if v.name == name:
                 return v
         raise KeyError(name)
@@ -164,10 +165,27 @@ def _build_matrix() -> tuple[Variant, ...]:
 
 def matches(v: "Variant", key: str) -> bool:
     """Whether ``v`` has every axis value of a NOT_BUILT_REASONS key such as "kind=fwd,head_dim=192"."""
-    return all(str(getattr(v, axis)) == value for axis, value in (p.split("=") for p in key.split(",")))
+    return all(str(getattr(v, axis)) == value for axis, value in _parsed(key))
 
 
-MATRIX: tuple[Variant, ...] = _build_matrix()
+@functools.lru_cache(maxsize=None)
+def _parsed(key: str) -> tuple[tuple[str, str], ...]:
+    """A NOT_BUILT_REASONS key's (axis, value) pairs, split once: the matrix asks every
+    key of every candidate variant at import."""
+    return tuple(tuple(p.split("=")) for p in key.split(","))
+
+
+@functools.lru_cache(maxsize=1)
+def matrix() -> tuple[Variant, ...]:
+    """``MATRIX``, built on first use (some 5 ms): the run time selects from the manifest
+    and never needs it."""
+    return _build_matrix()
+
+
+def __getattr__(name: str):
+    if name == "MATRIX":  # every variant this release builds (``matrix()``)
+        return matrix()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def select(only: tuple[str, ...] = (), archs: tuple[str, ...] = ()) -> list[Variant]:
@@ -175,7 +193,7 @@ def select(only: tuple[str, ...] = (), archs: tuple[str, ...] = ()) -> list[Vari
     import fnmatch
 
     chosen = []
-    for v in MATRIX:
+    for v in matrix():
         if archs and v.arch not in archs:
             continue
         if only and not any(fnmatch.fnmatchcase(v.name, pat) for pat in only):
@@ -186,6 +204,6 @@ def select(only: tuple[str, ...] = (), archs: tuple[str, ...] = ()) -> list[Vari
 
 def nearest(kind: str, dtype: str, head_dim: int, causal: bool, arch: str | None = None) -> list[str]:
     """Names of built variants closest to a request, for error messages."""
-    pool = [v for v in MATRIX if v.kind == kind and (arch is None or v.arch == arch)]
+    pool = [v for v in matrix() if v.kind == kind and (arch is None or v.arch == arch)]
     pool.sort(key=lambda v: (v.dtype != dtype, abs(v.head_dim - head_dim), v.causal != causal))
     return [v.name for v in pool[:4]]

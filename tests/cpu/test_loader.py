@@ -1,5 +1,6 @@
 """The loader's refusals, each a typed error that names the fix; no GPU needed."""
 
+import ctypes
 import json
 import shutil
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from fa4_aot import loader, tma
+from fa4_aot import manifest as fa4_manifest
 from fa4_aot.api import backward_row, forward_row
 from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             ShapeError, UnsupportedVariantError)
@@ -46,6 +48,38 @@ def test_malformed_and_foreign_schema_manifests_are_refused(copy):
     path.write_text(json.dumps(data))
     with pytest.raises(ManifestError, match="symbol"):
         Manifest(copy)
+
+
+def test_the_manifest_decodes_the_rows_asked_for_each_as_the_whole_file_has_it(copy):
+    """The build lays the manifest out with an index (fa4_aot.manifest.dumps): a load
+    decodes the header and index, a row when it is asked for; every row so decoded, and
+    the header, equal the whole file's decoding. Another layout of the same JSON is read
+    whole, with the same rows."""
+    path = copy / "manifest.json"
+    whole = json.loads(path.read_text())
+    m = Manifest(copy)
+    assert m._kernels_at is not None and not m.rows._decoded  # read lazily: no row decoded yet
+    first = whole["kernels"][0]
+    assert m.rows[first["name"]] == first and list(m.rows._decoded) == [first["name"]]
+    assert m.head == {k: v for k, v in whole.items() if k not in ("kernels", "index")}
+    assert list(m.rows) == [r["name"] for r in whole["kernels"]] and len(m.rows) == len(whole["kernels"])
+    for row in whole["kernels"]:
+        assert m.rows[row["name"]] == row
+    assert [v.to_dict() for v in m.variants] == [r["variant"] for r in whole["kernels"]]
+    assert m.data == whole
+    path.write_text(json.dumps(whole))  # another layout: read whole
+    other = Manifest(copy)
+    assert other._kernels_at is None and dict(other.rows) == {r["name"]: r for r in whole["kernels"]}
+    # a span that no longer holds its row (row 0 one character shorter, row 1 one longer)
+    a, b = whole["kernels"][0], whole["kernels"][1]
+    text = fa4_manifest.dumps({k: v for k, v in whole.items() if k not in ("kernels", "index")}, whole["kernels"])
+    shorter, longer = {**a, "size": a["size"] // 10}, {**b, "size": b["size"] * 10}
+    edited = text.replace(json.dumps(a, indent=1), json.dumps(shorter, indent=1), 1)
+    path.write_text(edited.replace(json.dumps(b, indent=1), json.dumps(longer, indent=1), 1))
+    edited = Manifest(copy)
+    assert edited._kernels_at is not None
+    with pytest.raises(ManifestError, match="span"):
+        edited.rows[b["name"]]
 
 
 def test_corrupt_cubin_fails_its_checksum(copy):
@@ -122,8 +156,9 @@ def test_parameter_buffer_follows_the_plan(built, monkeypatch):
     sizes = {"batch": 3, "seqlen_q": 1000, "seqlen_k": 777, "heads_q": 8, "heads_kv": 2, "head_dim": 64}
     tensors = {n: {"ptr": 0x10000 * (i + 1), "shape": None, "strides": None, "itemsize": 2}
                for i, n in enumerate(("q", "k", "v", "o", "lse"))}
-    buffer, pointers = pack_params(row, launch, {**sizes, "scale_log2": 0.5}, tensors)
-    assert list(pointers - pointers[0]) == [p["offset"] for p in launch["params"]]
+    packed, pointers = pack_params(row, launch, {**sizes, "scale_log2": 0.5}, tensors)
+    assert [p - ctypes.addressof(packed) for p in pointers] == [p["offset"] for p in launch["params"]]
+    buffer = np.frombuffer(bytes(packed), dtype=np.uint8)
     by_name = {p["name"]: p for p in launch["params"]}
     at = lambda name: buffer[by_name[name]["offset"]:]  # noqa: E731
     assert bytes(at("tma_k")[:128]) == b"k" * 128
@@ -141,7 +176,8 @@ def test_backward_packs_strides_and_workspaces(built, monkeypatch):
               "stride.do.b": 7, "stride.do.s": 8, "stride.do.h": 9, "first_write": 1}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
         ("o", "do", "lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "tail_counters"))}
-    buffer, _ = pack_params(row, pre, values, tensors)
+    packed, _ = pack_params(row, pre, values, tensors)
+    buffer = np.frombuffer(bytes(packed), dtype=np.uint8)
     by_name = {p["name"]: p for p in pre["params"]}
     assert buffer[by_name["o_stride_b"]["offset"]:][:8].view(np.int64)[0] == 1 << 33
     assert buffer[by_name["heads_q"]["offset"]:][:4].view(np.int32)[0] == 4
@@ -409,7 +445,9 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     monkeypatch.setattr(library, "arch", lambda device: "sm90a")
     monkeypatch.setattr(library, "sm_count", lambda device: 132)
     monkeypatch.setattr(library, "functions", lambda row, device, context=None: [f"fn{i}" for i in range(len(row["launches"]))])
-    monkeypatch.setattr(loader, "call", lambda fn, *args: launches.append(args) if fn is loader.cu.cuLaunchKernelEx else None)
+    ok, current = loader.cu.CUresult.CUDA_SUCCESS, loader.cu.CUcontext(_FakeContext(0).handle)
+    monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (ok, current))
+    monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda *args: launches.append(args) or (ok,))
     monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes(128))
     real_pack, real_check = loader.pack_params, api.check_forward
     monkeypatch.setattr(loader, "pack_params", lambda *a: packs.append(1) or real_pack(*a))
@@ -427,6 +465,10 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     assert run(first) == (1, 1, 1)
     assert run(first) == (2, 1, 1)  # kept: launched as packed, nothing checked or packed
     assert launches[1] == launches[0]  # the same config, function and parameter pointers
+    same = bshd(b, s, h, d, ptr=BASE + (4 << 24))  # another DeviceArray, equal to `first`
+    assert run(same) == (3, 1, 1)  # kept by value too, and now under its id as well
+    assert run(same) == (4, 1, 1)
+    del launches[2:]
     assert run(bshd(b, s, h, d, ptr=BASE + (5 << 24))) == (3, 2, 2)  # another output array
     assert run(first, softmax_scale=0.1) == (4, 3, 3)  # another option
     assert run(first, stream=5) == (5, 4, 4)
@@ -435,6 +477,14 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     with pytest.raises(Fa4AotError):
         api.forward(q, k, v, bshd(b, s, h, d, ptr=BASE + 2), lse, library=library)
     assert len(launches) == 5
+
+    # The raw API's fast key names its arrays by id; the kept plan pins them, so an array
+    # made after one is dropped never takes a kept id and another's plan (CPython hands a
+    # freed object's memory, so its id, to the next object of its size).
+    packed = len(packs)
+    for i in range(40):
+        run(bshd(b, s, h, d, ptr=BASE + ((8 + i) << 24)))
+    assert len(packs) == packed + 40
 
     monkeypatch.setattr(loader, "PLANS_KEPT", 2)
     run(bshd(b, s, h, d, ptr=BASE + (6 << 24)))  # the least recently used keys are dropped

@@ -154,6 +154,8 @@ def test_the_loader_orders_the_launch_after_each_producer(built, monkeypatch):
     calls.clear()
     library._wait(7, 0x2000, ())
     assert calls == []
-    library._plans["k"] = (0, 7, 0x2000, [])
+    library._plans["k"] = (0, 7, 0x2000, [], ())
+    current = loader.cu.CUcontext(7)  # the plan's context: a repeat launches in it
+    monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (loader.cu.CUresult.CUDA_SUCCESS, current))
     assert library.launch_again("k", (0x1000,))
     assert [c[0] for c in calls] == ["cuEventRecord", "cuStreamWaitEvent"] and calls[1][1] == 0x2000

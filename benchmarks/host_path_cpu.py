@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""The Python portion of fa4_aot's host path, on a machine without a GPU.
+
+The driver calls are replaced by stubs that return success at once (a context, a
+function, a launch that does nothing), so what is timed is fa4_aot's own Python: the
+repeated-call fast paths of the raw API (``fa4_aot.forward`` with its DeviceArrays kept,
+on an int stream) and of the torch adapter (``fa4_aot.torch.flash_attn_fwd`` with outputs
+given), and the first call's Python in a fresh process (import; the manifest, the row,
+the cubin's sha256, the checks and the packing of the first forward).
+The GPU's figures (driver calls included) come from ``benchmarks/launch_overhead.py``.
+
+Run from the repository root, with the built manifest and cubins in fa4_aot/:
+    python benchmarks/host_path_cpu.py [--calls 20000] [--profile 15]
+The torch figure needs torch (a CPU build will do: the stubs stand in for CUDA); the
+stubbed ``Tensor.is_cuda`` and ``get_device`` are Python functions, slower than torch's
+own, so that figure is a little high.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FIRST_CALL = r"""
+import sys, time
+sys.path.insert(0, "benchmarks")
+start = time.perf_counter()
+import fa4_aot
+imported = time.perf_counter()
+from host_path_cpu import stub_driver
+stub_driver(load=True)
+b, s, h, d = 1, 128, 2, 64
+q, k, v, out = (fa4_aot.DeviceArray((1 << 32) + i * (1 << 20), (b, s, h, d), (s * h * d, h * d, d, 1), "bf16", 0)
+                for i in range(4))
+lse = fa4_aot.DeviceArray((1 << 32) + (4 << 20), (b, h, s), (h * s, s, 1), "fp32", 0)
+stubbed = time.perf_counter()
+fa4_aot.forward(q, k, v, out, lse, causal=True, stream=7)
+done = time.perf_counter()
+print(f"{(imported - start) * 1e3:.2f} {(done - stubbed) * 1e3:.2f}")
+"""
+
+
+def first_call(runs: int) -> tuple[float, float]:
+    """Medians (ms) over fresh processes: ``import fa4_aot``; then the first
+    ``fa4_aot.forward`` with the driver stubbed (the manifest, the row, the cubin read
+    and its sha256 checked, the checks, the parameters packed; no module loaded)."""
+    times = []
+    for _ in range(runs):
+        out = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, cwd=ROOT)
+        if out.returncode:
+            raise RuntimeError(out.stdout + out.stderr)
+        times.append(tuple(float(x) for x in out.stdout.split()))
+    return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+
+
+def stub_driver(load: bool = False):
+    """Every driver call the host path makes, answered at once; ``load``: a kernel's
+    first use still reads its cubin and checks its sha256 (the module load is stubbed)."""
+    import fa4_aot.loader as loader
+    from fa4_aot import tma
+
+    cu = loader.cu
+    ok = cu.CUresult.CUDA_SUCCESS
+    context = cu.CUcontext(7)
+    cu.cuCtxGetCurrent = lambda: (ok, context)
+    cu.cuCtxGetDevice = lambda: (ok, 0)
+    cu.cuLaunchKernelEx = lambda config, fn, params, extra: (ok,)
+    tma.encode = lambda recipe, ptr, *a: bytes(128)
+    loader.KernelLibrary.arch = lambda self, device: "sm90a"
+    loader.KernelLibrary.sm_count = lambda self, device: 132
+
+    def functions(self, row, device, context=None):
+        if load:
+            self.manifest.cubin(row)
+        return [object() for _ in row["launches"]]
+
+    loader.KernelLibrary.functions = functions
+
+
+def per_call_us(fn, calls: int, repeats: int = 5) -> float:
+    for _ in range(200):
+        fn()
+    best = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best.append((time.perf_counter() - start) / calls * 1e6)
+    return min(best)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--calls", type=int, default=20000)
+    p.add_argument("--fresh", type=int, default=5, help="fresh processes for the first call's figures")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's N costliest functions of each path")
+    args = p.parse_args()
+    imported, selected = first_call(args.fresh)
+    print(f"fresh process, ms (median of {args.fresh}): import fa4_aot {imported:.1f} | "
+          f"first forward, driver stubbed {selected:.1f}")
+
+    stub_driver()
+    import fa4_aot
+    from fa4_aot import DeviceArray
+
+    b, s, h, d = 1, 128, 2, 64
+    stride = (s * h * d, h * d, d, 1)
+    base = 1 << 32
+    q, k, v, out = (DeviceArray(base + i * (1 << 20), (b, s, h, d), stride, "bf16", 0) for i in range(4))
+    lse = DeviceArray(base + (4 << 20), (b, h, s), (h * s, s, 1), "fp32", 0)
+    paths = {"raw fa4_aot.forward (DeviceArrays kept)": lambda: fa4_aot.forward(q, k, v, out, lse, stream=7)}
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None:
+        import fa4_aot.torch as fa4_torch
+
+        torch.Tensor.is_cuda = property(lambda self: True)
+        torch.Tensor.get_device = lambda self: 0
+        fa4_torch._current_stream = lambda device: 7
+        fa4_torch._stream = lambda t: 7  # the adapter's stream query before it took a device index
+        fa4_torch.as_device_array = lambda t: DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+                                                          fa4_torch._DTYPES[t.dtype], 0)
+        tq, tk, tv, tout = (torch.empty(b, s, h, d, dtype=torch.bfloat16) for _ in range(4))
+        tlse = torch.empty(b, h, s)
+        paths["fa4_aot.torch.flash_attn_fwd (outputs given)"] = (
+            lambda: fa4_torch.flash_attn_fwd(tq, tk, tv, out=tout, lse=tlse))
+    for name, fn in paths.items():
+        print(f"{name}: {per_call_us(fn, args.calls):.2f} us a call (Python only, driver stubbed)")
+        if args.profile:
+            import cProfile
+            import pstats
+
+            profile = cProfile.Profile()
+            profile.runcall(per_call_us, fn, args.calls, 1)
+            pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
