@@ -175,3 +175,29 @@ def test_cuda_graph_replays_with_new_lengths(gen):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, lse, q, k, v, lengths, False)
+
+
+def test_a_repeated_call_launches_decode_and_combine_again(gen):
+    """DeviceArrays on an int stream: the second call repeats the kept launches (both the
+    split decode and its combine): the outputs, poisoned in between, come back the same."""
+    from fa4_aot.torch import as_device_array
+
+    batch, sq, hq, hkv, d, max_cache = 2, 1, 32, 8, 128, 8192
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v, _, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, None, gen)
+    lengths = torch.tensor([8192, 5000], dtype=torch.int32, device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+    need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, max_cache, num_splits=4)
+    space = torch.empty(need, dtype=torch.uint8, device="cuda")
+    args = [as_device_array(t) for t in (q, k, v, out, lse, lengths, space)]
+    stream = torch.cuda.current_stream().cuda_stream
+    fa4_aot.forward_kvcache(*args, num_splits=4, stream=stream)
+    torch.cuda.synchronize()
+    first, first_lse = out.clone(), lse.clone()
+    _check(out, lse, q, k, v, lengths, False)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    fa4_aot.forward_kvcache(*args, num_splits=4, stream=stream)
+    torch.cuda.synchronize()
+    assert torch.equal(out, first) and torch.equal(lse, first_lse)
