@@ -14,6 +14,7 @@ from .arrays import DeviceArray  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
 from .variants import MATRIX, Variant  # noqa: E402
-from .varlen import forward_varlen  # noqa: E402
+from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen  # noqa: E402
 
-__all__ = ["forward", "forward_varlen", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]
+__all__ = ["forward", "forward_varlen", "backward", "backward_varlen", "backward_workspace_bytes",
+           "backward_varlen_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

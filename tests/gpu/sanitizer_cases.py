@@ -60,7 +60,8 @@ def split_tail_cases():
     library.sm_count = lambda device: SPLIT_SM_COUNT
     library.launch_again = lambda key, waits=(), aliases=(): False  # launch plans are kept by arrays, not SM counts
     rows = {v.head_dim: library.manifest.row(v) for v in MATRIX
-            if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic}
+            if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic
+            and not v.varlen}
     dims = sorted(d for d, row in rows.items() if row["config"]["tail_split"])
     for d in dims:
         config, most = rows[d]["config"], rows[d]["workspace"]["constants"]["tail_max_tiles"]

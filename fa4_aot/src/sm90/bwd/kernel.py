@@ -158,6 +158,64 @@ class FlashBwdSm90:
             mK.shape[1], h_q, scale, first_write,
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
 
+    @cute.jit
+    def varlen_call(
+        self,
+        mQ: cute.Tensor,  # (1, total_q, h_q, d): packed sequences
+        mK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mV: cute.Tensor,  # (1, total_k, h_kv, d)
+        mO: cute.Tensor,  # (1, total_q, h_q, d)
+        mdO: cute.Tensor,  # (1, total_q, h_q, d)
+        mdQ: cute.Tensor,  # (1, total_q, h_q, d)
+        mdK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mdV: cute.Tensor,  # (1, total_k, h_kv, d)
+        mLSE: cute.Tensor,  # (h_q, total_q) float32, contiguous, from the forward
+        mLSE2: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace (config.varlen_workspace_rule)
+        mDsum: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace
+        mdQacc: cute.Tensor,  # (chains, ws_tiles * tile_m, h_q, d) float32 workspace
+        mSem: cute.Tensor,  # (chains, h_q, ws_tiles) int32 workspace
+        mDone: cute.Tensor,  # (b, h_q) int32 workspace
+        scale: Float32,
+        scale_log2: Float32,
+        turn_tiles: Int32,
+        first_write: Int32,
+        mCuQ: cute.Tensor,  # (b + 1,) int32: each sequence's first query row, then total_q
+        mCuK: cute.Tensor,  # (b + 1,) int32
+        mUsedQ: cute.Tensor,  # (b,) int32: query rows used (read where use_used_q)
+        mUsedK: cute.Tensor,  # (b,) int32
+        use_used_q: Int32,
+        use_used_k: Int32,
+    ):
+        """The varlen backward: as ``__call__``, sequences located by cu_seqlens (and
+        seqused): the row kernels one block per (query tile of a sequence, head), the main
+        kernel one CTA per (key tile of a sequence, KV head), the sequences' tiles back to
+        back (grids of ceil(total / tile) + b, which bound every sequence's tiles)."""
+        total_q, h_q, batches = mQ.shape[1], mQ.shape[2], mCuQ.shape[0] - 1
+        rows_grid = (cute.ceil_div(total_q, self.cfg.tile_m) + batches, h_q, 1)
+        self.rows.preprocess_varlen(
+            mO.iterator, mO.stride[1], mO.stride[2], mdO.iterator, mdO.stride[1], mdO.stride[2],
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
+            total_q, h_q, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q, batches,
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
+
+        q, k, v, do, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdQacc)]
+        (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, _, _, _, _, tma_dq, gdq, tma_dq_store,
+         s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, None, None, dq_acc)
+        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n) + batches, k.shape[2], 1)
+        self.kernel_varlen(
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, mdK.iterator, mdK.stride[1], mdK.stride[2],
+            mdV.iterator, mdV.stride[1], mdV.stride[2], tma_dq, gdq, tma_dq_store,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
+            turn_tiles, first_write, mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator,
+            use_used_q, use_used_k, batches, s_q_tile, s_kv_all, s_ds, s_dq,
+        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+
+        self.rows.postprocess_varlen(
+            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[1], mdQ.stride[2],
+            total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
+            mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1],
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors (q, do, k, v, dk, dv (None
         varlen), the dQ accumulator's reduce and store (None in fragment order)), its shared
