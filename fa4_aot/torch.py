@@ -213,4 +213,4 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     return (out, lse) if checks.flag("return_lse", return_lse) else out
 
 
-from .torch_varlen import flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401  (packed sequences)
+from .torch_varlen import flash_attn_varlen_bwd, flash_attn_varlen_func, flash_attn_varlen_fwd  # noqa: E402,F401,E501
