@@ -14,7 +14,7 @@ from .arrays import DeviceArray  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
 from .variants import Variant  # noqa: E402
-from .varlen import forward_varlen  # noqa: E402
+from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen  # noqa: E402
 from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
 
 
@@ -26,4 +26,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["forward", "forward_varlen", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]
+__all__ = ["forward", "forward_varlen", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
+           "backward_varlen_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

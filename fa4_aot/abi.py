@@ -144,6 +144,62 @@ def bwd_postprocess_plan() -> list[dict]:
     return with_offsets(slots)
 
 
+def _strides_sh(tensor: str) -> list[dict]:
+    """A packed (total, h, d) tensor's row and head strides (elements)."""
+    return [_slot(f"{tensor}_stride_{a}", "i64", fields=[f"stride.{tensor}.{a}"]) for a in "sh"]
+
+
+def _i32s(*names) -> list[dict]:
+    return [_slot(n, "i32", fields=[n]) for n in names]
+
+
+def _ptrs(*names) -> list[dict]:
+    return [_slot(n, "ptr", tensor=n) for n in names]
+
+
+def bwd_varlen_preprocess_plan() -> list[dict]:
+    """PrePostSm90.preprocess_varlen: packed O and dO rows, LSE (h_q, total_q) in, the
+    workspace out, the query sequences' metadata."""
+    slots = [_slot("o", "ptr", tensor="o"), *_strides_sh("o"), _slot("do", "ptr", tensor="do"), *_strides_sh("do")]
+    slots += _ptrs("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done")
+    slots += _i32s("total_q", "heads_q", "first_write")
+    slots += _ptrs("cu_seqlens_q", "seqused_q") + _i32s("use_seqused_q", "batch")
+    return with_offsets(slots)
+
+
+def bwd_varlen_main_plan(dq_tensor_map: bool = True) -> list[dict]:
+    """FlashBwdSm90.kernel_varlen: packed Q, dO, K, V as (total, d, h, 1) tensor maps, dK and
+    dV by address and (row, head) strides, the dQ accumulator (a tensor map over its
+    (ws_rows, h_q, chains) rows unless in fragment order), workspaces, scales, metadata."""
+    maps = [("q", ["total_q", "heads_q", "one"]), ("do", ["total_q", "heads_q", "one"]),
+            ("k", ["total_k", "heads_kv", "one"]), ("v", ["total_k", "heads_kv", "one"])]
+    slots = []
+    for tensor, sizes in maps:
+        slots.append(_slot(f"tma_{tensor}", "tensormap", tensor=tensor))
+        slots.append(_slot(f"{tensor}_coords", "i32", fields=sizes))
+    for tensor in ("dk", "dv"):
+        slots += [_slot(tensor, "ptr", tensor=tensor), *_strides_sh(tensor)]
+    if dq_tensor_map:
+        slots.append(_slot("tma_dq_accum", "tensormap", tensor="dq_accum"))
+        slots.append(_slot("dq_accum_coords", "i32", fields=["ws_rows", "heads_q", "chains"]))
+        slots.append(_slot("tma_dq_accum_store", "tensormap", tensor="dq_accum"))
+    slots += _ptrs("lse2", "dsum", "dq_semaphore", "dq_accum", "dq_done")
+    slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
+    slots += _i32s("turn_tiles", "first_write")
+    slots += _ptrs("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
+    slots += _i32s("use_seqused_q", "use_seqused_k", "batch")
+    return with_offsets(slots)
+
+
+def bwd_varlen_postprocess_plan() -> list[dict]:
+    """PrePostSm90.postprocess_varlen: the fp32 accumulator to packed dQ rows."""
+    slots = _ptrs("dq_accum", "dq_semaphore", "dq_done", "dq") + _strides_sh("dq")
+    slots += _i32s("total_q", "heads_q") + [_slot("scale", "f32", value="scale")] + _i32s("first_write")
+    slots += _ptrs("cu_seqlens_q", "seqused_q") + _i32s("use_seqused_q")
+    slots += _ptrs("cu_seqlens_k", "seqused_k") + _i32s("use_seqused_k", "batch", "total_k")
+    return with_offsets(slots)
+
+
 def with_offsets(slots: list[dict]) -> list[dict]:
     """Lay slots out back to back, each at its alignment, as PTX parameters are."""
     offset = 0

@@ -157,7 +157,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
                        **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
     axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
-            "deterministic": checks.flag("deterministic", deterministic)}
+            "deterministic": checks.flag("deterministic", deterministic), "varlen": False}
     if dtype is not None:
         axes["dtype"] = dtype
     rows = library.manifest.matching(**axes)

@@ -140,7 +140,8 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 # flash_attn_fwd / flash_attn_bwd alone need not spend.
 _LAZY = {"flash_attn_func": "torch_autograd", "_fwd_op": "torch_autograd", "_bwd_op": "torch_autograd",
          "_FlashAttention": "torch_autograd", "flash_attn_varlen_func": "torch_varlen",
-         "flash_attn_varlen_fwd": "torch_varlen", "flash_attn_with_kvcache": "torch_kvcache"}
+         "flash_attn_varlen_fwd": "torch_varlen", "flash_attn_varlen_bwd": "torch_varlen",
+         "flash_attn_with_kvcache": "torch_kvcache"}
 
 
 def __getattr__(name: str):

@@ -4,8 +4,8 @@
     from fa4_aot.torch import flash_attn_varlen_func
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
 
-The forward only, for now: the varlen backward is not built, so a gradient through this
-raises UnsupportedVariantError (fa4_aot.variants.NOT_BUILT_REASONS).
+Differentiable (the gradient flows to q, k and v through fa4_aot.backward_varlen) and
+traceable by torch.compile: both directions are custom ops.
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ import math
 import torch
 
 from .arrays import DeviceArray
-from .errors import DeviceError, DTypeError, UnsupportedVariantError
-from .varlen import forward_varlen
+from .errors import DeviceError, DTypeError
+from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen
 
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.uint8: "u8"}
 
 
 def _array(t: torch.Tensor) -> DeviceArray:
@@ -48,28 +49,76 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
 def _fwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, causal: bool,
-                   softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                  seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale)
 
 
 @_fwd_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-      softmax_scale):
+      softmax_scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
-def _no_backward(ctx, dout, dlse):
-    raise UnsupportedVariantError("the variable-length backward is not built yet: flash_attn_varlen_func "
-                                  "computes the forward only (fa4_aot.variants.NOT_BUILT_REASONS)")
+def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                          max_seqlen_k: int, *, seqused_q=None, seqused_k=None, causal: bool = False,
+                          softmax_scale: float | None = None, deterministic: bool = False, dq=None, dk=None, dv=None,
+                          workspace=None):
+    """(dq, dk, dv) like q, k, v; see fa4_aot.backward_varlen. Rows of no sequence are left
+    as allocated (zeroed here, so that autograd sums them as no gradient); the workspace
+    (uint8) comes from torch's allocator unless given."""
+    dq = torch.zeros_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.zeros_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if workspace is None:
+        size = backward_varlen_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
+                                               causal=causal, deterministic=deterministic,
+                                               dtype=_DTYPES.get(q.dtype))
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    used = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
+    backward_varlen(*(_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
+                    int(max_seqlen_q), int(max_seqlen_k), _array(workspace), causal=causal,
+                    softmax_scale=softmax_scale, deterministic=deterministic,
+                    stream=torch.cuda.current_stream(q.device).cuda_stream, **used)
+    return dq, dk, dv
 
 
-def _remember(ctx, inputs, output):
-    pass
+@torch.library.custom_op("fa4_aot::bwd_varlen", mutates_args=(), device_types="cuda")
+def _bwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
+                   max_seqlen_k: int, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, causal: bool,
+                   softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
+        dout = dout.contiguous()  # last dim contiguous, 16-byte-aligned strides
+    return flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                                 softmax_scale=softmax_scale, deterministic=deterministic)
 
 
-_fwd_varlen_op.register_autograd(_no_backward, setup_context=_remember)
+@_bwd_varlen_op.register_fake
+def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+      causal, softmax_scale, deterministic):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+     softmax_scale, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
+    dq, dk, dv = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen, seqused_q,
+                                seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_fwd_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -77,9 +126,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
                            deterministic: bool = False, return_lse: bool = False):
     """flash-attn's varlen attention: q (total_q, h_q, d), k, v (total_k, h_kv, d),
     cu_seqlens int32 (batch + 1,) on the device, max_seqlen ints from the caller; see
-    fa4_aot.forward_varlen. Traceable by torch.compile (a custom op). ``deterministic``:
-    the forward always is."""
+    fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
+    torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
+    order (the forward always is)."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
     out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                              seqused_q, seqused_k, bool(causal), scale)
+                              seqused_q, seqused_k, bool(causal), scale, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -39,7 +39,6 @@ AXES = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "bwd": {"varlen": (False,)},
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
 }
@@ -47,7 +46,7 @@ KIND_AXES = {
 NOT_BUILT_REASONS = {
     "arch=sm100a": "no Blackwell kernel is written yet; the sm90a kernels use wgmma, "
     "which sm_100a does not have",
-    "kind=bwd,varlen=True": "the variable-length (cu_seqlens) backward is not written yet",
+    "kind=bwd,varlen=True,q_tiles=2": "packed sequences take one query tile per backward step",
     "kind=fwd,varlen=True,q_tiles=2": "packed sequences take one query tile per CTA",
     "cta_mode=2": "2-CTA mode (cluster pairs that add dQ before the reduce) measured slower than one CTA "
     "on sm90a; not built (docs/design.md, \"What was tried and rejected\")",

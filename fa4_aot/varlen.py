@@ -1,5 +1,6 @@
 """Attention over packed variable-length sequences (cu_seqlens), from raw pointers or any
-framework's arrays: the forward (``forward_varlen``).
+framework's arrays: the forward (``forward_varlen``) and the backward (``backward_varlen``,
+its workspace sized by ``backward_varlen_workspace_bytes``).
 
 Layouts (flash-attn's): q, out (total_q, heads_q, head_dim); k, v (total_k, heads_kv,
 head_dim); lse (heads_q, total_q) float32, contiguous; cu_seqlens_q, cu_seqlens_k int32
@@ -14,12 +15,16 @@ numbers at worst and is never read or written out of bounds.
 
 from __future__ import annotations
 
-from . import checks
+import math
+
+from . import checks, policy
+from . import workspace as ws
 from .api import LOG2E, _check_built, _tma_tensor, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
+from .checks import check_backward as _check_dense_backward
 from .checks import check_forward as _check_dense
-from .errors import DTypeError, LayoutError, ShapeError
+from .errors import DTypeError, LayoutError, ShapeError, UnsupportedVariantError
 from .loader import KernelLibrary
 
 
@@ -116,4 +121,111 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
               "stride.o.s": arrays["out"].strides[0], "stride.o.h": arrays["out"].strides[1],
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays)}
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+
+
+def _varlen_workspace_values(rule: dict, sizes: dict) -> dict:
+    """The varlen workspace rule's names (config.varlen_workspace_rule) for a problem:
+    ws_tiles = ceil(total_q / query_tile) + batch query tiles per head (sequence b's from
+    cu_seqlens_q[b] // query_tile + b), ws_rows their rows."""
+    tile = rule["constants"]["query_tile"]
+    ws_tiles = -(-sizes["total_q"] // tile) + sizes["batch"]
+    return {**sizes, **rule["constants"], "ws_tiles": ws_tiles, "ws_rows": ws_tiles * tile}
+
+
+def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head_dim: int, *, causal: bool = False,
+                                    deterministic: bool = False, dtype: str | None = None,
+                                    library: KernelLibrary | None = None) -> int:
+    """Bytes of device memory ``backward_varlen`` needs as its ``workspace``: for packed
+    queries of ``total_q`` rows in ``batch`` sequences (called with the same ``causal`` and
+    ``deterministic``). The most any built varlen backward of this head_dim (and dtype,
+    where given) needs; no GPU needed."""
+    checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
+    library = library or default_library()
+    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
+            "deterministic": checks.flag("deterministic", deterministic), "varlen": True}
+    if dtype is not None:
+        axes["dtype"] = dtype
+    rows = library.manifest.matching(**axes)
+    if not rows:
+        raise UnsupportedVariantError(f"no varlen backward kernel is built for {axes}")
+    sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
+    return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _varlen_workspace_values(r["workspace"], sizes)))
+               for r in rows)
+
+
+def check_backward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
+    """Every rule the host can check without the device: the forward's (check_forward_varlen)
+    and the gradients' shapes, dtypes and layouts; returns the launch's sizes."""
+    sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    packed = sizes["packed"]
+    grads = {n: _as_packed(arrays[n]) for n in ("dout", "dq", "dk", "dv")}
+    _check_dense_backward(packed["q"], packed["k"], packed["v"], packed["out"], grads["dout"], _lse_4d(arrays["lse"]),
+                          grads["dq"], grads["dk"], grads["dv"])
+    sizes["packed"] = {**packed, **grads}
+    return sizes
+
+
+def _lse_4d(lse: DeviceArray) -> DeviceArray:
+    """(h_q, total_q) as the dense checks' (1, h_q, total_q) (check_forward_varlen has
+    checked its shape)."""
+    return DeviceArray(lse.ptr, (1, *lse.shape), (lse.shape[0] * lse.shape[1], *lse.strides), lse.dtype, lse.device)
+
+
+def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                    max_seqlen_k: int, workspace, *, seqused_q=None, seqused_k=None, causal: bool = False,
+                    softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
+                    library: KernelLibrary | None = None) -> None:
+    """Gradients dq, dk, dv of ``forward_varlen``'s out for the upstream gradient dout.
+
+    q, k, v, out, lse, the metadata, causal and the scale: as given to and produced by
+    ``forward_varlen``. dout, dq: (total_q, heads_q, head_dim) like q; dk, dv like k; rows
+    of no sequence (past seqused, or past the last cu_seqlens) are not written. workspace:
+    contiguous device memory of ``backward_varlen_workspace_bytes(total_q, batch, heads_q,
+    head_dim, causal=causal, deterministic=deterministic)`` bytes, 256-byte aligned, any
+    contents. ``deterministic``: repeated runs are bitwise identical. GQA/MQA as for
+    ``backward``. A sequence with no keys gets dq 0; one with no queries dk, dv 0.
+    Asynchronous and allocation-free; bad arguments raise before any launch.
+    """
+    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    deterministic = checks.flag("deterministic", deterministic)
+    stream = checks.stream_handle(stream)
+    named = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse), ("dq", dq), ("dk", dk),
+             ("dv", dv), ("workspace", workspace), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
+             ("seqused_q", seqused_q), ("seqused_k", seqused_k))
+    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
+    library = library or default_library()
+    key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, deterministic, stream)
+    if library.launch_again(key, waits):
+        return
+    sizes = check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    space = arrays["workspace"]
+    checks.check_workspace(space)
+    axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal,
+                deterministic=deterministic, varlen=True)
+    _check_built(library.manifest, axes, 1)
+    device = device_of(arrays)
+    row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
+    rule = row["workspace"]
+    packed = sizes.pop("packed")
+    values = _varlen_workspace_values(rule, {n: x for n, x in sizes.items() if n != "dtype"})
+    if values["heads_q"] * values["ws_rows"] > INT32_MAX:
+        raise ShapeError(f"heads_q * (total_q + batch * {rule['constants']['query_tile']}) rows must be below 2**31 "
+                         "(the workspace's int32 indices)")
+    tensors = ws.carve(rule, values, space.ptr, math.prod(space.shape) * space.itemsize)
+    scale = default_scale(sizes["head_dim"]) if scale is None else scale
+    tensors.update({name: _tma_tensor(packed[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"),
+                                                                     ("do", "dout"))})
+    for name, src in (("o", "out"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"), ("lse", "lse"),
+                      ("cu_seqlens_q", "cu_seqlens_q"), ("cu_seqlens_k", "cu_seqlens_k")):
+        tensors[name] = arrays[src].as_launch_tensor()
+    for name in ("seqused_q", "seqused_k"):
+        # not given: any int32 vector of at least batch entries, read but not used (as forward_varlen)
+        tensors[name] = arrays.get(name, arrays["cu_seqlens_" + name[-1]]).as_launch_tensor()
+    turn_tiles = policy.deterministic_turn_tiles(causal, sizes["head_dim"], sizes["max_seqlen_k"]) if deterministic else 1
+    values.update({"scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
+                   "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
+                   "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays)})
+    for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv")):
+        values[f"stride.{name}.s"], values[f"stride.{name}.h"] = arrays[src].strides[:2]
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)

@@ -178,6 +178,8 @@ def compile_bwd(variant: Variant) -> dict:
     dtype = DTYPES[variant.dtype]
     cfg = BwdConfig.of(variant)
     kernel = FlashBwdSm90(cfg)
+    if cfg.varlen:
+        return _compile_bwd_varlen(variant, cfg, kernel)
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
@@ -200,6 +202,41 @@ def compile_bwd(variant: Variant) -> dict:
     recipes = _recipes(kernel, variant)
     if "dq_accum" in recipes:
         # the kernel's second accumulator map (stores) is encoded from the reduce's recipe
+        store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
+        if store != recipes["dq_accum"]:
+            raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
+    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches, "tensormaps": recipes,
+            "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg)}
+
+
+def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) -> dict:
+    """The varlen backward: packed (1, total, h, d) tensors, LSE (h_q, total_q), the
+    workspace by config.varlen_workspace_rule, cu_seqlens and seqused int32 vectors; each
+    grid ceil(total / tile) + batch blocks by heads (common/seqlen.packed_tile)."""
+    dtype = DTYPES[variant.dtype]
+    lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
+    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
+            _fake_rows(Float32, 2), _fake_rows(Float32, 2), _fake_rows(Float32, 2),
+            _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
+            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
+            *lengths, cutlass.Int32(0), cutlass.Int32(0)]
+    cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
+    rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
+    main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]
+    plans = {
+        "preprocess_varlen": (abi.bwd_varlen_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
+        "kernel_varlen": (abi.bwd_varlen_main_plan(dq_tensor_map=not cfg.dq_fragment_order), [cfg.threads, 1, 1],
+                          main, kernel.smem_bytes, True),
+        "postprocess_varlen": (abi.bwd_varlen_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
+                               kernel.rows.post_smem_bytes, True),
+    }
+    order = list(plans)
+    if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
+        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
+    launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
+    recipes = _recipes(kernel, variant)
+    if "dq_accum" in recipes:
         store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
         if store != recipes["dq_accum"]:
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")

@@ -1,11 +1,12 @@
-"""The varlen forward's input checks: every bad argument is a typed error before any launch,
-and a good call packs the launch the varlen kernel's plan asks for."""
+"""The varlen forward's and backward's input checks: every bad argument is a typed error
+before any launch, and a good call packs the launches the varlen kernels' plans ask for."""
 
 import pytest
 
 from fa4_aot.arrays import DeviceArray
-from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, ShapeError
-from fa4_aot.varlen import check_forward_varlen, forward_varlen
+from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, ShapeError, UnsupportedVariantError
+from fa4_aot.varlen import (backward_varlen, backward_varlen_workspace_bytes, check_backward_varlen,
+                            check_forward_varlen, forward_varlen)
 
 BASE = 0x7F0000000000
 
@@ -102,3 +103,133 @@ def test_a_non_finite_scale_is_refused(built):
         with pytest.raises(Fa4AotError):
             forward_varlen(a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_seqlens_q"], a["cu_seqlens_k"], 60, 200,
                            softmax_scale=scale, library=_FakeLibrary(Manifest(folder)))
+
+
+# ---------------------------------------------------------------- the backward
+WS_BYTES = 1 << 24
+
+
+def bwd_arrays(**over):
+    a = arrays()
+    a.update({"dout": packed(100, 8, 128), "dq": packed(100, 8, 128), "dk": packed(300, 2, 128),
+              "dv": packed(300, 2, 128), "workspace": DeviceArray(BASE, (WS_BYTES,), (1,), "u8", 0)})
+    a.update(over)
+    return {n: x for n, x in a.items() if x is not None}
+
+
+def call_backward(a, maxes=(60, 200), library=None, **options):
+    backward_varlen(a["q"], a["k"], a["v"], a["out"], a["dout"], a["lse"], a["dq"], a["dk"], a["dv"],
+                    a["cu_seqlens_q"], a["cu_seqlens_k"], *maxes, a["workspace"],
+                    seqused_q=a.get("seqused_q"), seqused_k=a.get("seqused_k"), library=library, **options)
+
+
+def test_a_good_backward_problem_passes():
+    sizes = check_backward_varlen(bwd_arrays(), 60, 200)
+    assert (sizes["total_q"], sizes["total_k"], sizes["batch"]) == (100, 300, 3)
+
+
+@pytest.mark.parametrize("over, maxes, error, message", [
+    ({"dout": packed(99, 8, 128)}, (60, 200), ShapeError, "dout"),
+    ({"dq": packed(100, 8, 128, "fp16")}, (60, 200), DTypeError, "dq"),
+    ({"dk": packed(300, 8, 128)}, (60, 200), ShapeError, "dk"),
+    ({"dv": packed(300, 2, 64)}, (60, 200), ShapeError, "dv"),
+    ({"dv": DeviceArray(BASE, (1, 300, 2, 128), (76800, 256, 128, 1), "bf16", 0)}, (60, 200), ShapeError, "rank 3"),
+    ({"dk": packed(300, 2, 128, strides=(256, 1, 2))}, (60, 200), LayoutError, "contiguous"),
+    ({"dq": packed(100, 8, 128, ptr=BASE + 2)}, (60, 200), LayoutError, "aligned"),
+    ({"cu_seqlens_k": ints(3)}, (60, 200), ShapeError, r"\(4,\)"),
+    ({"cu_seqlens_q": ints(4, dtype="fp32")}, (60, 200), DTypeError, "int32"),
+    ({"seqused_k": ints(4)}, (60, 200), ShapeError, r"\(3,\)"),
+    ({}, (60, 0), ShapeError, "max_seqlen_k"),
+])
+def test_bad_backward_inputs(over, maxes, error, message):
+    with pytest.raises(error, match=message):
+        check_backward_varlen(bwd_arrays(**over), *maxes)
+
+
+@pytest.mark.parametrize("over, error, message", [
+    ({"workspace": DeviceArray(BASE, (1024,), (1,), "u8", 0)}, ShapeError, "workspace has 1024 bytes"),
+    ({"workspace": DeviceArray(BASE + 16, (WS_BYTES,), (1,), "u8", 0)}, LayoutError, "aligned"),
+    ({"workspace": DeviceArray(BASE, (WS_BYTES // 2, 2), (1, WS_BYTES // 2), "u8", 0)}, LayoutError, "contiguous"),
+    ({"dout": packed(100, 8, 128, "fp16")}, DTypeError, "dout"),
+])
+def test_bad_backward_calls_raise_before_any_launch(built, over, error, message):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    with pytest.raises(error, match=message):
+        call_backward(bwd_arrays(**over), library=library, causal=True, deterministic=True)
+    assert library.launches == []
+
+
+def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    a = bwd_arrays(seqused_q=ints(3, ptr=BASE + 64))
+    call_backward(a, library=library, causal=True, deterministic=True)
+    (row, values, tensors), = library.launches
+    assert row["name"] == "bwd.sm90a.bf16.d128.causal.varlen.det"
+    assert [launch["symbol"].split("_")[2] for launch in row["launches"]] == ["preprocess", "kernel", "postprocess"]
+    for launch in row["launches"]:
+        for slot in launch["params"]:
+            for name in slot.get("fields", []):
+                assert name in values, (slot, name)
+            if "value" in slot:
+                assert slot["value"] in values, slot
+            if "tensor" in slot:
+                assert slot["tensor"] in tensors, slot
+    tile = row["workspace"]["constants"]["query_tile"]
+    assert values["ws_tiles"] == -(-100 // tile) + 3 and values["ws_rows"] == values["ws_tiles"] * tile
+    assert (values["use_seqused_q"], values["use_seqused_k"], values["one"]) == (1, 0, 1)
+    assert tensors["seqused_k"]["ptr"] == a["cu_seqlens_k"].ptr
+    assert values["stride.dk.s"] == 256 and values["stride.dq.h"] == 128
+    need = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
+    call_backward(bwd_arrays(workspace=DeviceArray(BASE, (need,), (1,), "u8", 0)), library=library, causal=True,
+                  deterministic=True)
+    with pytest.raises(ShapeError, match="workspace has"):
+        call_backward(bwd_arrays(workspace=DeviceArray(BASE, (need - 1,), (1,), "u8", 0)), library=library,
+                      causal=True, deterministic=True)
+
+
+def test_the_varlen_workspace_bounds_every_sequence_tile():
+    """Sequence b's workspace tiles start at cu[b] // tile + b: for any cu_seqlens clamped as
+    the kernels clamp them, increasing or lying, a sequence's tiles lie below ws_tiles, and
+    for an increasing cu_seqlens no two sequences share a tile."""
+    import random
+
+    rng = random.Random(5)
+    for _ in range(2000):
+        tile, batch = rng.choice((64, 80)), rng.randint(1, 9)
+        total = rng.randint(0, 1000)
+        lengths = [rng.choice((0, 1, rng.randint(0, 300))) for _ in range(batch)]
+        honest = rng.random() < 0.5
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n if honest else rng.randint(-50, 1200))
+        total = cu[-1] if honest else total
+        ws_tiles = -(-total // tile) + batch
+        seen = set()
+        for b in range(batch):
+            offset = min(max(cu[b], 0), total)
+            length = min(max(cu[b + 1] - cu[b], 0), total - offset)
+            first = offset // tile + b
+            mine = set(range(first, first + -(-length // tile)))
+            assert all(0 <= t < ws_tiles for t in mine)
+            if honest:
+                assert not mine & seen
+            seen |= mine
+
+
+def test_the_varlen_workspace_size_needs_no_gpu(built):
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    small = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
+    assert backward_varlen_workspace_bytes(1000, 3, 8, 128, causal=True, deterministic=True, library=library) > small
+    with pytest.raises(ShapeError):
+        backward_varlen_workspace_bytes(0, 3, 8, 128, library=library)
+    with pytest.raises(UnsupportedVariantError):
+        backward_varlen_workspace_bytes(100, 3, 8, 128, causal=False, library=library)  # not in the subset

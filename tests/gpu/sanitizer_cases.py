@@ -1,7 +1,8 @@
 """Launches for compute-sanitizer (tests/gpu/test_sanitizer.py runs this file under it):
 the forward and both backward modes of every bf16 head dim, causal and not (and the
 backward's two-tile kernels where a variant has them), on shapes with partial tiles each
-way, MQA/GQA and seqlen_q != seqlen_k; and the backward's split last wave
+way, MQA/GQA and seqlen_q != seqlen_k; the varlen forward and backward with lying
+metadata (varlen_cases); and the backward's split last wave
 (policy.tail_split) on a multiprocessor count taken as 4, since these shapes are too
 small to leave a partial wave on a whole device. The backward's workspace is the
 exact size the problem needs (the torch adapter's), and test_sanitizer.py turns torch's
@@ -61,7 +62,8 @@ def split_tail_cases():
     library.sm_count = lambda device: SPLIT_SM_COUNT
     library.launch_again = lambda key, waits=(), aliases=(): False  # launch plans are kept by arrays, not SM counts
     rows = {v.head_dim: library.manifest.row(v) for v in MATRIX
-            if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic}
+            if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic
+            and not v.varlen}
     dims = sorted(d for d, row in rows.items() if row["config"]["tail_split"])
     for d in dims:
         config, most = rows[d]["config"], rows[d]["workspace"]["constants"]["tail_max_tiles"]
@@ -89,6 +91,30 @@ def varlen_cases():
         for cu_q, cu_k, max_q in (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199),
                                   ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64)):
             flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal)
+    varlen_backward_cases()
+
+
+def varlen_backward_cases():
+    """The varlen backward of every bf16 head dim, causal and not, deterministic and not: the
+    same mixes and lying metadata as the forward's, and seqused past the packed rows (two
+    sequences then share workspace tiles); the workspace is the exact size the adapter
+    allocates."""
+    from fa4_aot.torch import flash_attn_varlen_bwd
+
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    cases = (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199, {}),
+             ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64, {}),
+             ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [300, 2**30], "seqused_k": [199, 5]}))
+    for v in (v for v in MATRIX if v.kind == "bwd" and v.varlen and v.dtype == "bf16"):
+        d = v.head_dim
+        q, do = (torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = torch.randn_like(q)
+        lse = torch.randn(4, 333, device="cuda")
+        for cu_q, cu_k, max_q, used in cases:
+            flash_attn_varlen_bwd(q, k, val, out, do, lse, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20,
+                                  causal=v.causal, deterministic=v.deterministic,
+                                  **{n: as_i32(x) for n, x in used.items()})
 
 
 def decode_cases():

@@ -1,16 +1,21 @@
-"""The varlen forward against a per-sequence float32 reference (the dense forward's rule:
-twice PyTorch's low-precision error), on fresh random inputs, outputs poisoned with NaN
-before each launch: rows of no sequence must stay NaN (nothing written there)."""
+"""The varlen forward and backward against a per-sequence float32 reference (the dense
+kernels' rules: twice PyTorch's low-precision error; the backward's check_grads), on fresh
+random inputs, outputs poisoned with NaN (and the backward's workspace with 0xff bytes)
+before each launch: rows of no sequence must stay NaN (nothing written there).
+
+    PYTHONPATH=$PWD python -m pytest tests/gpu/test_varlen.py -q"""
 
 import pytest
 import torch
 
-from fa4_aot.torch import flash_attn_varlen_func, flash_attn_varlen_fwd
+from fa4_aot.torch import flash_attn_varlen_bwd, flash_attn_varlen_func, flash_attn_varlen_fwd
 from fa4_aot.variants import MATRIX
 
 from ..reference import attention_ref
+from .test_bwd import check_grads
 
 VARLEN = [v for v in MATRIX if v.kind == "fwd" and v.varlen]
+VARLEN_BWD = [v for v in MATRIX if v.kind == "bwd" and v.varlen]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (query lengths, key lengths, heads_q, heads_kv), each mix with its edge
@@ -146,16 +151,199 @@ def test_varlen_under_cuda_graph_with_lengths_changing_between_replays(gen):
         _check_sequences(out, lse, q, k, v, new_q, new_k, new_q, new_k, False)
 
 
-def test_varlen_func_is_traceable_and_says_its_backward_is_not_built(gen):
-    from fa4_aot.errors import UnsupportedVariantError
+def test_varlen_func_is_traceable_and_differentiable(gen):
+    """torch.compile traces flash_attn_varlen_func (forward and backward custom ops) to the
+    eager bits, and autograd's gradients are the raw backward's (deterministic: bitwise)."""
+    lq, lk = [100, 0, 50], [120, 7, 50]
+    q, k, v = (_packed(n, 2, 128, torch.bfloat16, gen) for n in (lq, lk, lk))
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    dout = torch.randn_like(q)
 
-    lq = [100, 50]
-    q, k, v = (_packed(lq, 2, 128, torch.bfloat16, gen) for _ in range(3))
-    cu = _lengths_to_cu(lq)
-    compiled = torch.compile(lambda *a: flash_attn_varlen_func(*a, causal=True), fullgraph=True)
-    out = compiled(q, k, v, cu, cu, 100, 100)
-    eager = flash_attn_varlen_func(q, k, v, cu, cu, 100, 100, causal=True)
-    assert torch.equal(out, eager)
-    q.requires_grad_(True)
-    with pytest.raises(UnsupportedVariantError, match="backward"):
-        flash_attn_varlen_func(q, k, v, cu, cu, 100, 100).sum().backward()
+    def grads(fn):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        out = fn(*leaves, cu_q, cu_k, 100, 120)
+        out.backward(dout)
+        return out.detach(), [x.grad for x in leaves]
+
+    func = lambda *a: flash_attn_varlen_func(*a, causal=True, deterministic=True)  # noqa: E731
+    eager_out, eager = grads(func)
+    compiled_out, compiled = grads(torch.compile(func, fullgraph=True))
+    assert torch.equal(eager_out, compiled_out)
+    out, lse = flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 100, 120, causal=True)
+    raw = flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, 100, 120, causal=True, deterministic=True)
+    for a, b, c in zip(eager, compiled, raw):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+# ---------------------------------------------------------------- the backward
+def _backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **used):
+    """(dq, dk, dv) from NaN-poisoned outputs and a workspace of 0xff bytes, of exactly the
+    size the problem needs."""
+    from fa4_aot.varlen import backward_varlen_workspace_bytes
+
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    size = backward_varlen_workspace_bytes(q.shape[0], cu_q.shape[0] - 1, q.shape[1], q.shape[2], causal=causal,
+                                           deterministic=deterministic)
+    workspace = torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda")
+    return flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal=causal,
+                                 deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace=workspace, **used)
+
+
+def _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, used_q, used_k, causal):
+    """Each sequence's dq (its used query rows), dk, dv (its used key rows) against the
+    dense check_grads of that sequence alone; a sequence without keys has dq 0, one without
+    queries dk, dv 0; every other row unwritten (NaN)."""
+    dq, dk, dv = grads
+    written_q = torch.zeros(q.shape[0], dtype=torch.bool, device="cuda")
+    written_k = torch.zeros(k.shape[0], dtype=torch.bool, device="cuda")
+    at_q = at_k = 0
+    for sq, sk, uq, uk in zip(lq, lk, used_q, used_k):
+        rq, rk = slice(at_q, at_q + uq), slice(at_k, at_k + uk)
+        if uq and uk:
+            check_grads([g[r][None] for g, r in ((dq, rq), (dk, rk), (dv, rk))], q[rq][None], k[rk][None],
+                        v[rk][None], dout[rq][None], out[rq][None], causal)
+        elif uq:
+            assert (dq[rq] == 0).all(), "dq of a sequence without keys"
+        elif uk:
+            assert (dk[rk] == 0).all() and (dv[rk] == 0).all(), "dk, dv of a sequence without queries"
+        written_q[rq] = True
+        written_k[rk] = True
+        at_q, at_k = at_q + sq, at_k + sk
+    assert dq[~written_q].isnan().all(), "wrote dq rows of no sequence"
+    assert dk[~written_k].isnan().all() and dv[~written_k].isnan().all(), "wrote dk, dv rows of no sequence"
+
+
+def _problem(lq, lk, hq, hkv, d, dtype, causal, gen, **used):
+    q, k, v = _packed(lq, hq, d, dtype, gen), _packed(lk, hkv, d, dtype, gen), _packed(lk, hkv, d, dtype, gen)
+    dout = _packed(lq, hq, d, dtype, gen)
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    out, lse = flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, **used)
+    return q, k, v, dout, out, lse, cu_q, cu_k
+
+
+def _mixes_of(variant):
+    """Every variant on the first two mixes; the MQA mix in bf16 (one cubin serves them all)."""
+    return MIXES if variant.dtype == "bf16" else MIXES[:2]
+
+
+@pytest.mark.parametrize("variant, mix", [(v, m) for v in VARLEN_BWD for m in _mixes_of(v)],
+                         ids=lambda x: x.name if hasattr(x, "name") else f"{len(x[0])}seqs_h{x[2]}x{x[3]}")
+def test_varlen_backward_matches_reference(variant, mix, gen):
+    lq, lk, hq, hkv = mix
+    q, k, v, dout, out, lse, cu_q, cu_k = _problem(lq, lk, hq, hkv, variant.head_dim, DTYPES[variant.dtype],
+                                                   variant.causal, gen)
+    grads = _backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), variant.causal, variant.deterministic)
+    torch.cuda.synchronize()
+    _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, lq, lk, variant.causal)
+    if variant.deterministic:
+        for _ in range(4):
+            again = _backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), variant.causal, True)
+            assert all(torch.equal(a, b) for a, b in zip(grads, again)), "deterministic runs differ"
+
+
+@pytest.mark.parametrize("variant", [v for v in VARLEN_BWD if v.dtype == "bf16" and not v.deterministic],
+                         ids=lambda v: v.name)
+def test_varlen_backward_seqused_cuts_sequences_short(variant, gen):
+    lq, lk, used_q, used_k = [300, 77, 5, 64], [400, 90, 8, 129], [250, 77, 0, 63], [399, 1, 8, 128]
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    used = {"seqused_q": as_i32(used_q), "seqused_k": as_i32(used_k)}
+    q, k, v, dout, out, lse, cu_q, cu_k = _problem(lq, lk, 4, 2, variant.head_dim, torch.bfloat16, variant.causal,
+                                                   gen, **used)
+    grads = _backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), variant.causal, **used)
+    torch.cuda.synchronize()
+    _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, used_q, used_k, variant.causal)
+
+
+def test_varlen_backward_random_mixes(gen):
+    """Random length mixes (zero- and one-token sequences, lengths off the tiles, seqlen_q
+    != seqlen_k) on one variant of each layout: keys on M (d128) and head dim on M (d192)."""
+    import random
+
+    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
+    for name in ("bwd.sm90a.bf16.d128.causal.varlen", "bwd.sm90a.fp16.d192.varlen"):
+        variant = next(v for v in VARLEN_BWD if v.name == name)
+        for _ in range(3):
+            batch = rng.randint(1, 6)
+            lq = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+            lk = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+            if not sum(lq) or not sum(lk):
+                continue
+            q, k, v, dout, out, lse, cu_q, cu_k = _problem(lq, lk, 4, 2, variant.head_dim, DTYPES[variant.dtype],
+                                                           variant.causal, gen)
+            grads = _backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq) or 1, max(lk) or 1, variant.causal)
+            torch.cuda.synchronize()
+            _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, lq, lk, variant.causal)
+
+
+def test_varlen_backward_matches_the_dense_kernel_on_equal_lengths(gen):
+    """Equal lengths, deterministic causal head_dim 128 (the dense variant's config less
+    nothing: one tile per step, no persistence, no head groups): the same bits."""
+    from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
+
+    b, s, h, d = 3, 333, 4, 128
+    q, k, v, dout = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(4))
+    out, lse = flash_attn_fwd(q, k, v, causal=True)
+    dense = flash_attn_bwd(q, k, v, out, dout, lse, causal=True, deterministic=True)
+    cu = _lengths_to_cu([s] * b)
+    flat = lambda x: x.reshape(b * s, h, d)  # noqa: E731
+    packed_lse = lse.transpose(0, 1).reshape(h, b * s).contiguous()
+    grads = flash_attn_varlen_bwd(*(flat(x) for x in (q, k, v, out, dout)), packed_lse, cu, cu, s, s, causal=True,
+                                  deterministic=True)
+    torch.cuda.synchronize()
+    for name, a, g in zip(("dq", "dk", "dv"), dense, grads):
+        assert torch.equal(flat(a), g), name
+
+
+def test_varlen_backward_lying_metadata_stays_in_bounds():
+    """Decreasing and past-the-total cu_seqlens, seqused past the packed rows, max_seqlen too
+    small: wrong numbers are allowed, writes outside dq, dk, dv are not (the guard rows
+    around them stay NaN; compute-sanitizer checks every access in test_sanitizer)."""
+    d, hq = 128, 2
+    q = torch.randn(100, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(50, hq, d, device="cuda", dtype=torch.bfloat16)
+    lse = torch.zeros(hq, 100, device="cuda")
+    cases = (([0, 90, 30, 5000], [-7, 10, 2**30, 3], {}),
+             ([0, 40, 100], [0, 25, 50], {"seqused_q": [90, 2**30], "seqused_k": [50, 7]}))
+    for deterministic in (False, True):
+        for cu_q, cu_k, used in cases:
+            big_q = torch.full((300, hq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            big_k = torch.full((2, 150, hq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+            dq, dk, dv = big_q[100:200], big_k[0, 50:100], big_k[1, 50:100]
+            as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+            flash_attn_varlen_bwd(q, k, k, q, q, lse, as_i32(cu_q), as_i32(cu_k), 64, 1, dq=dq, dk=dk, dv=dv,
+                                  deterministic=deterministic, **{n: as_i32(x) for n, x in used.items()})
+            torch.cuda.synchronize()
+            assert big_q[:100].isnan().all() and big_q[200:].isnan().all(), "wrote outside dq"
+            assert big_k[:, :50].isnan().all() and big_k[:, 100:].isnan().all(), "wrote outside dk, dv"
+
+
+def test_varlen_backward_under_cuda_graph_with_lengths_changing_between_replays(gen):
+    lq, lk, hq, d = [200, 57], [300, 90], 4, 64
+    q, k, v, dout = (_packed(n, hq, d, torch.bfloat16, gen) for n in (lq, lk, lk, lq))
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    from fa4_aot import default_library
+    from fa4_aot.varlen import backward_varlen_workspace_bytes
+
+    default_library().preload()
+    out = torch.empty_like(q)
+    lse = torch.empty((hq, q.shape[0]), device="cuda")
+    dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
+    workspace = torch.empty(backward_varlen_workspace_bytes(q.shape[0], 2, hq, d), dtype=torch.uint8, device="cuda")
+
+    def step():
+        flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 300, 300, out=out, lse=lse)
+        flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, 300, 300, dq=dq, dk=dk, dv=dv,
+                              workspace=workspace)
+
+    step()  # warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for new_q, new_k in (([100, 157], [10, 380]), (lq, lk)):
+        cu_q.copy_(_lengths_to_cu(new_q))
+        cu_k.copy_(_lengths_to_cu(new_k))
+        for x in (dq, dk, dv):
+            x.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_grads_by_sequence((dq, dk, dv), q, k, v, out, dout, new_q, new_k, new_q, new_k, False)

@@ -136,6 +136,17 @@ def wait_after(values, barrier_id, threads: int):
     warpgroup.wait_group(0)
 
 
+def stage(tidx, acc, dtype, tiled, smem):
+    """acc (fp32 fragment of ``tiled``) -> dtype in ``smem`` (this thread's part; stmatrix:
+    one instruction per four 8x8 blocks of the fragment)."""
+    staged = cute.make_rmem_tensor_like(acc, dtype)
+    staged.store(acc.load().to(dtype))
+    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
+    copy = cute.make_tiled_copy_C(atom, tiled)
+    thr = copy.get_slice(tidx)
+    cute.copy(copy, thr.retile(staged), thr.partition_D(smem))
+
+
 @cute.jit
 def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_id: int, threads: int,
                     wait_read: cutlass.Constexpr[bool] = True):
@@ -145,13 +156,7 @@ def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_
     one lane itself, so a whole warp must reach it) and, if ``wait_read``, waits until shared
     memory has been read, so the buffer may be reused after a later barrier.
     """
-    staged = cute.make_rmem_tensor_like(acc, dtype)
-    staged.store(acc.load().to(dtype))
-    # stmatrix: one instruction per four 8x8 blocks of the fragment
-    atom = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), dtype)
-    copy = cute.make_tiled_copy_C(atom, tiled)
-    thr = copy.get_slice(tidx)
-    cute.copy(copy, thr.retile(staged), thr.partition_D(smem))
+    stage(tidx, acc, dtype, tiled, smem)
     cute.arch.fence_proxy("async.shared", space="cta")
     cute.arch.barrier(barrier_id=barrier_id, number_of_threads=threads)
     if cute.arch.make_warp_uniform(tidx // 32) == 0:

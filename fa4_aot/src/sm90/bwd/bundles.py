@@ -82,3 +82,24 @@ class Scalars(NamedTuple):
     scale_log2: object  # softmax_scale * log2(e)
     turn_tiles: object  # deterministic: query tiles per ordered turn
     first_write: object  # 1: no accumulator clear, each tile's first share stored
+
+
+class Start(NamedTuple):
+    """What a main-kernel CTA sets up before its walk (FlashBwdSm90._start): shared
+    storage, the K/V, Q and dO pipelines, the shared tiles (as Tiles) and dK, dV's
+    staging tiles."""
+
+    storage: object
+    pipe_kv: object
+    pipe_q: object
+    pipe_do: object
+    sQ: object
+    sdO: object
+    sK: object
+    sV: object
+    sdS: object
+    sdQ: object
+    sLSE2: object
+    sDsum: object
+    sdK: object
+    sdV: object

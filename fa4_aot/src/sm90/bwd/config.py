@@ -81,16 +81,20 @@ class BwdConfig:
     # the dQ accumulator
     chains: int  # copies of the fp32 accumulator (deterministic, not causal: 2)
     tickets: bool  # not deterministic: first-write tickets in the semaphore words
+    # packed sequences (cu_seqlens): one item per (key tile of a sequence, KV head), the
+    # workspace's query tiles padded per sequence (docs/design.md, "Variable length")
+    varlen: bool = False
 
     @classmethod
     def of(cls, variant) -> "BwdConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind bwd, arch sm90a."""
         assert variant.kind == "bwd" and variant.arch == "sm90a", variant
-        d, causal, det = variant.head_dim, variant.causal, variant.deterministic
+        d, causal, det, varlen = variant.head_dim, variant.causal, variant.deterministic, variant.varlen
         head_on_m = d in (192, 256)
         # two query tiles per step at head_dim 64, except causal and not deterministic,
-        # where q_tiles says (both kernels built)
-        step_tiles = 2 if d == 64 and (not causal or det or variant.q_tiles == 2) else 1
+        # where q_tiles says (both kernels built); varlen, one: a second tile past the
+        # sequence would read the next sequence's rows, where the dense kernel reads TMA's zeros
+        step_tiles = 2 if d == 64 and not varlen and (not causal or det or variant.q_tiles == 2) else 1
         two_tiles = step_tiles == 2
         tile_m, tile_n, stages = (TILES_NOT_CAUSAL[d] if d in TILES_NOT_CAUSAL and (not causal or two_tiles)
                                   else TILES[d])
@@ -103,8 +107,10 @@ class BwdConfig:
         dq_tile = (tile_m // 2, d) if one_tile_64 else (tile_m, dq_chunk if head_on_m else dq_cols)
         dq_parts = d // dq_chunk if head_on_m else (1 if two_tiles else num_consumers)
         dq_stages = 1 if head_on_m or tile_m == 80 else (3 if one_tile_64 and causal else 2)
-        persistent = one_tile_64 and not det and variant.dtype == "bf16"
-        tail_split = not causal and not det and d in (64, 96, 128)
+        # varlen: one CTA per item, launched in the packed order (no persistence, no split
+        # last wave, no head groups: a sequence's key tiles are its own CTAs)
+        persistent = one_tile_64 and not det and variant.dtype == "bf16" and not varlen
+        tail_split = not causal and not det and d in (64, 96, 128) and not varlen
         assert not (tail_split and (persistent or head_on_m))
         return cls(
             dtype=variant.dtype, head_dim=d, causal=causal, deterministic=det,
@@ -118,9 +124,9 @@ class BwdConfig:
             dq_fragment_order=d in (96, 128) or two_tiles,
             kv_in_registers=one_tile_64, stagger=d <= 96 and not det and not dq_transposed,
             ds_stages=1 if head_on_m else 2, overlap_scores=one_tile_64 and variant.dtype == "bf16",
-            rotate=not causal and not det, head_groups=causal != det, persistent=persistent,
+            rotate=not causal and not det, head_groups=causal != det and not varlen, persistent=persistent,
             kv_stages=2 if persistent else 1, tail_split=tail_split,
-            chains=DET_DQ_CHAINS if det and not causal else 1, tickets=not det,
+            chains=DET_DQ_CHAINS if det and not causal else 1, tickets=not det, varlen=varlen,
         )
 
     @property
@@ -132,12 +138,15 @@ class BwdConfig:
 
 
 def workspace_rule(cfg: BwdConfig) -> dict:
-    """How the run time lays out the backward's workspace for a problem: the regions in
+    """How the run time lays out the backward's workspace for a problem (varlen:
+    ``varlen_workspace_rule``): the regions in
     order, each ``itemsize`` bytes times the product of ``count`` (numbers, or names: the
     problem's sizes, ``m_blocks`` = ceil(seqlen_q / query_tile), ``partial_tiles`` (the
     split tiles the problem can have, at most ``tail_max_tiles``: fa4_aot.policy) and the
     rule's own constants), each start ``align``-byte aligned; ``views`` give a region the
     tensor shape a launch takes it as (dims as products of such factors, contiguous)."""
+    if cfg.varlen:
+        return varlen_workspace_rule(cfg)
     rows = ["batch", "heads_q", "m_blocks", "query_tile"]
     return {
         "align": 256,
@@ -158,4 +167,28 @@ def workspace_rule(cfg: BwdConfig) -> dict:
         ],
         # the TMA reduce target: copy c of batch i is batch i * chains + c
         "views": {"dq_accum": [["batch", "chains"], ["seqlen_q"], ["heads_q"], ["head_dim"]]},
+    }
+
+
+def varlen_workspace_rule(cfg: BwdConfig) -> dict:
+    """The varlen backward's workspace: the dense layout of one batch entry of
+    ``ws_tiles`` = ceil(total_q / query_tile) + batch query tiles per head, sequence b's
+    tiles starting at tile cu_seqlens_q[b] // query_tile + b. That start is a whole tile
+    (the bulk copies of the statistics and the accumulator's tiles need one) and leaves
+    room for the sequence's ceil(len / query_tile) tiles before the next sequence's start,
+    and for clamped lying metadata it stays below ws_tiles: no tile of one sequence is
+    another's, and none lies outside the workspace (docs/design.md, "Variable length")."""
+    rows = ["heads_q", "ws_tiles", "query_tile"]
+    return {
+        "align": 256,
+        "constants": {"query_tile": cfg.tile_m, "key_tile": cfg.tile_n, "chains": cfg.chains},
+        "regions": [
+            {"name": "lse2", "itemsize": 4, "count": rows},
+            {"name": "dsum", "itemsize": 4, "count": rows},
+            {"name": "dq_accum", "itemsize": 4, "count": ["chains", "ws_tiles", "query_tile", "heads_q", "head_dim"]},
+            {"name": "dq_semaphore", "itemsize": 4, "count": ["chains", "heads_q", "ws_tiles"]},
+            {"name": "dq_done", "itemsize": 4, "count": ["batch", "heads_q"]},  # key tiles done per sequence, head
+        ],
+        # the TMA reduce target: copy c is batch entry c, ws_tiles * query_tile rows
+        "views": {"dq_accum": [["chains"], ["ws_tiles", "query_tile"], ["heads_q"], ["head_dim"]]},
     }

@@ -126,14 +126,15 @@ class DqWriter:
         return (m_block, part)  # head-dim columns [part c, (part + 1) c), c = dq_tile[1]
 
     @cute.jit
-    def take_ticket(self, sem_ptr, batch, heads_q, m_blocks, head_q, m_block, lane):
+    def take_ticket(self, sem_ptr, prob, batch, heads_q, m_blocks, head_q, m_block, lane):
         """Not deterministic, lane 0: add this CTA to query tile m_block's count and return
         the word before the add (count 0: the first, who stores; FIRST_STORED: the first's
         store is complete). Relaxed: taken a step ahead, its latency hides behind the
         current step (an acquire would hold the step's reduce behind it)."""
         ticket = Int32(0)
         if lane == 0:
-            word = sem_ptr + semaphore_word(batch, heads_q, head_q, m_blocks, m_block)
+            ws_batch, ws_tiles, ws_m = self.walk.ws_tile(prob, batch, m_blocks, m_block)
+            word = sem_ptr + semaphore_word(ws_batch, heads_q, head_q, ws_tiles, ws_m)
             ticket = cute.arch.atomic_add(word, Int32(1), sem="relaxed", scope="gpu")
         return ticket
 
@@ -197,18 +198,19 @@ class DqWriter:
         ticket_next = Int32(FIRST_STORED + 1)
         if const_expr(self.cfg.tickets):
             if first_write != 0 and steps > 0:
-                ticket_next = self.take_ticket(sem_ptr, batch, heads_q, m_blocks, head_kv * group,
+                ticket_next = self.take_ticket(sem_ptr, prob, batch, heads_q, m_blocks, head_kv * group,
                                                self.walk.m_block(0, m_first, span, m_blocks), lane)
         for step in cutlass.range(steps, unroll=1):
             head_q = head_kv * group + step // span
             m_block = self.walk.m_block(step, m_first, span, m_blocks)
-            word_at = semaphore_word(batch, heads_q, head_q, m_blocks, m_block)  # its ticket word (tickets)
+            ws_batch, ws_tiles, ws_m = self.walk.ws_tile(prob, batch, m_blocks, m_block)  # where it is in the workspace
+            word_at = semaphore_word(ws_batch, heads_q, head_q, ws_tiles, ws_m)  # its ticket word (tickets)
             first = cutlass.Boolean(False)
             ticket = Int32(0)
             if const_expr(self.cfg.tickets):
                 ticket = cute.arch.shuffle_sync(ticket_next, 0)
                 if first_write != 0 and step + 1 < steps:
-                    ticket_next = self.take_ticket(sem_ptr, batch, heads_q, m_blocks,
+                    ticket_next = self.take_ticket(sem_ptr, prob, batch, heads_q, m_blocks,
                                                    head_kv * group + (step + 1) // span,
                                                    self.walk.m_block(step + 1, m_first, span, m_blocks), lane)
                 first = ticket == 0
@@ -224,7 +226,7 @@ class DqWriter:
                 cute.arch.barrier(barrier_id=self.dq.full_barrier() + buffer, number_of_threads=WARPGROUP + 32)
                 if const_expr(self.cfg.tickets and part == 0):
                     self._wait_first_stored(ticket, sem_ptr, word_at, lane)
-                self._add(sdQ, target, buffer, part, first, chain, batch, head_q, m_block, heads_q, m_blocks, lane)
+                self._add(sdQ, target, buffer, part, first, chain, ws_batch, head_q, ws_m, heads_q, ws_tiles, lane)
                 cute.arch.cp_async_bulk_commit_group()
                 if const_expr(not self.dq.own_buffers()):
                     # shared buffers: a later part of this very step may be waiting for this one
@@ -253,7 +255,11 @@ class DqWriter:
         # the postprocess (pre_post.py), which converts a head once all are counted
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
-        self.tail.count_dq_done(done_ptr, batch, heads_q, head_kv, group, lane, tail)
+        if const_expr(self.cfg.varlen):
+            if batch >= 0:  # not a CTA past the last key tile (batch -1: scheduler.cta_work_varlen)
+                self.tail.count_dq_done(done_ptr, batch, heads_q, head_kv, group, lane, tail)
+        else:
+            self.tail.count_dq_done(done_ptr, batch, heads_q, head_kv, group, lane, tail)
 
     @cute.jit
     def _take_turn(self, sem_ptr, prob, scalars, item, step, head_q, m_block, m_blocks, n_blocks, first, lane):
@@ -265,7 +271,8 @@ class DqWriter:
         turn_tiles, n_block = scalars.turn_tiles, item.n_block
         run = m_block // turn_tiles
         chain = dq_chain(n_block, cfg.chains)
-        sem = sem_ptr + semaphore_word(item.batch, prob.heads_q, head_q, m_blocks, run, cfg.chains, chain)
+        ws_batch, ws_tiles, ws_run = self.walk.ws_tile(prob, item.batch, m_blocks, run)
+        sem = sem_ptr + semaphore_word(ws_batch, prob.heads_q, head_q, ws_tiles, ws_run, cfg.chains, chain)
         if scalars.first_write != 0:
             # the first turn at this tile (in this copy) stores; this turn's release
             # waits for its completion, as for the adds
@@ -278,8 +285,15 @@ class DqWriter:
                            cfg.tile_m, cfg.tile_n, cfg.causal, cfg.chains)
             if lane == 0:
                 # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
-                while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
-                    pass
+                if const_expr(cfg.varlen):
+                    # until the count reaches the turn: sequences that lying metadata lets
+                    # share a word count past each other's turns, which an exact match
+                    # would wait for forever (the numbers are then wrong, never a hang)
+                    while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") < turn:
+                        pass
+                else:
+                    while cute.arch.load(sem.llvm_ptr, Int32, sem="acquire", scope="gpu") != turn:
+                        pass
             cute.arch.sync_warp()
         return chain, sem, first, run_ends
 
@@ -298,7 +312,8 @@ class DqWriter:
     @cute.jit
     def _add(self, sdQ, target, buffer, part, first, chain, batch, head_q, m_block, heads_q, m_blocks, lane):
         """Staged part ``part`` (in ``buffer``) into the accumulator: stored where ``first``,
-        else added; by one 1D bulk copy in fragment order, else by a 2D TMA box."""
+        else added; by one 1D bulk copy in fragment order, else by a 2D TMA box. ``batch``,
+        ``m_block``, ``m_blocks``: the tile's place in the workspace (TileWalk.ws_tile)."""
         cfg = self.cfg
         tma_dq, tma_dq_store, gdQacc, dqacc_ptr, _, _ = target
         if const_expr(cfg.dq_fragment_order):

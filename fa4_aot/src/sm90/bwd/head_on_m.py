@@ -23,6 +23,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..fragments import acc_as_rows_cols, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER
+from .packed_rows import store_rows
 
 
 class HeadOnM:
@@ -41,8 +42,13 @@ class HeadOnM:
         spent K and V (tiles of the same shape)."""
         item = walk_state.item
         consumer = tidx - WARPGROUP
-        gdK = outputs.gdK[None, None, item.head_kv, item.batch]
-        gdV = outputs.gdV[None, None, item.head_kv, item.batch]
+        if const_expr(self.cfg.varlen):
+            # dK and dV rows of the sequence (packed_rows.PackedRows), written row by row
+            gdK = outputs.gdK.at(prob.k_offset, prob.seqlen_k, item.head_kv)
+            gdV = outputs.gdV.at(prob.k_offset, prob.seqlen_k, item.head_kv)
+        else:
+            gdK = outputs.gdK[None, None, item.head_kv, item.batch]
+            gdV = outputs.gdV[None, None, item.head_kv, item.batch]
         self.compute(consumer, tiles, sP, pipes, prob, scalars, outputs._replace(gdK=gdK, gdV=gdV), item)
 
     @cute.jit
@@ -198,14 +204,20 @@ class HeadOnM:
             staged = cute.make_rmem_tensor_like(acc, self.dtype)
             staged.store(acc.load().to(self.dtype))
             cute.copy(store, thr.retile(staged), thr.partition_D(cute.local_tile(transpose_smem(s_tile), mine, (wg, 0))))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
-        if cute.arch.make_warp_uniform(tidx // 32) == 0:
-            tile = (self.cfg.tile_n, self.cfg.head_dim)
-            for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):
-                s_part, g_part = cpasync.tma_partition(
-                    atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
-                    cute.group_modes(cute.local_tile(g, tile, (n_block, 0)), 0, 2))
-                cute.copy(atom, s_part, g_part)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if const_expr(self.cfg.varlen):
+            # the sequence's rows of the staged tiles, by every consumer thread
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
+            for s_tile, rows in ((sK, gdK), (sV, gdV)):
+                store_rows(tidx, self.cfg.num_consumers * WARPGROUP, s_tile, rows, n_block * self.cfg.tile_n)
+        else:
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
+            if cute.arch.make_warp_uniform(tidx // 32) == 0:
+                tile = (self.cfg.tile_n, self.cfg.head_dim)
+                for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):
+                    s_part, g_part = cpasync.tma_partition(
+                        atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
+                        cute.group_modes(cute.local_tile(g, tile, (n_block, 0)), 0, 2))
+                    cute.copy(atom, s_part, g_part)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -31,19 +31,20 @@ docs/design.md, "Backward (sm90)".
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ...common import symbols
 from ..primitives import DTYPES, WARPGROUP, sdhb, smem_buffer, smem_layout, tma_pipeline
-from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Stats, Tiles
+from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Start, Stats, Tiles
 from .config import PRODUCER_REGS, BwdConfig
 from .dq_writer import DQ_WRITER_WARP, DqBuffers, DqWriter
 from .head_on_m import HeadOnM
 from .keys_on_m import KeysOnM
 from .pre_post import DqFragments, PrePostSm90
+from .packed_rows import PackedRows
 from .producer import Producer
-from .scheduler import TileWalk
+from .scheduler import Sequences, TileWalk
 from .scores import ScoreMath
 from .split_last_wave import SplitLastWave
 from .two_query_tiles import TwoQueryTiles
@@ -141,6 +142,85 @@ class FlashBwdSm90:
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
         q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
+        (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
+         s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, dk, dv, dq_acc)
+        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n), k.shape[2], k.shape[3])
+        self.kernel(
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
+            turn_tiles, first_write, mTail.iterator, mPartial.iterator, tail_tiles, tail_pieces,
+            s_q_tile, s_kv_all, s_ds, s_dq,
+        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+
+        self.rows.postprocess(
+            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2],
+            s_q,
+            mK.shape[1], h_q, scale, first_write,
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+
+    @cute.jit
+    def varlen_call(
+        self,
+        mQ: cute.Tensor,  # (1, total_q, h_q, d): packed sequences
+        mK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mV: cute.Tensor,  # (1, total_k, h_kv, d)
+        mO: cute.Tensor,  # (1, total_q, h_q, d)
+        mdO: cute.Tensor,  # (1, total_q, h_q, d)
+        mdQ: cute.Tensor,  # (1, total_q, h_q, d)
+        mdK: cute.Tensor,  # (1, total_k, h_kv, d)
+        mdV: cute.Tensor,  # (1, total_k, h_kv, d)
+        mLSE: cute.Tensor,  # (h_q, total_q) float32, contiguous, from the forward
+        mLSE2: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace (config.varlen_workspace_rule)
+        mDsum: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace
+        mdQacc: cute.Tensor,  # (chains, ws_tiles * tile_m, h_q, d) float32 workspace
+        mSem: cute.Tensor,  # (chains, h_q, ws_tiles) int32 workspace
+        mDone: cute.Tensor,  # (b, h_q) int32 workspace
+        scale: Float32,
+        scale_log2: Float32,
+        turn_tiles: Int32,
+        first_write: Int32,
+        mCuQ: cute.Tensor,  # (b + 1,) int32: each sequence's first query row, then total_q
+        mCuK: cute.Tensor,  # (b + 1,) int32
+        mUsedQ: cute.Tensor,  # (b,) int32: query rows used (read where use_used_q)
+        mUsedK: cute.Tensor,  # (b,) int32
+        use_used_q: Int32,
+        use_used_k: Int32,
+    ):
+        """The varlen backward: as ``__call__``, sequences located by cu_seqlens (and
+        seqused): the row kernels one block per (query tile of a sequence, head), the main
+        kernel one CTA per (key tile of a sequence, KV head), the sequences' tiles back to
+        back (grids of ceil(total / tile) + b, which bound every sequence's tiles)."""
+        total_q, h_q, batches = mQ.shape[1], mQ.shape[2], mCuQ.shape[0] - 1
+        rows_grid = (cute.ceil_div(total_q, self.cfg.tile_m) + batches, h_q, 1)
+        self.rows.preprocess_varlen(
+            mO.iterator, mO.stride[1], mO.stride[2], mdO.iterator, mdO.stride[1], mdO.stride[2],
+            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
+            total_q, h_q, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q, batches,
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
+
+        q, k, v, do, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdQacc)]
+        (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, _, _, _, _, tma_dq, gdq, tma_dq_store,
+         s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, None, None, dq_acc)
+        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n) + batches, k.shape[2], 1)
+        self.kernel_varlen(
+            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, mdK.iterator, mdK.stride[1], mdK.stride[2],
+            mdV.iterator, mdV.stride[1], mdV.stride[2], tma_dq, gdq, tma_dq_store,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
+            turn_tiles, first_write, mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator,
+            use_used_q, use_used_k, batches, s_q_tile, s_kv_all, s_ds, s_dq,
+        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+
+        self.rows.postprocess_varlen(
+            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[1], mdQ.stride[2],
+            total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
+            mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1],
+        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+
+    def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
+        """The main kernel's TMA atoms and coordinate tensors (q, do, k, v, dk, dv (None
+        varlen), the dQ accumulator's reduce and store (None in fragment order)), its shared
+        layouts, storage and shared bytes; the boxes for the manifest's tensor maps.
+        Tensors (s, d, h, b)."""
         s_q_tile = smem_layout(self.dtype, self.cfg.step_rows, self.cfg.head_dim, self.cfg.stages, self.cfg.col_parts)
         # one query tile: the TMA box (wide: each stage holds two, loaded apart)
         s_q_one = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, col_parts=self.cfg.col_parts)
@@ -159,10 +239,12 @@ class FlashBwdSm90:
         tma_do, gdo = cpasync.make_tiled_tma_atom(load, do, s_q_one, (self.cfg.tile_m, self.cfg.head_dim))
         tma_k, gk = cpasync.make_tiled_tma_atom(load, k, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
         tma_v, gv = cpasync.make_tiled_tma_atom(load, v, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-        boxes = [("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv),
-                 ("v", tma_v, s_kv), ("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv)]
+        boxes = [("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv), ("v", tma_v, s_kv)]
+        tma_dk, gdk, tma_dv, gdv = None, None, None, None
+        if const_expr(dk is not None):  # varlen: dK and dV written row by row (packed_rows.py)
+            tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
+            tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
+            boxes += [("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv)]
         # fragment order: 1D bulk reduces (and stores) at dq_accum's address instead
         tma_dq, gdq, tma_dq_store = None, None, None
         if const_expr(not self.cfg.dq_fragment_order):
@@ -179,19 +261,8 @@ class FlashBwdSm90:
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
         self.storage = self._storage(s_q_tile, s_kv_all, s_ds, s_dq)
         self.smem_bytes = self.storage.size_in_bytes() + 1024
-        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n), k.shape[2], k.shape[3])
-        self.kernel(
-            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
-            turn_tiles, first_write, mTail.iterator, mPartial.iterator, tail_tiles, tail_pieces,
-            s_q_tile, s_kv_all, s_ds, s_dq,
-        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
-
-        self.rows.postprocess(
-            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2],
-            s_q,
-            mK.shape[1], h_q, scale, first_write,
-        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+        return (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
+                s_q_tile, s_kv_all, s_ds, s_dq)
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel
@@ -232,10 +303,76 @@ class FlashBwdSm90:
         # every CTA here has signalled it (or ended), which the dQ writer does after its
         # wait: so the preprocess has cleared the dq_done counters by then, whatever a
         # previous call left there, and the postprocess blocks wait on this call's counts.
+        warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv), tma_dq, tma_dq_store,
+                                        sq_layout, skv_layout, sds_layout, sdq_layout)
+        prob = self.walk.problem(gQ, gK)
+        prob, work = self.walk.cta_work(prob, gK, tail_tiles, tail_pieces, tail_ptr, partial_ptr)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
+                        Outputs(tma_dk, gdK, start.sdK, tma_dv, gdV, start.sdV),
+                        DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr),
+                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write), prob, work,
+                        sds_layout)
+
+    @cute.kernel
+    def kernel_varlen(
+        self,
+        tma_q: cute.CopyAtom, gQ: cute.Tensor,  # TMA coordinates (total_q, d, h_q, 1): packed sequences
+        tma_do: cute.CopyAtom, gdO: cute.Tensor,  # (total_q, d, h_q, 1)
+        tma_k: cute.CopyAtom, gK: cute.Tensor,  # (total_k, d, h_kv, 1)
+        tma_v: cute.CopyAtom, gV: cute.Tensor,  # (total_k, d, h_kv, 1)
+        dk_ptr: cute.Pointer, dk_ss: Int64, dk_sh: Int64,  # dK (total_k, h_kv, d): address, row and head strides
+        dv_ptr: cute.Pointer, dv_ss: Int64, dv_sh: Int64,  # dV (total_k, h_kv, d)
+        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (ws rows, d, h_q, chains); None in fragment order
+        tma_dq_store: cute.CopyAtom,  # None in fragment order
+        lse2_ptr: cute.Pointer,  # float32 (h_q, ws_tiles * tile_m): config.varlen_workspace_rule
+        dsum_ptr: cute.Pointer,  # float32 (h_q, ws_tiles * tile_m)
+        sem_ptr: cute.Pointer,  # int32 (h_q, ws_tiles, chains)
+        dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
+        done_ptr: cute.Pointer,  # int32 (b, h_q): key tiles whose dQ adds are complete
+        scale: Float32,
+        scale_log2: Float32,
+        turn_tiles: Int32,
+        first_write: Int32,
+        cu_q_ptr: cute.Pointer,  # int32 (b + 1,): each sequence's first query row, then total_q
+        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
+        used_q_ptr: cute.Pointer,  # int32 (b,): query rows used (read where use_used_q)
+        used_k_ptr: cute.Pointer,  # int32 (b,)
+        use_used_q: Int32,
+        use_used_k: Int32,
+        batch_count: Int32,  # sequences
+        sq_layout: cute.ComposedLayout,
+        skv_layout: cute.ComposedLayout,
+        sds_layout: cute.ComposedLayout,
+        sdq_layout: cute.ComposedLayout,
+    ):
+        """The varlen main kernel: ``kernel``'s roles on one (key tile of a sequence, KV
+        head) item (scheduler.TileWalk.cta_work_varlen); dK and dV written row by row
+        (packed_rows.py). Launched programmatically, as ``kernel``."""
+        warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v), tma_dq, tma_dq_store,
+                                        sq_layout, skv_layout, sds_layout, sdq_layout)
+        batches = batch_count
+        seqs = Sequences(*(cute.make_tensor(p, cute.make_layout(batches + extra)) for p, extra in
+                           ((cu_q_ptr, 1), (cu_k_ptr, 1), (used_q_ptr, 0), (used_k_ptr, 0))),
+                         use_used_q, use_used_k, batches)
+        prob, work = self.walk.cta_work_varlen(gQ, gK, seqs)
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
+                        Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh), start.sdK,
+                                None, PackedRows(dv_ptr, dv_ss, dv_sh), start.sdV),
+                        DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr),
+                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write), prob, work,
+                        sds_layout)
+
+    @cute.jit
+    def _start(self, loads, tma_dq, tma_dq_store, sq_layout, skv_layout, sds_layout, sdq_layout):
+        """A CTA's start, before its walk: the descriptors of ``loads`` (and the dQ
+        accumulator's) prefetched, shared storage, pipelines (initialized, not yet waited
+        for) and tiles. Returns (warp, tidx, Start)."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
-            for atom in (tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv):
+            for atom in loads:
                 cpasync.prefetch_descriptor(atom)
             if const_expr(not self.cfg.dq_fragment_order):
                 cpasync.prefetch_descriptor(tma_dq)
@@ -266,12 +403,15 @@ class FlashBwdSm90:
         sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
         sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
 
-        prob = self.walk.problem(gQ, gK)
-        prob, work = self.walk.cta_work(prob, gK, tail_tiles, tail_pieces, tail_ptr, partial_ptr)
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        return warp, tidx, Start(storage, pipe_kv, pipe_q, pipe_do, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum, sdK, sdV)
 
+    @cute.jit
+    def _run_roles(self, warp, tidx, start, loads, outputs, target, stats_ptrs, scalars, prob, work, sds_layout):
+        """Each warp's role on the CTA's ``work`` (the scheduler's CtaWork)."""
+        storage, pipe_kv, pipe_q, pipe_do, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum, _, _ = start
+        tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV = loads
+        lse2_ptr, dsum_ptr = stats_ptrs
         pipes = Pipes(pipe_kv, pipe_q, pipe_do)
-        scalars = Scalars(scale, scale_log2, turn_tiles, first_write)
         if warp < 4:
             # ---------------- producer warpgroup: TMA loads, dQ writer ----------------
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -279,13 +419,11 @@ class FlashBwdSm90:
                 inputs = Inputs(tma_q, gQ, sQ, tma_do, gdO, sdO, tma_k, gK, sK, tma_v, gV, sV)
                 self.producer.run(inputs, pipes, Stats(lse2_ptr, sLSE2, dsum_ptr, sDsum), prob, work)
             if warp == DQ_WRITER_WARP:
-                target = DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr)
                 self.dq_writer.run(tidx, sdQ, target, prob, scalars, work)
         else:
             # ---------------- consumer warpgroups ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             tiles = Tiles(sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum)
-            outputs = Outputs(tma_dk, gdK, sdK, tma_dv, gdV, sdV)
             if const_expr(self.cfg.head_on_m):
                 sP = storage.sP.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
                 self.consumer.run(tidx, tiles, sP, pipes, prob, scalars, outputs, work)

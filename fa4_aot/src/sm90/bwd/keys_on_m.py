@@ -22,8 +22,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from ..primitives import DTYPES, WARPGROUP, convert_into, stage_and_store, tiled_mma, wgmma
+from ..primitives import DTYPES, WARPGROUP, convert_into, stage, stage_and_store, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
+from .packed_rows import store_rows
 
 
 class Operands(NamedTuple):
@@ -141,7 +142,11 @@ class KeysOnM:
         pipe_kv = pipes.kv
         head_kv, batch = item.head_kv, item.batch
         d, tm, tn = self.cfg.head_dim, self.cfg.tile_m, self.cfg.tile_n
-        gdK, gdV = gdK[None, None, head_kv, batch], gdV[None, None, head_kv, batch]
+        if const_expr(self.cfg.varlen):
+            # dK and dV rows of the sequence (packed_rows.PackedRows), written row by row
+            gdK, gdV = (rows.at(prob.k_offset, prob.seqlen_k, head_kv) for rows in (gdK, gdV))
+        else:
+            gdK, gdV = gdK[None, None, head_kv, batch], gdV[None, None, head_kv, batch]
         if const_expr(self.cfg.persistent):
             # this item's K and V stage; dK and dV are staged over it at the end
             sK, sV = sK[None, None, kv_state.index], sV[None, None, kv_state.index]
@@ -470,13 +475,21 @@ class KeysOnM:
     @cute.jit
     def store_dkv(self, tidx, acc_dk, acc_dv, mma_dkv, outputs, n_block, scale):
         """dK (times the softmax scale) and dV by TMA, staged over the spent Q and dO buffers
-        once both warpgroups are past their last GEMM."""
+        once both warpgroups are past their last GEMM; varlen, the staged rows that belong to
+        the sequence written by every thread (packed_rows.store_rows)."""
         tma_dk, gdK, sdK, tma_dv, gdV, sdV = outputs
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
         for i in cutlass.range_constexpr(cute.size(acc_dk)):
             acc_dk[i] = acc_dk[i] * scale
-        tile = (self.cfg.tile_n, self.cfg.head_dim)
-        stage_and_store(tidx, acc_dk, self.dtype, mma_dkv, sdK, tma_dk, cute.local_tile(gdK, tile, (n_block, 0)),
-                        EPILOGUE_BARRIER, 2 * WARPGROUP)
-        stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv, cute.local_tile(gdV, tile, (n_block, 0)),
-                        EPILOGUE_BARRIER, 2 * WARPGROUP)
+        if const_expr(self.cfg.varlen):
+            stage(tidx, acc_dk, self.dtype, mma_dkv, sdK)
+            stage(tidx, acc_dv, self.dtype, mma_dkv, sdV)
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=2 * WARPGROUP)
+            for s_tile, rows in ((sdK, gdK), (sdV, gdV)):
+                store_rows(tidx, 2 * WARPGROUP, s_tile, rows, n_block * self.cfg.tile_n)
+        else:
+            tile = (self.cfg.tile_n, self.cfg.head_dim)
+            stage_and_store(tidx, acc_dk, self.dtype, mma_dkv, sdK, tma_dk, cute.local_tile(gdK, tile, (n_block, 0)),
+                            EPILOGUE_BARRIER, 2 * WARPGROUP)
+            stage_and_store(tidx, acc_dv, self.dtype, mma_dkv, sdV, tma_dv, cute.local_tile(gdV, tile, (n_block, 0)),
+                            EPILOGUE_BARRIER, 2 * WARPGROUP)

@@ -20,12 +20,15 @@ at its (row, column) through shared memory.
 Rows are read and written 16 bytes per access, THREADS_PER_ROW threads per row.
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ...common import symbols
 from ...common.bwd_order import first_dq_key_tile, semaphore_word
+from ...common.seqlen import packed_tile, sequence
 from ..primitives import DTYPES, WARPGROUP
 from .config import TAIL_COUNTERS, TAIL_MAX_TILES
 
@@ -86,13 +89,42 @@ class PrePostSm90:
         self.out_stride = cfg.head_dim + 8
         self.post_smem_bytes = 0 if fragments is None else cfg.tile_m * self.out_stride * self.dtype.width // 8
 
-    # ------------------------------------------------------------------ preprocess
     def _chunk(self, base: cute.Pointer, offset: Int64, dtype, elems: int):
         """``elems`` elements at ``base + offset`` (elements), 16-byte aligned by contract."""
         address = base.toint() + offset * (dtype.width // 8)
         ptr = cute.make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=16)
         return cute.make_tensor(ptr, cute.make_layout(elems))
 
+    # ------------------------------------------------------------------ where a block is
+    def _io_row(self, where, row, sb, ss, sh):
+        """Element offset of query row ``row`` of the block's head in O, dO or dQ (strides
+        in elements): of its batch entry, or varlen of its sequence (no batch stride)."""
+        if const_expr(self.cfg.varlen):
+            return Int64(where.offset + row) * ss + Int64(where.head) * sh
+        return Int64(where.batch) * sb + Int64(row) * ss + Int64(where.head) * sh
+
+    def _lse_at(self, where, row):
+        """Index of row ``row``'s LSE: (b, h_q, s_q), or varlen (h_q, total_q)."""
+        if const_expr(self.cfg.varlen):
+            return where.head * where.total + where.offset + row
+        return (where.batch * where.heads_q + where.head) * where.seqlen_q + row
+
+    def _ws(self, where, m_blocks, m_block):
+        """(batch, query tiles per head, tile) of query tile m_block in the workspace, as
+        the main kernel's TileWalk.ws_tile: as given, or varlen the sequence's tile."""
+        if const_expr(self.cfg.varlen):
+            return 0, where.ws_tiles, where.ws_first + m_block
+        return where.batch, m_blocks, m_block
+
+    def _acc_row(self, where, copy, row):
+        """Element offset of a row of accumulator copy ``copy`` (the rows layout)."""
+        batch, seqlen_q = where.batch, where.seqlen_q
+        if const_expr(self.cfg.varlen):
+            batch, row, seqlen_q = 0, where.ws_first * self.cfg.tile_m + row, where.ws_tiles * self.cfg.tile_m
+        return (((Int64(batch) * self.cfg.chains + copy) * seqlen_q + row) * where.heads_q + where.head) \
+            * self.cfg.head_dim
+
+    # ------------------------------------------------------------------ preprocess
     @cute.kernel
     def preprocess(
         self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
@@ -116,6 +148,50 @@ class PrePostSm90:
         x, y, batch = cute.arch.block_idx()
         linear = x + cute.arch.grid_dim()[0] * y
         bidx, head = linear // heads_q, linear % heads_q
+        where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
+        self._preprocess_block(tidx, where, (o_ptr, o_sb, o_ss, o_sh), (do_ptr, do_sb, do_ss, do_sh),
+                               (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write,
+                               (tail_ptr, linear))
+
+    @cute.kernel
+    def preprocess_varlen(
+        self, o_ptr: cute.Pointer, o_ss: Int64, o_sh: Int64, do_ptr: cute.Pointer, do_ss: Int64, do_sh: Int64,
+        lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer,
+        total_q: Int32, heads_q: Int32, first_write: Int32,
+        cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32, batches: Int32,
+    ):
+        """``preprocess`` of packed sequences: block (x, head) takes the x-th query tile
+        of all sequences in order (common/seqlen.packed_tile); blocks past the last one
+        do nothing. O, dO (total_q, h_q, d), LSE (h_q, total_q); the workspace's rows
+        padded per sequence (config.varlen_workspace_rule)."""
+        cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
+        if where.batch >= 0:
+            self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh),
+                                   (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write, None)
+
+    def _varlen_block(self, cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q) -> "RowBlock":
+        """The varlen row block's sequence and tile (batch -1 past the last tile)."""
+        x, head, _ = cute.arch.block_idx()
+        cu_q = cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1))
+        used_q = cute.make_tensor(used_q_ptr, cute.make_layout(batches))
+        found, tile = packed_tile(x, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m)
+        seq = sequence(cutlass.max(found, 0), cu_q, used_q, use_used_q, total_q)
+        return RowBlock(found, head, tile, seq.length, heads_q, seq.offset, total_q,
+                        seq.offset // self.cfg.tile_m + cutlass.max(found, 0),
+                        cute.ceil_div(total_q, self.cfg.tile_m) + batches)
+
+    @cute.jit
+    def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, tail):
+        """The preprocess of one query tile of one head (``where``: a RowBlock); ``tail``:
+        (the split tiles' counters, the block's linear index), cleared by the first block,
+        or None (varlen)."""
+        o_ptr, o_sb, o_ss, o_sh = o_rows
+        do_ptr, do_sb, do_ss, do_sh = do_rows
+        lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr = ptrs
+        batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
         row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         d = self.cfg.head_dim
@@ -123,8 +199,8 @@ class PrePostSm90:
         total = Float32(0.0)
         clear = first_write == 0  # the accumulator (else the main kernel stores first shares)
         if row < seqlen_q:
-            o_row = Int64(batch) * o_sb + Int64(row) * o_ss + Int64(head) * o_sh
-            do_row = Int64(batch) * do_sb + Int64(row) * do_ss + Int64(head) * do_sh
+            o_row = self._io_row(where, row, o_sb, o_ss, o_sh)
+            do_row = self._io_row(where, row, do_sb, do_ss, do_sh)
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
                 o = cute.make_rmem_tensor((vec,), self.dtype)
@@ -137,7 +213,7 @@ class PrePostSm90:
                     zeros = cute.make_rmem_tensor((4,), Float32)
                     zeros.fill(0.0)
                     for copy in cutlass.range_constexpr(self.cfg.chains):
-                        acc_row = self._acc_row(batch, copy, row, head, seqlen_q, heads_q)
+                        acc_row = self._acc_row(where, copy, row)
                         for i in cutlass.range_constexpr(d // 4 // THREADS_PER_ROW):
                             col = (part + i * THREADS_PER_ROW) * 4
                             cute.autovec_copy(zeros, self._chunk(dqacc_ptr, acc_row + col, Float32, 4))
@@ -148,51 +224,54 @@ class PrePostSm90:
                 zeros.fill(0.0)
                 tile_elems = self.cfg.tile_m * d
                 for copy in cutlass.range_constexpr(self.cfg.chains):
-                    base = frag_offset(batch, copy, head, bidx, heads_q, cute.ceil_div(seqlen_q, self.cfg.tile_m),
-                                       self.cfg.chains, tile_elems)
+                    ws_batch, ws_tiles, ws_tile = self._ws(where, cute.ceil_div(seqlen_q, self.cfg.tile_m), bidx)
+                    base = frag_offset(ws_batch, copy, head, ws_tile, heads_q, ws_tiles, self.cfg.chains, tile_elems)
                     assert tile_elems % (4 * self.threads) == 0
                     for i in cutlass.range_constexpr(tile_elems // 4 // self.threads):
                         chunk_at = base + (i * self.threads + tidx) * 4
                         cute.autovec_copy(zeros, self._chunk(dqacc_ptr, chunk_at, Float32, 4))
-        if batch == 0 and linear == 0:
-            words = TAIL_MAX_TILES * TAIL_COUNTERS
-            counters = cute.make_tensor(tail_ptr, cute.make_layout(words))
-            for k in cutlass.range_constexpr(-(-words // self.threads)):
-                if tidx + k * self.threads < words:
-                    counters[tidx + k * self.threads] = Int32(0)
+        if const_expr(tail is not None):
+            tail_ptr, linear = tail
+            if batch == 0 and linear == 0:
+                words = TAIL_MAX_TILES * TAIL_COUNTERS
+                counters = cute.make_tensor(tail_ptr, cute.make_layout(words))
+                for k in cutlass.range_constexpr(-(-words // self.threads)):
+                    if tidx + k * self.threads < words:
+                        counters[tidx + k * self.threads] = Int32(0)
         for offset in (1, 2):  # the row's THREADS_PER_ROW lanes are adjacent
             total += cute.arch.shuffle_sync_bfly(total, offset=offset)
         if part == 0:
             if row < seqlen_q:
-                at = (batch * heads_q + head) * seqlen_q + row
+                at = self._lse_at(where, row)
                 lse = cute.make_tensor(lse_ptr, cute.make_layout(at + 1))
                 value = lse[at]
                 lse2_value = value * LOG2E
                 if value == -Float32.inf:
                     lse2_value = Float32.inf
-                self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, batch, head, row, seqlen_q, heads_q)
+                self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, where, row)
                 if row == 0:
                     done = cute.make_tensor(done_ptr, cute.make_layout(batch * heads_q + head + 1))
                     done[batch * heads_q + head] = Int32(0)
                 if row % self.cfg.tile_m == 0:
                     m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
-                    sem_at = semaphore_word(batch, heads_q, head, m_blocks, row // self.cfg.tile_m, self.cfg.chains)
+                    ws_batch, ws_tiles, ws_tile = self._ws(where, m_blocks, row // self.cfg.tile_m)
+                    sem_at = semaphore_word(ws_batch, heads_q, head, ws_tiles, ws_tile, self.cfg.chains)
                     sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.cfg.chains))
                     for copy in cutlass.range_constexpr(self.cfg.chains):
                         sem[sem_at + copy] = Int32(0)
             else:
                 # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
-                self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), batch, head, row, seqlen_q, heads_q)
-
-    def _acc_row(self, batch, copy, row, head, seqlen_q, heads_q):
-        """Element offset of a row of accumulator copy ``copy``."""
-        return (((Int64(batch) * self.cfg.chains + copy) * seqlen_q + row) * heads_q + head) * self.cfg.head_dim
+                self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), where, row)
 
     @cute.jit
-    def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, batch, head, row, seqlen_q, heads_q):
-        """LSE2 and D rows are (b, h_q, padded s_q): whole query tiles, for the bulk copies."""
-        padded = cute.ceil_div(seqlen_q, self.cfg.tile_m) * self.cfg.tile_m
-        at = (batch * heads_q + head) * padded + row
+    def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, where, row):
+        """LSE2 and D rows are (b, h_q, padded s_q): whole query tiles, for the bulk copies
+        (varlen: (h_q, ws_tiles tiles), the sequence's from its first workspace tile)."""
+        if const_expr(self.cfg.varlen):
+            at = (where.head * where.ws_tiles + where.ws_first) * self.cfg.tile_m + row
+        else:
+            padded = cute.ceil_div(where.seqlen_q, self.cfg.tile_m) * self.cfg.tile_m
+            at = (where.batch * where.heads_q + where.head) * padded + row
         lse2 = cute.make_tensor(lse2_ptr, cute.make_layout(at + 1))
         dsum = cute.make_tensor(dsum_ptr, cute.make_layout(at + 1))
         lse2[at] = lse2_value
@@ -211,6 +290,41 @@ class PrePostSm90:
         ``done_ptr`` once their adds are complete (dq_writer.DqWriter)."""
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
+        where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
+        self._postprocess_block(tidx, where, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr, (sem_ptr, seqlen_k, first_write),
+                                done_ptr, scale)
+        if bidx + head + batch == 0:
+            # this grid must not end before the main kernel (its dK and dV stores) does: the
+            # work after it on the stream waits for this grid only
+            cute.arch.griddepcontrol_wait()
+
+    @cute.kernel
+    def postprocess_varlen(
+        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, dq_ptr: cute.Pointer,
+        dq_ss: Int64, dq_sh: Int64, total_q: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
+        cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32,
+        cu_k_ptr: cute.Pointer, used_k_ptr: cute.Pointer, use_used_k: Int32, batches: Int32, total_k: Int32,
+    ):
+        """``postprocess`` of packed sequences, blocks as ``preprocess_varlen``'s; a
+        sequence's head waits for its own key tiles (dq_done is (b, h_q))."""
+        tidx, _, _ = cute.arch.thread_idx()
+        where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
+        if where.batch >= 0:
+            seq_k = sequence(where.batch, cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)),
+                             cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
+            self._postprocess_block(tidx, where, (dq_ptr, 0, dq_ss, dq_sh), dqacc_ptr,
+                                    (sem_ptr, seq_k.length, first_write), done_ptr, scale)
+        x, head, _ = cute.arch.block_idx()
+        if x + head == 0:
+            cute.arch.griddepcontrol_wait()  # as in postprocess
+
+    @cute.jit
+    def _postprocess_block(self, tidx, where, dq_out, dqacc_ptr, coverage, done_ptr, scale):
+        """The postprocess of one query tile of one head (``where``: a RowBlock);
+        ``coverage``: (semaphores, seqlen_k, first_write), what _written reads."""
+        dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
+        batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
+        seqlen_k = coverage[1]
         if tidx == 0:
             done = (done_ptr + batch * heads_q + head).llvm_ptr
             while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.cfg.tile_n):
@@ -219,13 +333,11 @@ class PrePostSm90:
         row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
         vec = 8  # 8 outputs (16 bytes) from 8 fp32 (32 bytes) per chunk
-        coverage = (sem_ptr, seqlen_k, first_write)  # what _written reads
         if const_expr(self.fragments is not None):
-            self._post_fragments(tidx, bidx, head, batch, row, part, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr,
-                                 seqlen_q, heads_q, scale, coverage)
+            self._post_fragments(tidx, where, row, part, dq_out, dqacc_ptr, scale, coverage)
         elif row < seqlen_q:
             d = self.cfg.head_dim
-            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
+            dq_row = self._io_row(where, row, dq_sb, dq_ss, dq_sh)
             cols = [(part + i * THREADS_PER_ROW) * vec for i in range(d // vec // THREADS_PER_ROW)]
             # every chunk of every copy read first, whether or not the copy was written (in
             # bounds either way), so the loads and the tickets' are in flight together
@@ -233,24 +345,20 @@ class PrePostSm90:
             for col in cols:
                 for copy in cutlass.range_constexpr(self.cfg.chains):
                     more = cute.make_rmem_tensor((vec,), Float32)
-                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(batch, copy, row, head, seqlen_q,
-                                                                           heads_q) + col, Float32, vec), more)
+                    cute.autovec_copy(self._chunk(dqacc_ptr, self._acc_row(where, copy, row) + col, Float32, vec),
+                                      more)
                     loaded.append(more)
-            written = self._written_copies(coverage, bidx, batch, head, seqlen_q, heads_q)
+            written = self._written_copies(coverage, where, bidx)
             for i, col in enumerate(cols):
                 acc = cute.make_rmem_tensor((vec,), Float32)
                 self._sum_copies(acc, loaded[i * self.cfg.chains:(i + 1) * self.cfg.chains], written)
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
-        if bidx + head + batch == 0:
-            # this grid must not end before the main kernel (its dK and dV stores) does: the
-            # work after it on the stream waits for this grid only
-            cute.arch.griddepcontrol_wait()
 
-    def _written_copies(self, coverage, m_block, batch, head, seqlen_q, heads_q) -> list:
+    def _written_copies(self, coverage, where, m_block) -> list:
         """``_written`` for every accumulator copy of query tile m_block, in copy order."""
-        return [self._written(coverage, copy, m_block, batch, head, seqlen_q, heads_q) for copy in range(self.cfg.chains)]
+        return [self._written(coverage, copy, where, m_block) for copy in range(self.cfg.chains)]
 
     @cute.jit
     def _sum_copies(self, acc, copies: list, written: list):
@@ -262,7 +370,7 @@ class PrePostSm90:
                 acc.store(acc.load() + copies[copy].load())
 
     @cute.jit
-    def _written(self, coverage, copy: int, m_block, batch, head, seqlen_q, heads_q):
+    def _written(self, coverage, copy: int, where, m_block):
         """Whether the main kernel wrote query tile m_block of accumulator copy ``copy``:
         always, where the preprocess cleared it (first_write 0); else, not deterministic,
         once some CTA took the tile's ticket (its semaphore word is not 0); deterministic,
@@ -270,11 +378,13 @@ class PrePostSm90:
         no key, or a copy of more than the key tiles (its dQ there is 0, whatever the
         workspace held)."""
         sem_ptr, seqlen_k, first_write = coverage
+        seqlen_q = where.seqlen_q
         result = cutlass.Boolean(True)
         if first_write != 0:
             m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
             if const_expr(self.cfg.tickets):
-                at = semaphore_word(batch, heads_q, head, m_blocks, m_block)
+                ws_batch, ws_tiles, ws_tile = self._ws(where, m_blocks, m_block)
+                at = semaphore_word(ws_batch, where.heads_q, where.head, ws_tiles, ws_tile)
                 result = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
             else:
                 n_blocks = cute.ceil_div(seqlen_k, self.cfg.tile_n)
@@ -286,8 +396,7 @@ class PrePostSm90:
         return result
 
     @cute.jit
-    def _post_fragments(self, tidx, m_block, head, batch, row, part, dq_out, dqacc_ptr, seqlen_q, heads_q, scale,
-                        coverage):
+    def _post_fragments(self, tidx, where, row, part, dq_out, dqacc_ptr, scale, coverage):
         """Fragment order: thread t of warpgroup p reads what thread t of the main kernel's
         warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
@@ -298,11 +407,11 @@ class PrePostSm90:
         s_out = cutlass.utils.SmemAllocator().allocate_tensor(
             self.dtype, cute.make_layout((self.cfg.tile_m, d), stride=(self.out_stride, 1)), byte_alignment=16)
         if tidx < frags.parts * WARPGROUP:  # the block's other threads (80-row tiles) only write rows
-            self._scatter_fragments(tidx, m_block, head, batch, dqacc_ptr, seqlen_q, heads_q, scale, coverage, s_out)
+            self._scatter_fragments(tidx, where, dqacc_ptr, scale, coverage, s_out)
         cute.arch.sync_threads()
         vec = 8
-        if row < seqlen_q:
-            dq_row = Int64(batch) * dq_sb + Int64(row) * dq_ss + Int64(head) * dq_sh
+        if row < where.seqlen_q:
+            dq_row = self._io_row(where, row, dq_sb, dq_ss, dq_sh)
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
@@ -310,27 +419,27 @@ class PrePostSm90:
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
 
     @cute.jit
-    def _scatter_fragments(self, tidx, m_block, head, batch, dqacc_ptr, seqlen_q, heads_q, scale, coverage,
-                           s_out):
+    def _scatter_fragments(self, tidx, where, dqacc_ptr, scale, coverage, s_out):
         """Thread tidx (< parts * WARPGROUP) of the postprocess: its fragment values of every
         accumulator copy summed, scaled and put at their (query, head dim) in ``s_out``."""
         frags = self.fragments
         d = self.cfg.head_dim
+        m_block = where.tile
         wg, t = tidx // WARPGROUP, tidx % WARPGROUP
         coords = frags.make_mma().get_slice(t).partition_C(cute.make_identity_tensor(frags.acc_shape))
-        m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+        ws_batch, m_blocks, ws_tile = self._ws(where, cute.ceil_div(where.seqlen_q, self.cfg.tile_m), m_block)
         tile_elems = self.cfg.tile_m * d
-        first = frag_offset(batch, 0, head, m_block, heads_q, m_blocks, self.cfg.chains, tile_elems) \
+        first = frag_offset(ws_batch, 0, where.head, ws_tile, where.heads_q, m_blocks, self.cfg.chains, tile_elems) \
             + wg * frags.part_elems + t * 4
         # every chunk read first, written or not (as in postprocess: one memory latency)
         loaded = []
         for i in cutlass.range_constexpr(frags.values // 4):
             for copy in cutlass.range_constexpr(self.cfg.chains):
                 more = cute.make_rmem_tensor((4,), Float32)
-                cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * heads_q * tile_elems
+                cute.autovec_copy(self._chunk(dqacc_ptr, first + copy * m_blocks * where.heads_q * tile_elems
                                               + i * 4 * WARPGROUP, Float32, 4), more)
                 loaded.append(more)
-        written = self._written_copies(coverage, m_block, batch, head, seqlen_q, heads_q)
+        written = self._written_copies(coverage, where, m_block)
         for i in cutlass.range_constexpr(frags.values // 4):
             acc = cute.make_rmem_tensor((4,), Float32)
             self._sum_copies(acc, loaded[i * self.cfg.chains:(i + 1) * self.cfg.chains], written)
@@ -338,3 +447,20 @@ class PrePostSm90:
                 r, c = coords[4 * i + j]
                 q, dim = frags.place(wg, r, c)
                 s_out[q, dim] = (acc[j] * scale).to(self.dtype)
+
+
+class RowBlock(NamedTuple):
+    """Which query tile of which head a row-kernel block takes: its batch entry (varlen:
+    its sequence, -1 past the last tile), head, tile, the entry's query rows and the query
+    heads; varlen also the sequence's first packed row, the packed rows, the sequence's
+    first workspace tile and the workspace's tiles per head (config.varlen_workspace_rule)."""
+
+    batch: object
+    head: object
+    tile: object
+    seqlen_q: object
+    heads_q: object
+    offset: object = None
+    total: object = None
+    ws_first: object = None
+    ws_tiles: object = None

@@ -43,17 +43,18 @@ class Producer:
         """One item, one query tile per step. Returns the advanced pipeline states."""
         cfg = self.cfg
         whole = cute.make_layout(1)
-        self.load_kv(inputs, pipes, kv_state, item)
+        self.load_kv(inputs, pipes, kv_state, item, prob)
         for step in cutlass.range(item.steps, unroll=1):
             head_q = item.head_kv * prob.group + step // item.span
             m_block = self.walk.m_block(step, item.m_first, item.span, prob.m_blocks)
-            stats_at = self.stats_at(item.batch, prob.heads_q, head_q, prob.m_blocks, m_block)
+            ws_batch, ws_tiles, ws_m = self.walk.ws_tile(prob, item.batch, prob.m_blocks, m_block)
+            stats_at = self.stats_at(ws_batch, prob.heads_q, head_q, ws_tiles, ws_m)
             loads = ((inputs.tma_do, inputs.gdO, inputs.sdO, pipes.do, stats.dsum_ptr, stats.sDsum),
                      (inputs.tma_q, inputs.gQ, inputs.sQ, pipes.q, stats.lse2_ptr, stats.sLSE2))
             for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
                 pipe.producer_acquire(state)
-                q_tile = cute.local_tile(g_all[None, None, head_q, item.batch], (cfg.tile_m, cfg.head_dim),
-                                         (m_block, 0))
+                q_tile = cute.local_tile(self.walk.rows_of(g_all, prob, head_q, item.batch, False),
+                                         (cfg.tile_m, cfg.head_dim), (m_block, 0))
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
                 cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -75,7 +76,7 @@ class Producer:
         whole = cute.make_layout(1)
         tm, d = cfg.tile_m, cfg.head_dim
         m_blocks, heads_q, batch = prob.m_blocks, prob.heads_q, item.batch
-        self.load_kv(inputs, pipes, kv_state, item)
+        self.load_kv(inputs, pipes, kv_state, item, prob)
         head_off, tile_off = Int32(0), Int32(0)
         for step in cutlass.range(cute.ceil_div(item.steps, 2), unroll=1):
             head_a, m_a, head_b, m_b, real = self.walk.pair(step, head_off, tile_off, item.m_first, item.span, m_blocks,
@@ -107,14 +108,14 @@ class Producer:
             state.advance()
         return kv_state, state
 
-    def load_kv(self, inputs, pipes, kv_state, item):
+    def load_kv(self, inputs, pipes, kv_state, item, prob):
         """The item's K and V tiles onto one mbarrier stage (persistent: the item's stage of
         two); advances kv_state."""
         cfg = self.cfg
         pipes.kv.producer_acquire(kv_state)
         for atom, g, s in ((inputs.tma_k, inputs.gK, inputs.sK), (inputs.tma_v, inputs.gV, inputs.sV)):
-            tile = cute.local_tile(g[None, None, item.head_kv, item.batch], (cfg.tile_n, cfg.head_dim),
-                                   (item.n_block, 0))
+            tile = cute.local_tile(self.walk.rows_of(g, prob, item.head_kv, item.batch, True),
+                                   (cfg.tile_n, cfg.head_dim), (item.n_block, 0))
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                              cute.group_modes(tile, 0, 2))
             if const_expr(cfg.persistent):

@@ -12,6 +12,10 @@ CTAs", "Backward: split last wave"):
 - ``persistent``: one CTA per SM takes items block, block + grid, ... in that order;
 - ``tail_split``: a one-dimensional grid whose last blocks are pieces of the last partial
   wave's items, each a range of query tiles (common/bwd_order.tail_item, piece_tiles).
+- ``varlen``: one CTA per (key tile of a sequence, KV head), the sequences' key tiles back
+  to back (common/seqlen.packed_tile), as the varlen forward walks query tiles; a CTA's
+  problem is its sequence's (lengths, where its rows lie in the packed tensors and in the
+  workspace: ``rows_of``, ``ws_tile``).
 Within an item, not causal and not deterministic (``rotate``), a CTA starts at a query
 tile of its own and wraps around, so a head's CTAs reduce into different dQ tiles.
 """
@@ -24,11 +28,13 @@ from cutlass import Int32, const_expr
 
 from ...common.bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
 from ...common.launch_order import backward_head_group, launch_in_head_groups
+from ...common.seqlen import packed_tile, sequence
 from .config import ROTATION_TILES
 
 
 class Problem(NamedTuple):
-    """The problem's sizes as the main kernel sees them (run-time values)."""
+    """The problem's sizes as the main kernel sees them (run-time values); varlen, the
+    CTA's sequence's."""
 
     seqlen_q: object
     seqlen_k: object
@@ -37,6 +43,26 @@ class Problem(NamedTuple):
     m_blocks: object  # query tiles per head
     n_tiles: object  # key tiles per head
     heads_kv: object
+    # varlen only: the sequence's first query and key rows in the packed tensors, its first
+    # query tile in the workspace, and the workspace's query tiles per head
+    # (config.varlen_workspace_rule)
+    q_offset: object = None
+    k_offset: object = None
+    ws_first: object = None
+    ws_tiles: object = None
+
+
+class Sequences(NamedTuple):
+    """The varlen kernels' metadata: cu_seqlens_q, cu_seqlens_k (b + 1,), seqused_q,
+    seqused_k (b,) as int32 tensors (seqused read only where its flag is not 0), and b."""
+
+    cu_q: object
+    cu_k: object
+    used_q: object
+    used_k: object
+    use_used_q: object
+    use_used_k: object
+    batches: object
 
 
 class Item(NamedTuple):
@@ -104,6 +130,46 @@ class TileWalk:
         else:
             item = self.item_of_block(launch, head_kv, batch, prob)
         return prob, CtaWork(item, tail, None, None, None)
+
+    def cta_work_varlen(self, gQ, gK, seqs: Sequences):
+        """Varlen: (the CTA's sequence's problem, its CtaWork). Block (x, KV head) takes the
+        x-th key tile of all sequences in order (common/seqlen.packed_tile), a key tile
+        n_block of the sequence as the dense grid's block would (key_tile_of_launch: so a
+        deterministic CTA waits only for CTAs launched before it, its sequence's). A CTA
+        past the last tile gets a sequence of no rows, batch -1 and no steps."""
+        cfg = self.cfg
+        launch, head_kv, _ = cute.arch.block_idx()
+        total_q, total_k, heads_q, heads_kv = gQ.shape[0], gK.shape[0], gQ.shape[2], gK.shape[2]
+        found, tile = packed_tile(launch, seqs.cu_k, seqs.used_k, seqs.use_used_k, seqs.batches, total_k, cfg.tile_n)
+        live = found >= 0
+        batch = cutlass.max(found, 0)
+        seq_q = sequence(batch, seqs.cu_q, seqs.used_q, seqs.use_used_q, total_q)
+        seq_k = sequence(batch, seqs.cu_k, seqs.used_k, seqs.use_used_k, total_k)
+        seqlen_q = Int32(cutlass.select_(live, seq_q.length, 0))
+        seqlen_k = Int32(cutlass.select_(live, seq_k.length, 0))
+        prob = Problem(seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, cute.ceil_div(seqlen_q, cfg.tile_m),
+                       cute.ceil_div(seqlen_k, cfg.tile_n), heads_kv, seq_q.offset, seq_k.offset,
+                       seq_q.offset // cfg.tile_m + batch, cute.ceil_div(total_q, cfg.tile_m) + seqs.batches)
+        item = self.item_of_block(tile, head_kv, Int32(cutlass.select_(live, batch, -1)), prob)
+        # no key tile (n_block -1 when deterministic causal): key tile 0 of no keys, nothing stored
+        item = item._replace(n_block=cutlass.max(item.n_block, 0))
+        return prob, CtaWork(item, None, None, None, None)
+
+    def rows_of(self, g, prob: Problem, head, batch, keys: bool):
+        """The (s, d) TMA coordinates of one head's rows of ``g`` (s, d, h, b): the batch
+        entry's, or varlen the CTA's sequence's (its keys' if ``keys``, else its queries'),
+        whose rows past the sequence are the next sequence's (or TMA's zeros)."""
+        if const_expr(self.cfg.varlen):
+            return cute.domain_offset((prob.k_offset if keys else prob.q_offset, 0), g[None, None, head, 0])
+        return g[None, None, head, batch]
+
+    def ws_tile(self, prob: Problem, batch, m_blocks, m_block):
+        """(batch, query tiles per head, tile) of query tile m_block of ``batch`` in the
+        workspace's statistics, accumulator and semaphores: as given, or varlen (one batch
+        entry of ws_tiles tiles) the sequence's tile there."""
+        if const_expr(self.cfg.varlen):
+            return 0, prob.ws_tiles, prob.ws_first + m_block
+        return batch, m_blocks, m_block
 
     @cute.jit
     def item(self, index, prob: Problem, piece=None) -> Item:
