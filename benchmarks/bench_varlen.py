@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Varlen forward benchmark: packed sequences of mixed lengths, head_dim 128 bf16.
+"""Varlen forward (and, with --bwd, backward) benchmark: packed sequences of mixed lengths, head_dim 128 bf16.
 
 Run on an sm_90 GPU:  python benchmarks/bench_varlen.py [--rounds 3] [--out results/]
     [--kernels DIR ...]   # A/B: each build's varlen forward beside the package's, interleaved
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
-from fa4_aot.torch import flash_attn_fwd, flash_attn_varlen_fwd
+from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd, flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
 D = 128
 
@@ -92,12 +92,53 @@ def cells(lengths, hq, hkv, causal, libraries=()):
     return peers
 
 
+def cells_bwd(lengths, hq, hkv, causal):
+    """{peer: callable} of the backward on one set of inputs (outputs and the workspace
+    given, so the timings are the kernels'): ours varlen, ours dense on the padded batch,
+    torch's varlen_attn backward (autograd.grad of a kept forward)."""
+    total, longest = sum(lengths), max(lengths)
+    q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
+    cu[1:] = torch.tensor(lengths, device="cuda").cumsum(0)
+    out, lse = flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal)
+    dout = torch.randn_like(q)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    import fa4_aot
+
+    size = fa4_aot.backward_varlen_workspace_bytes(total, len(lengths), hq, D, causal=causal)
+    space = torch.empty(size, dtype=torch.uint8, device="cuda")
+    peers = {"fa4_aot varlen": lambda: flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu, cu, longest, longest,
+                                                             causal=causal, dq=dq, dk=dk, dv=dv, workspace=space)}
+    b = len(lengths)
+    qp = torch.zeros(b, longest, hq, D, device="cuda", dtype=torch.bfloat16)
+    kp, vp = (torch.zeros(b, longest, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for i, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+        qp[i, :n], kp[i, :n], vp[i, :n] = q[start:start + n], k[start:start + n], v[start:start + n]
+    op, lp = flash_attn_fwd(qp, kp, vp, causal=causal)
+    dop = torch.randn_like(qp)
+    peers["fa4_aot dense, padded"] = lambda: flash_attn_bwd(qp, kp, vp, op, dop, lp, causal=causal)
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+
+        if hq != hkv:
+            raise TypeError("no GQA")
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        window = {"window_size": (-1, 0)} if causal else {}
+        o = varlen_attn(qg, kg, vg, cu, cu, longest, longest, **window)
+        peers["torch varlen_attn"] = lambda: torch.autograd.grad(o, (qg, kg, vg), dout, retain_graph=True)
+    except Exception as e:
+        print(f"  torch varlen_attn backward skipped: {type(e).__name__}: {str(e)[:80]}")
+    return peers
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--kernels", type=Path, action="append", default=[],
                         help="another build's folder (manifest.json, cubins/); repeatable")
+    parser.add_argument("--bwd", action="store_true", help="time the backward (FLOPs 2.5x the forward's)")
     args = parser.parse_args()
     from fa4_aot.loader import KernelLibrary
 
@@ -105,15 +146,15 @@ def main():
     results = {}
     for name, (lengths, hq, hkv) in mixes().items():
         for causal in (False, True):
-            peers = cells(lengths, hq, hkv, causal, libraries)
-            work = flops(lengths, hq, causal)
+            peers = cells_bwd(lengths, hq, hkv, causal) if args.bwd else cells(lengths, hq, hkv, causal, libraries)
+            work = flops(lengths, hq, causal) * (2.5 if args.bwd else 1)
             rounds = {p: [] for p in peers}
             for _ in range(args.rounds):
                 for p, fn in peers.items():
                     rounds[p].append(tflops(fn, work))
             results[f"{name}{' causal' if causal else ''}"] = rounds
     peers = sorted({p for r in results.values() for p in r})
-    print(f"varlen forward, head_dim {D}, bf16, TFLOP/s (median of {args.rounds} rounds [range]), "
+    print(f"varlen {'backward' if args.bwd else 'forward'}, head_dim {D}, bf16, TFLOP/s (median of {args.rounds} rounds [range]), "
           f"{torch.cuda.get_device_name()}")
     print("| mix | " + " | ".join(peers) + " | ours / torch varlen |")
     print("|---|" + "---|" * (len(peers) + 1))
@@ -124,7 +165,8 @@ def main():
         print(f"| {cell} | " + " | ".join(line) + f" | {ratio} |")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "varlen-fwd-bf16.json").write_text(json.dumps(results, indent=1))
+        name = "varlen-bwd-bf16.json" if args.bwd else "varlen-fwd-bf16.json"
+        (args.out / name).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

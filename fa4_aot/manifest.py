@@ -216,14 +216,22 @@ class Manifest:
         try:
             variant = Variant(**axes)
         except ValueError as e:
-            nearest = sorted(
-                self.variants,
-                key=lambda x: (x.dtype != axes.get("dtype"), abs(x.head_dim - axes.get("head_dim", 0)),
-                               x.causal != axes.get("causal")),
-            )
-            names = ", ".join(x.name for x in nearest[:4]) or "none"
+            names = ", ".join(self._nearest(axes)) or "none"
             raise UnsupportedVariantError(f"no kernel for {axes}: {e}. Nearest built variants: {names}.") from None
         return self.row(variant)
+
+    def _nearest(self, axes: dict, count: int = 4) -> list[str]:
+        """Built variants of the same kind closest to ``axes``: one per head dim, the
+        nearest head dims first (same dtype and causal preferred, plain forms first)."""
+        pool = [x for x in self.variants if x.kind == axes.get("kind")] or list(self.variants)
+        pool.sort(key=lambda x: (abs(x.head_dim - axes.get("head_dim", 0)), x.dtype != axes.get("dtype"),
+                                 x.causal != axes.get("causal"), x.varlen, x.deterministic, x.q_tiles))
+        chosen, dims = [], set()
+        for x in pool:
+            if x.head_dim not in dims:
+                dims.add(x.head_dim)
+                chosen.append(x.name)
+        return chosen[:count]
 
     def _not_built_message(self, v: Variant) -> str:
         reasons = [why for key, why in NOT_BUILT_REASONS.items() if matches(v, key)]
