@@ -16,7 +16,7 @@ import click
 from . import __version__
 from .errors import Fa4AotError
 from .manifest import PACKAGE_DIR, Manifest
-from .variants import AXES, MATRIX, NOT_BUILT_REASONS
+from .variants import AXES, KINDS, MATRIX, NOT_BUILT_REASONS
 
 
 def _manifest(folder) -> Manifest:
@@ -67,6 +67,9 @@ def list_(folder, patterns, show_all, as_json):
         for v in MATRIX:
             if v.name not in built:
                 click.echo(f"{v.name:<36} not in this build")
+        click.echo("\nKinds:")
+        for kind, what in KINDS.items():
+            click.echo(f"  {kind:<14} {what}")
         click.echo("\nAxes (declared -> built):")
         for axis, spec in AXES.items():
             click.echo(f"  {axis:<14} {list(spec['declared'])} -> {list(spec['built'])}")

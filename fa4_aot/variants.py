@@ -36,6 +36,16 @@ AXES = {
     "deterministic": {"declared": (False, True), "built": (False, True)},
     "q_tiles": {"declared": (1, 2), "built": (1, 2)},
 }
+# What each kind is, and the forms it takes at run time (no axis of their own: one cubin
+# serves them), printed by `fa4-aot list --all`.
+KINDS = {
+    "fwd": "forward, dense (b, s, h, d) or packed varlen (cu_seqlens)",
+    "bwd": "backward (preprocess, main kernel, postprocess), dense or packed varlen",
+    "decode": "a few query tokens against a KV cache: GQA-packed rows (the query heads of a KV head in one "
+              "tile), split-KV (num_splits at run time), contiguous or paged cache (page_table at run time, "
+              "page sizes multiples of 16)",
+    "combine": "the split-KV merge of decode's partial O and LSE (launched when num_splits > 1)",
+}
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
