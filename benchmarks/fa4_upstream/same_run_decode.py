@@ -99,6 +99,13 @@ def ours_launch(t):
     return ours
 
 
+def copy_bandwidth(bench):
+    """Bytes read plus written per second of torch's copy_ of 2 GiB (bench_decode's scale)."""
+    src = torch.empty(2 << 30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)
+
+
 def kv_bytes(batch, heads_kv, head_dim, keys):
     return batch * keys * heads_kv * head_dim * 2 * 2
 
@@ -176,10 +183,7 @@ def main(argv):
     cells += [(shape, p) for shape in ISSUE for p in pages if "paged" in forms]
     for r in range(rounds):
         try:
-            src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            res["copy_bytes_per_s"].append(2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3))
-            del src, dst
+            res["copy_bytes_per_s"].append(copy_bandwidth(bench))
         except Exception as e:  # noqa: BLE001
             note(res, "copy", e)
         for shape, page in cells:
