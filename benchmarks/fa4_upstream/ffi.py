@@ -2,7 +2,9 @@
 open_dir(DIR), then ex(name).launcher(*args) returns a no-argument launch. Tensors are
 torch tensors (their data pointer, sizes and strides fill the exported structs: every
 size dynamic but the head dim, every stride but the unit one); ``stream`` a CUstream
-handle as an int."""
+handle as an int. A struct holds the tensor's first n sizes and first m strides, (n, m)
+from spec.json (compile.py's fake tensors: every dynamic size leads, the unit stride is
+last, or the page table's second)."""
 import ctypes, json
 from pathlib import Path
 
@@ -18,12 +20,32 @@ def open_dir(path):
     return spec
 
 
-class T3(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 3), ("strides", ctypes.c_int64 * 2)]
+_structs = {}
 
 
-class T4(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 3), ("strides", ctypes.c_int64 * 3)]
+def struct(ns, nst):
+    """The ctypes twin of an exported tensor struct with ns sizes and nst strides."""
+    if (ns, nst) not in _structs:
+        fields = [("data", ctypes.c_void_p)]
+        if ns:
+            fields.append(("shapes", ctypes.c_int32 * ns))
+        if nst:
+            fields.append(("strides", ctypes.c_int64 * nst))
+        _structs[ns, nst] = type(f"T{ns}_{nst}", (ctypes.Structure,), {"_fields_": fields})
+    return _structs[ns, nst]
+
+
+def tensor_struct(t, ns, nst):
+    assert t.dim() >= ns and t.dim() > nst, (tuple(t.shape), ns, nst)
+    assert t.stride()[nst] == 1 or t.shape[nst] == 1, ("unit stride expected at", nst, t.stride())
+    st = struct(ns, nst)
+    obj = st()
+    obj.data = t.data_ptr()
+    if ns:
+        obj.shapes = (ctypes.c_int32 * ns)(*t.shape[:ns])
+    if nst:
+        obj.strides = (ctypes.c_int64 * nst)(*t.stride()[:nst])
+    return obj
 
 
 class Export:
@@ -49,10 +71,7 @@ class Export:
         for kind, v in zip(self.kinds, values):
             if kind.startswith("t:"):
                 ns, nst = self.tensors[kind[2:]]
-                t = v
-                st = T4 if nst == 3 else T3
-                assert (ns, nst) in ((3, 3), (3, 2)) and t.dim() == (4 if nst == 3 else 3), (kind, t.shape)
-                obj = st(t.data_ptr(), (ctypes.c_int32 * 3)(*t.shape[:3]), (ctypes.c_int64 * nst)(*t.stride()[:nst]))
+                obj = tensor_struct(v, ns, nst)
             elif kind == "f32":
                 obj = ctypes.c_float(v)
             elif kind == "stream":
