@@ -100,7 +100,7 @@ def test_a_call_packs_the_varlen_plan(built):
 def call_forward(library, a=None, **options):
     a = a or arrays()
     forward_varlen(a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_seqlens_q"], a["cu_seqlens_k"], 60, 200,
-                   library=library, **options)
+                   causal=True, library=library, **options)
     return library.launches[-1][1:]
 
 
