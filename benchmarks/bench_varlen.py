@@ -3,6 +3,8 @@
 
 Run on an sm_90 GPU:  python benchmarks/bench_varlen.py [--rounds 3] [--out results/]
     [--kernels DIR ...]   # A/B: each build's varlen forward beside the package's, interleaved
+    [--order plain,lpt]   # the forward's sequence order(s): each a cell, in the same rounds
+    [--mixes NAME,...]    # only these mixes (substrings of their names)
 
 Peers in the same process, on the same inputs: torch's ``varlen_attn`` (FlashAttention
 through torch; GQA only where the installed torch takes ``enable_gqa``), and our dense
@@ -12,7 +14,10 @@ varlen kernels are not timed here (benchmarks/fa4_upstream compiles its dense on
 
 Mixes (issue 28): one 16384-token sequence plus 63 of 256; 16 sequences of uniform random
 length in 1..8191 (seed 0); a serving-like mix of 256 short prompts (16..1024 tokens,
-seed 1) with GQA 32:8. Heads: 16 (2048 / 128) unless the mix says. FLOPs per sequence:
+seed 1) with GQA 32:8; and for the heaviest-first order (--order), the long sequence LAST
+(63 of 256 then one of 16384), with 16 heads and with 4 (fewer heads: fewer CTAs per
+sequence, so a late long sequence leaves more of the last wave idle). Heads: 16 (2048 /
+128) unless the mix says. FLOPs per sequence:
 4 * s_q * s_k * d * heads for the rows x keys pairs computed; causal counts only the
 visible pairs (bottom-right aligned). Time: median of CUDA-event timings
 (triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves the peers
@@ -40,6 +45,8 @@ def mixes():
         "1x16384+63x256": ([16384] + [256] * 63, 16, 16),
         "16xU(1,8191)": ([rng.randint(1, 8191) for _ in range(16)], 16, 16),
         "256 prompts GQA 32:8": ([serving.randint(16, 1024) for _ in range(256)], 32, 8),
+        "63x256+1x16384 (long last)": ([256] * 63 + [16384], 16, 16),
+        "63x256+1x16384 (long last) h4": ([256] * 63 + [16384], 4, 4),
     }
 
 
@@ -56,20 +63,25 @@ def tflops(fn, work):
     return work / ms / 1e9
 
 
-def cells(lengths, hq, hkv, causal, libraries=()):
+def cells(lengths, hq, hkv, causal, libraries=(), orders=(None,)):
     """{peer: callable} on one set of inputs; ``libraries``: (name, KernelLibrary) of other
-    builds whose varlen forward runs beside the package's."""
+    builds whose varlen forward runs beside the package's; ``orders``: the forward's
+    sequence orders to time ("plain", "lpt"; None: the policy's), one cell each."""
     total, longest = sum(lengths), max(lengths)
     q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(total, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
     cu[1:] = torch.tensor(lengths, device="cuda").cumsum(0)
     out, lse = torch.empty_like(q), torch.empty(hq, total, device="cuda")
-    peers = {"fa4_aot varlen": lambda: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal,
-                                                             out=out, lse=lse)}
-    for name, library in libraries:
-        import fa4_aot
+    import fa4_aot
 
+    space = torch.empty(fa4_aot.forward_varlen_workspace_bytes(len(lengths)), dtype=torch.uint8, device="cuda")
+    peers = {}
+    for order in orders:
+        peers["fa4_aot varlen" + (f" {order}" if order else "")] = (
+            lambda order=order: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal, out=out,
+                                                      lse=lse, order=order, workspace=space))
+    for name, library in libraries:
         arrays = [fa4_aot.torch_varlen._array(x) for x in (q, k, v, out, lse, cu, cu)]
         stream = torch.cuda.current_stream().cuda_stream
         peers[f"fa4_aot varlen {name}"] = (lambda lib=library: fa4_aot.forward_varlen(
@@ -139,14 +151,22 @@ def main():
     parser.add_argument("--kernels", type=Path, action="append", default=[],
                         help="another build's folder (manifest.json, cubins/); repeatable")
     parser.add_argument("--bwd", action="store_true", help="time the backward (FLOPs 2.5x the forward's)")
+    parser.add_argument("--order", default=None,
+                        help="the forward's sequence orders, comma-separated: plain, lpt (default: the policy's)")
+    parser.add_argument("--mixes", default=None, help="only the mixes whose names contain one of these (comma-separated)")
     args = parser.parse_args()
     from fa4_aot.loader import KernelLibrary
 
     libraries = [(str(folder), KernelLibrary(folder)) for folder in args.kernels]
+    orders = tuple(args.order.split(",")) if args.order else (None,)
+    wanted = args.mixes.split(",") if args.mixes else None
     results = {}
     for name, (lengths, hq, hkv) in mixes().items():
+        if wanted and not any(w in name for w in wanted):
+            continue
         for causal in (False, True):
-            peers = cells_bwd(lengths, hq, hkv, causal) if args.bwd else cells(lengths, hq, hkv, causal, libraries)
+            peers = (cells_bwd(lengths, hq, hkv, causal) if args.bwd
+                     else cells(lengths, hq, hkv, causal, libraries, orders))
             work = flops(lengths, hq, causal) * (2.5 if args.bwd else 1)
             rounds = {p: [] for p in peers}
             for _ in range(args.rounds):
@@ -156,13 +176,16 @@ def main():
     peers = sorted({p for r in results.values() for p in r})
     print(f"varlen {'backward' if args.bwd else 'forward'}, head_dim {D}, bf16, TFLOP/s (median of {args.rounds} rounds [range]), "
           f"{torch.cuda.get_device_name()}")
-    print("| mix | " + " | ".join(peers) + " | ours / torch varlen |")
-    print("|---|" + "---|" * (len(peers) + 1))
+    ours = next(p for p in peers if p.startswith("fa4_aot varlen") and "/" not in p)
+    both = {"fa4_aot varlen plain", "fa4_aot varlen lpt"} <= set(peers)
+    print("| mix | " + " | ".join(peers) + f" | {ours} / torch varlen |" + (" lpt / plain |" if both else ""))
+    print("|---|" + "---|" * (len(peers) + 1 + both))
     for cell, rounds in results.items():
         med = {p: statistics.median(v) for p, v in rounds.items()}
         line = [f"{med[p]:.0f} [{min(rounds[p]):.0f}-{max(rounds[p]):.0f}]" if p in med else "-" for p in peers]
-        ratio = (f"{med['fa4_aot varlen'] / med['torch varlen_attn']:.2f}" if "torch varlen_attn" in med else "-")
-        print(f"| {cell} | " + " | ".join(line) + f" | {ratio} |")
+        ratio = (f"{med[ours] / med['torch varlen_attn']:.2f}" if "torch varlen_attn" in med else "-")
+        gain = f" {med['fa4_aot varlen lpt'] / med['fa4_aot varlen plain']:.3f} |" if both else ""
+        print(f"| {cell} | " + " | ".join(line) + f" | {ratio} |" + gain)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         name = "varlen-bwd-bf16.json" if args.bwd else "varlen-fwd-bf16.json"

@@ -14,7 +14,9 @@ from .arrays import DeviceArray  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .loader import KernelLibrary  # noqa: E402
 from .variants import Variant  # noqa: E402
-from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen  # noqa: E402
+from .varlen import (  # noqa: E402
+    backward_varlen, backward_varlen_workspace_bytes, forward_varlen, forward_varlen_workspace_bytes,
+)
 from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
 
 
@@ -26,5 +28,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["forward", "forward_varlen", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
+__all__ = ["forward", "forward_varlen", "forward_varlen_workspace_bytes", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
            "backward_varlen_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

@@ -60,6 +60,16 @@ def fwd_varlen_plan() -> list[dict]:
     slots.append(_slot("scale_log2", "f32", value="scale_log2"))
     slots += [_slot(n, "ptr", tensor=n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
     slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k", "batch")]
+    slots += [_slot("order", "ptr", tensor="order"), _slot("lpt", "i32", fields=["lpt"])]
+    return with_offsets(slots)
+
+
+def fwd_varlen_order_plan() -> list[dict]:
+    """Slots of FlashFwdSm90.order_varlen: the sequences' metadata in, their heaviest-first
+    order out (the workspace)."""
+    slots = [_slot(n, "ptr", tensor=n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
+    slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k", "batch", "total_q", "total_k")]
+    slots.append(_slot("order", "ptr", tensor="order"))
     return with_offsets(slots)
 
 

@@ -195,7 +195,7 @@ class KernelLibrary:
     # ------------------------------------------------------------------ launching
     def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None, waits=(),
                aliases=(), append: bool = False):
-        """Run ``row``'s kernels in order on ``stream``. ``values``: run-time sizes, strides
+        """Run ``row``'s kernels in order on ``stream`` (but those whose ``when`` value is 0). ``values``: run-time sizes, strides
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
         ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
         options of a call): the packed launches are kept under it for ``launch_again``.
@@ -212,6 +212,8 @@ class KernelLibrary:
             handle = cu.CUstream(stream)
             plan = []
             for fn, launch in zip(fns, row["launches"]):
+                if "when" in launch and not values[launch["when"]]:
+                    continue  # a launch the call's run-time values leave out (the varlen sort)
                 buffer, pointers = pack_params(row, launch, values, tensors)
                 config = cu.CUlaunchConfig()
                 config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self.sm_count(device))

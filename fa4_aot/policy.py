@@ -136,3 +136,19 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
         if split_cost < cost:
             best, cost = splits, split_cost
     return best
+
+
+# The varlen forward's sequence order (docs/design.md, "Variable length"): "lpt" sorts the
+# sequences heaviest first in a one-CTA launch before the attention kernel (up to
+# LPT_MAX_BATCH sequences, the sort's width in shared memory, built into the kernels: a
+# power of two); "plain" takes them in the caller's order. VARLEN_LPT: the default where the
+# caller gives a workspace (forward_varlen) or lets the adapter allocate one; pending the
+# H200 measurement (benchmarks/bench_varlen.py --order plain,lpt), the plain order.
+LPT_MAX_BATCH = 8192
+VARLEN_LPT = False
+VARLEN_ORDERS = ("plain", "lpt")
+
+
+def varlen_order(batch: int) -> str:
+    """The varlen forward's default order for ``batch`` sequences: "lpt" or "plain"."""
+    return "lpt" if VARLEN_LPT and 2 <= batch <= LPT_MAX_BATCH else "plain"

@@ -16,7 +16,8 @@ import torch
 
 from .arrays import DeviceArray
 from .errors import DeviceError, DTypeError
-from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen
+from . import policy
+from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen, forward_varlen_workspace_bytes
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.uint8: "u8"}
@@ -32,16 +33,22 @@ def _array(t: torch.Tensor) -> DeviceArray:
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
-                          out=None, lse=None):
+                          out=None, lse=None, order: str | None = None, workspace=None):
     """(out, lse): out (total_q, h_q, d) like q, lse (h_q, total_q) float32; rows of no
-    sequence (past seqused, or past the last cu_seqlens_q) are left as allocated."""
+    sequence (past seqused, or past the last cu_seqlens_q) are left as allocated.
+    ``order``: the sequences' order (fa4_aot.forward_varlen; None: the policy's); the
+    heaviest-first order's workspace (uint8) comes from torch's allocator unless given."""
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
-    used = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
+    batch = cu_seqlens_q.shape[0] - 1
+    if workspace is None and (order == "lpt" or (order is None and policy.varlen_order(batch) == "lpt")):
+        workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
+    extra = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("workspace", workspace))
+             if t is not None}
     forward_varlen(*(_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), int(max_seqlen_q),
-                   int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale,
-                   stream=torch.cuda.current_stream(q.device).cuda_stream, **used)
+                   int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale, order=order,
+                   stream=torch.cuda.current_stream(q.device).cuda_stream, **extra)
     return out, lse
 
 

@@ -1,5 +1,6 @@
 """Attention over packed variable-length sequences (cu_seqlens), from raw pointers or any
-framework's arrays: the forward (``forward_varlen``) and the backward (``backward_varlen``,
+framework's arrays: the forward (``forward_varlen``, its optional workspace for the
+heaviest-first order sized by ``forward_varlen_workspace_bytes``) and the backward (``backward_varlen``,
 its workspace sized by ``backward_varlen_workspace_bytes``).
 
 Layouts (flash-attn's): q, out (total_q, heads_q, head_dim); k, v (total_k, heads_kv,
@@ -24,7 +25,7 @@ from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
 from .checks import check_backward as _check_dense_backward
 from .checks import check_forward as _check_dense
-from .errors import DTypeError, LayoutError, ShapeError, UnsupportedVariantError
+from .errors import DTypeError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
 from .loader import KernelLibrary
 
 
@@ -83,9 +84,37 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
             "head_dim": problem.head_dim, "dtype": problem.dtype, "packed": packed}
 
 
+def forward_varlen_workspace_bytes(batch: int) -> int:
+    """Bytes of device memory ``forward_varlen`` needs as its ``workspace`` for ``batch``
+    sequences (the heaviest-first order: batch int32, in 256-byte units); no GPU needed."""
+    checks.check_sizes(batch=batch)
+    return -(-4 * batch // 256) * 256
+
+
+def _order(order, batch: int, workspace, heads_q: int, tile_m: int, total_q: int) -> str:
+    """The walk's order: ``order`` as given ("plain" or "lpt"), or the policy's where None
+    and a workspace is given (else "plain")."""
+    if order is None:
+        fits = (-(-total_q // tile_m) + batch) * heads_q <= INT32_MAX
+        return policy.varlen_order(batch) if workspace is not None and fits else "plain"
+    if order not in policy.VARLEN_ORDERS:
+        raise OptionError(f"order must be one of {policy.VARLEN_ORDERS} or None; got {order!r}")
+    if order == "lpt":
+        if workspace is None:
+            raise OptionError("order='lpt' needs a workspace of forward_varlen_workspace_bytes(batch) bytes")
+        if batch > policy.LPT_MAX_BATCH:
+            raise ShapeError(f"order='lpt' sorts up to {policy.LPT_MAX_BATCH} sequences; got batch={batch} "
+                             "(order=None takes the plain order there)")
+        if (-(-total_q // tile_m) + batch) * heads_q > INT32_MAX:
+            raise ShapeError(f"order='lpt' walks (ceil(total_q / {tile_m}) + batch) * heads_q CTAs in int32; "
+                             f"total_q={total_q}, batch={batch}, heads_q={heads_q} pass it")
+    return order
+
+
 def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
-                   stream: int = 0, library: KernelLibrary | None = None) -> None:
+                   stream: int = 0, library: KernelLibrary | None = None, workspace=None,
+                   order: str | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v and lse, per packed sequence.
 
     Layouts and metadata: see the module's docstring. Causal masking is aligned to the
@@ -93,18 +122,27 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     seqlen_k - seqlen_q); seqlen_q may differ from seqlen_k in each sequence; zero-length
     sequences write nothing; a query row that sees no key gets out 0 and lse -inf.
     GQA/MQA: heads_q a multiple of heads_kv. ``stream``: a raw CUstream handle.
+    ``workspace``: contiguous device memory of ``forward_varlen_workspace_bytes(batch)``
+    bytes, 4-byte aligned, any contents, for the heaviest-first order; ``order``: "lpt"
+    (sequences heaviest first, a one-CTA sort launched before the kernel; up to
+    policy.LPT_MAX_BATCH sequences), "plain" (the caller's order), or None: the policy's
+    choice where a workspace is given (policy.varlen_order), else "plain". The order
+    changes which CTA computes a tile, not what it computes: the results are the same bits.
     Asynchronous and allocation-free.
     """
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("cu_seqlens_q", cu_seqlens_q),
-             ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k))
+             ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
+             ("workspace", workspace))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
     library = library or default_library()
-    key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, stream)
+    key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, stream, order)
     if library.launch_again(key, waits):
         return
     sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    if "workspace" in arrays:
+        _check_order_workspace(arrays["workspace"], sizes["batch"])
     axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal, varlen=True)
     _check_built(library.manifest, axes, 1)
     device = device_of(arrays)
@@ -118,10 +156,27 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
         # not given: any int32 vector of at least batch entries (the kernel reads it, but
         # does not use it): cu_seqlens
         tensors[name] = arrays.get(name, arrays["cu_seqlens_" + name[-1]]).as_launch_tensor()
+    walk = _order(order, sizes["batch"], arrays.get("workspace"), sizes["heads_q"], row["tiling"]["tile_m"],
+                  sizes["total_q"])
+    # plain: the kernel reads no order (cu_seqlens_q stands in for the pointer)
+    tensors["order"] = arrays["workspace" if walk == "lpt" else "cu_seqlens_q"].as_launch_tensor()
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
               "stride.o.s": arrays["out"].strides[0], "stride.o.h": arrays["out"].strides[1],
-              "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays)}
+              "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
+              "lpt": int(walk == "lpt")}
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+
+
+def _check_order_workspace(space: DeviceArray, batch: int) -> None:
+    """The forward's workspace: contiguous, 4-byte aligned, at least
+    forward_varlen_workspace_bytes(batch) bytes."""
+    checks.check_workspace(space)
+    if space.ptr % 4:
+        raise LayoutError(f"workspace's data pointer {space.ptr:#x} is not 4-byte aligned")
+    have, need = math.prod(space.shape) * space.itemsize, forward_varlen_workspace_bytes(batch)
+    if have < need:
+        raise ShapeError(f"workspace has {have} bytes; forward_varlen needs {need} "
+                         f"(forward_varlen_workspace_bytes({batch}))")
 
 
 def _varlen_workspace_values(rule: dict, sizes: dict) -> dict:

@@ -20,6 +20,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
+from .common import heaviest_first
 from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
 from .sm90.bwd.kernel import FlashBwdSm90
 from .sm90.decode import config as decode_config
@@ -156,20 +157,25 @@ def compile_fwd(variant: Variant) -> dict:
 
 def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) -> dict:
     """The varlen forward: packed (1, total, h, d) tensors, LSE (h_q, total_q), cu_seqlens
-    and seqused int32 vectors; one CTA per (query tile, head), every sequence's tiles back to
-    back."""
+    and seqused int32 vectors, the order workspace; the heaviest-first sort (launched only
+    where the run-time value ``lpt`` is not 0), then one CTA per (query tile, head), every
+    sequence's tiles back to back."""
     dtype = DTYPES[variant.dtype]
     lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 2), Float32(1.0),
-            *lengths, cutlass.Int32(0), cutlass.Int32(0)]
+            *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1), cutlass.Int32(0)]
     cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
-    if len(symbols) != 1 or "kernel_cutlass_kernel_varlen_" not in symbols[0]:
-        raise RuntimeError(f"{variant.name}: expected the varlen kernel, got {symbols}")
+    order = ["order_varlen", "kernel_varlen"]
+    if len(symbols) != 2 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
+        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
+    sort = _launch(cubin, ptx, symbols[0], abi.fwd_varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
+                   [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES)
+    sort["when"] = "lpt"
     # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
     grid = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
-    launch = _launch(cubin, ptx, symbols[0], abi.fwd_varlen_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    launch = _launch(cubin, ptx, symbols[1], abi.fwd_varlen_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
-    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [sort, launch],
             "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
 
 

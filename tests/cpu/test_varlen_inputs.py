@@ -4,9 +4,9 @@ before any launch, and a good call packs the launches the varlen kernels' plans 
 import pytest
 
 from fa4_aot.arrays import DeviceArray
-from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, ShapeError, UnsupportedVariantError
+from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
 from fa4_aot.varlen import (backward_varlen, backward_varlen_workspace_bytes, check_backward_varlen,
-                            check_forward_varlen, forward_varlen)
+                            check_forward_varlen, forward_varlen, forward_varlen_workspace_bytes)
 
 BASE = 0x7F0000000000
 
@@ -85,13 +85,69 @@ def test_a_call_packs_the_varlen_plan(built):
                    seqused_k=a["seqused_k"], causal=True, library=library)
     (row, values, tensors), = library.launches
     assert row["name"] == "fwd.sm90a.bf16.d128.causal.varlen"
-    for slot in row["launches"][0]["params"]:  # every slot's values and tensors are there
-        for name in slot.get("fields", []):
-            assert name in values, (slot, name)
-        if "tensor" in slot:
-            assert slot["tensor"] in tensors, slot
+    assert [launch.get("when") for launch in row["launches"]] == ["lpt", None]  # the sort, then attention
+    for launch in row["launches"]:
+        for slot in launch["params"]:  # every slot's values and tensors are there
+            for name in slot.get("fields", []):
+                assert name in values, (slot, name)
+            if "tensor" in slot:
+                assert slot["tensor"] in tensors, slot
     assert (values["use_seqused_q"], values["use_seqused_k"], values["batch"], values["one"]) == (0, 1, 3, 1)
     assert tensors["seqused_q"]["ptr"] == a["cu_seqlens_q"].ptr  # not given: any int32 vector of b entries
+    assert values["lpt"] == 0 and tensors["order"]["ptr"] == a["cu_seqlens_q"].ptr  # no workspace: plain
+
+
+def call_forward(library, a=None, **options):
+    a = a or arrays()
+    forward_varlen(a["q"], a["k"], a["v"], a["out"], a["lse"], a["cu_seqlens_q"], a["cu_seqlens_k"], 60, 200,
+                   causal=True, library=library, **options)
+    return library.launches[-1][1:]
+
+
+ORDER_WS = DeviceArray(BASE + 4096, (256,), (1,), "u8", 0)
+
+
+def test_the_order_flag_and_workspace(built, monkeypatch):
+    from fa4_aot import policy
+    from fa4_aot.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    assert forward_varlen_workspace_bytes(3) == 256 and forward_varlen_workspace_bytes(65) == 512
+    values, tensors = call_forward(library, workspace=ORDER_WS, order="lpt")
+    assert values["lpt"] == 1 and tensors["order"]["ptr"] == ORDER_WS.ptr
+    values, tensors = call_forward(library, workspace=ORDER_WS, order="plain")
+    assert values["lpt"] == 0
+    for default in (False, True):  # order None: the policy's, where a workspace is given
+        monkeypatch.setattr(policy, "VARLEN_LPT", default)
+        assert call_forward(library, workspace=ORDER_WS)[0]["lpt"] == int(default)
+        assert call_forward(library)[0]["lpt"] == 0
+    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)  # past the sort's width: the plain order
+    assert call_forward(library, workspace=ORDER_WS)[0]["lpt"] == 0
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"order": "lpt"}, OptionError, "needs a workspace"),
+    ({"order": "heaviest", "workspace": ORDER_WS}, OptionError, "order must be one of"),
+    ({"order": "lpt", "workspace": DeviceArray(BASE, (8,), (1,), "u8", 0)}, ShapeError, "workspace has 8 bytes"),
+    ({"order": "lpt", "workspace": DeviceArray(BASE + 2, (256,), (1,), "u8", 0)}, LayoutError, "4-byte aligned"),
+    ({"order": "lpt", "workspace": DeviceArray(BASE, (256,), (2,), "u8", 0)}, LayoutError, "contiguous"),
+])
+def test_bad_order_options_raise_before_any_launch(built, options, error, message):
+    from fa4_aot.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    with pytest.raises(error, match=message):
+        call_forward(library, **options)
+    assert not library.launches
+
+
+def test_lpt_past_the_sort_width_is_refused(built, monkeypatch):
+    from fa4_aot import policy
+    from fa4_aot.manifest import Manifest
+
+    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)
+    with pytest.raises(ShapeError, match="sorts up to 2 sequences"):
+        call_forward(_FakeLibrary(Manifest(built[0])), workspace=ORDER_WS, order="lpt")
 
 
 def test_a_non_finite_scale_is_refused(built):

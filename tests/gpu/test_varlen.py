@@ -128,6 +128,92 @@ def test_varlen_matches_the_dense_kernel_on_equal_lengths(gen):
     assert torch.equal(lse.view(h, b, s).transpose(0, 1), dense_lse)
 
 
+def _bits(t):
+    """t's bits as integers, so that equal NaN patterns compare equal."""
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _forward_both_orders(q, k, v, lq, lk, causal):
+    """(out, lse) of the plain order and of the heaviest-first one, unwritten rows NaN."""
+    results = []
+    for order in ("plain", "lpt"):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+        flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(max(lq), 1), max(max(lk), 1),
+                              causal=causal, out=out, lse=lse, order=order)
+        results.append((out, lse))
+    torch.cuda.synchronize()
+    return results
+
+
+@pytest.mark.parametrize("variant", [v for v in VARLEN if v.dtype == "bf16"], ids=lambda v: v.name)
+def test_varlen_lpt_order_gives_the_plain_orders_bits(variant, gen):
+    """The heaviest-first order moves tiles between CTAs, not their math: the same bits as
+    the plain order, on random mixes (empty and one-token sequences, more than one warp's
+    32 sequences, the long one last), and right against the reference."""
+    import random
+
+    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
+    d = variant.head_dim
+    mixes = [([256] * 9 + [3000], [256] * 9 + [3100], 4, 4)]  # the long sequence last
+    for _ in range(2):
+        batch = rng.randint(1, 70)
+        lq = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        lk = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        mixes.append((lq, lk, 4, 2))
+    for i, (lq, lk, hq, hkv) in enumerate(mixes):
+        if not sum(lq) or not sum(lk):
+            continue
+        q = _packed(lq, hq, d, torch.bfloat16, gen)
+        k, v = _packed(lk, hkv, d, torch.bfloat16, gen), _packed(lk, hkv, d, torch.bfloat16, gen)
+        (out, lse), (out_lpt, lse_lpt) = _forward_both_orders(q, k, v, lq, lk, variant.causal)
+        assert torch.equal(_bits(out), _bits(out_lpt)) and torch.equal(_bits(lse), _bits(lse_lpt)), (lq, lk)
+        if i == 0:
+            _check_sequences(out_lpt, lse_lpt, q, k, v, lq, lk, lq, lk, variant.causal)
+
+
+def test_varlen_lpt_under_cuda_graph_sorts_on_every_replay(gen):
+    """The sort is a launch of the graph: lengths changed between replays are sorted anew."""
+    lq, lk, hq, d = [57, 0, 400], [90, 3, 300], 4, 128
+    q, k, v = (_packed(n, hq, d, torch.bfloat16, gen) for n in (lq, lk, lk))
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    from fa4_aot import default_library, forward_varlen_workspace_bytes
+
+    default_library().preload()
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+    space = torch.empty(forward_varlen_workspace_bytes(3), dtype=torch.uint8, device="cuda")
+    run = lambda: flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, 400, 400, out=out, lse=lse,  # noqa: E731
+                                        order="lpt", workspace=space)
+    run()  # warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for new_q, new_k in (([400, 50, 7], [10, 380, 3]), ([0, 457, 0], [0, 393, 0]), (lq, lk)):
+        cu_q.copy_(_lengths_to_cu(new_q))
+        cu_k.copy_(_lengths_to_cu(new_k))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_sequences(out, lse, q, k, v, new_q, new_k, new_q, new_k, False)
+
+
+def test_varlen_lpt_lying_metadata_stays_in_bounds():
+    """As test_varlen_lying_metadata_stays_in_bounds, in the heaviest-first order."""
+    d, hq = 128, 2
+    big = torch.full((300, hq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+    out = big[100:200]
+    q = torch.randn(100, hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(50, hq, d, device="cuda", dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, 90, 30, 5000], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([-7, 10, 2**30, 3], dtype=torch.int32, device="cuda")
+    lse = torch.full((hq, 100), float("nan"), device="cuda")
+    flash_attn_varlen_fwd(q, k, k, cu_q, cu_k, 64, 1 << 20, out=out, lse=lse, order="lpt")
+    torch.cuda.synchronize()
+    assert big[:100].isnan().all() and big[200:].isnan().all(), "wrote outside out"
+
+
 def test_varlen_under_cuda_graph_with_lengths_changing_between_replays(gen):
     lq, lk, hq, d = [200, 57], [300, 90], 4, 64
     q, k, v = (_packed(n, hq, d, torch.bfloat16, gen) for n in (lq, lk, lk))

@@ -34,21 +34,33 @@ def sequence(batch, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused, 
 
 
 @cute.jit
-def packed_tile(tile, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused, batches, total, tile_rows: int):
+def packed_tile(tile, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused, batches, total, tile_rows: int,
+                order=None, copies=1):
     """(batch, tile within the batch entry) of the ``tile``-th query tile of all entries
     in order (entry b having ceil(length_b / tile_rows) tiles), or (-1, 0) past the last
     one. Each warp scans the lengths 32 entries at a time (a warp prefix sum, then a ballot
     of the lanes at or before ``tile``), so a grid of ceil(total / tile_rows) + batches
     CTAs, which bounds the tiles of any lengths, covers every tile with at most
-    ``batches`` CTAs to spare (docs/design.md, "Variable length")."""
+    ``batches`` CTAs to spare (docs/design.md, "Variable length").
+
+    ``order`` ((batches,) int32, optional): the entries in the order order[0], order[1],
+    ... (each clamped to [0, batches)) instead of the caller's; ``copies``: each entry's
+    tiles counted that many times (its heads: the tile returned is then in [0, copies x
+    its tiles))."""
     lane = cute.arch.lane_idx()
     found_batch, found_tile = Int32(-1), Int32(0)
     base, chunk = Int32(0), Int32(0)
     while chunk * 32 < batches and found_batch < 0:
         entry = chunk * 32 + lane
         tiles = Int32(0)
-        if entry < batches:
-            tiles = cute.ceil_div(sequence(entry, cu_seqlens, seqused, use_seqused, total).length, tile_rows)
+        if cutlass.const_expr(order is None):
+            if entry < batches:
+                tiles = cute.ceil_div(sequence(entry, cu_seqlens, seqused, use_seqused, total).length, tile_rows)
+        else:
+            if entry < batches:
+                entry = cutlass.min(cutlass.max(order[entry], Int32(0)), batches - 1)
+                tiles = cute.ceil_div(sequence(entry, cu_seqlens, seqused, use_seqused, total).length,
+                                      tile_rows) * copies
         inclusive = tiles
         for offset in cutlass.range_constexpr(5):
             below = cute.arch.shuffle_sync_up(inclusive, 1 << offset)
@@ -58,7 +70,10 @@ def packed_tile(tile, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused
         if tile < base + chunk_tiles:
             # the entry is the first lane whose inclusive count passes the tile
             first = cute.arch.popc(cute.arch.vote_ballot_sync(base + inclusive <= tile))
-            found_batch = chunk * 32 + first
+            if cutlass.const_expr(order is None):
+                found_batch = chunk * 32 + first
+            else:
+                found_batch = cute.arch.shuffle_sync(entry, first)
             found_tile = tile - base - cute.arch.shuffle_sync(inclusive - tiles, first)
         base = base + chunk_tiles
         chunk = chunk + 1

@@ -34,6 +34,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common import symbols
+from ...common import heaviest_first
 from ...common.seqlen import packed_tile, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
@@ -116,19 +117,53 @@ class FlashFwdSm90:
         mUsedK: cute.Tensor,  # (b,) int32
         use_used_q: Int32,
         use_used_k: Int32,
+        mOrder: cute.Tensor,  # (b,) int32 workspace: the sequences heaviest first (where lpt)
+        lpt: Int32,  # 0: the caller's order; else order_varlen sorts, kernel_varlen walks mOrder
     ):
         """The varlen forward: as ``__call__``, sequences located by cu_seqlens (and
         seqused); one CTA per (query tile, head), the sequences' tiles back to back, O
-        written row by row (a tile's rows past its sequence belong to the next one)."""
+        written row by row (a tile's rows past its sequence belong to the next one).
+        Two launches: the heaviest-first sort (one CTA; the run time skips it where lpt
+        is 0), then the attention kernel."""
         q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
         tma_q, gq, tma_k, gk, tma_v, gv, _, _, sq, skv = self._atoms(q, k, v, None)
         batches = mCuQ.shape[0] - 1
         grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m) + batches, q.shape[2], 1)
         seqs = (mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k, batches)
+        self.order_varlen(*seqs, q.shape[0], k.shape[0], mOrder.iterator).launch(
+            grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+        )
         self.kernel_varlen(tma_q, gq, tma_k, gk, tma_v, gv, mO.iterator, mO.stride[1], mO.stride[2], mLSE.iterator,
-                           scale_log2, *seqs, sq, skv).launch(
+                           scale_log2, *seqs, mOrder.iterator, lpt, sq, skv).launch(
             grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
         )
+
+    @cute.kernel
+    def order_varlen(
+        self,
+        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
+        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
+        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
+        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
+        use_used_q: Int32,
+        use_used_k: Int32,
+        batch_count: Int32,
+        total_q: Int32,
+        total_k: Int32,
+        order_ptr: cute.Pointer,  # int32 (b,) out: the sequences heaviest first
+    ):
+        """The sequences sorted by cost, heaviest first (common/heaviest_first.py), for
+        kernel_varlen's walk."""
+        batches = batch_count
+        lengths = heaviest_first.Lengths(
+            cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_q_ptr, cute.make_layout(batches)),
+            use_used_q, total_q,
+            cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_k_ptr, cute.make_layout(batches)),
+            use_used_k, total_k)
+        keys = cutlass.utils.SmemAllocator().allocate_tensor(
+            Int64, cute.make_layout(heaviest_first.MAX_BATCH), byte_alignment=16)
+        heaviest_first.heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys,
+                                      self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given), shared layouts, storage:
@@ -230,6 +265,8 @@ class FlashFwdSm90:
         use_used_q: Int32,
         use_used_k: Int32,
         batch_count: Int32,  # sequences: cu_seqlens has batch_count + 1 entries
+        order_ptr: cute.Pointer,  # int32 (b,): the sequences heaviest first, read where lpt
+        lpt: Int32,
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
     ):
@@ -237,14 +274,12 @@ class FlashFwdSm90:
         sequence's rows from cu_seqlens (common/seqlen.py); CTAs past the last tile
         compute an empty tile and write nothing."""
         warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v), sq_layout, skv_layout)
-        bidx, head, _ = cute.arch.block_idx()
         total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
         batches = batch_count
         cu_q, used_q = (cute.make_tensor(p, cute.make_layout(batches + extra))
                         for p, extra in ((cu_q_ptr, 1), (used_q_ptr, 0)))
-        # the sequences' query tiles back to back (no CTA per tile of a longest sequence
-        # each); CTAs past the last tile idle
-        found, tile = packed_tile(bidx, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m)
+        found, tile, head = self._varlen_item(cu_q, used_q, use_used_q, batches, total_q, heads_q,
+                                              cute.make_tensor(order_ptr, cute.make_layout(batches)), lpt)
         live = found >= 0
         batch = cutlass.max(found, 0)
         seq_q = sequence(batch, cu_q, used_q, use_used_q, total_q)
@@ -272,6 +307,29 @@ class FlashFwdSm90:
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.attend(tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k,
                         scale_log2, None, out, None)
+
+    @cute.jit
+    def _varlen_item(self, cu_q, used_q, use_used_q, batches, total_q, heads_q, order, lpt):
+        """(sequence or -1, query tile within it, head) of this CTA. The sequences' query
+        tiles back to back (no CTA per tile of a longest sequence each), CTAs past the
+        last tile idle. lpt 0: CTA (x, head) takes the x-th tile of the sequences in the
+        caller's order. Else the CTAs in launch order (x fastest, then y) take the
+        sequences in ``order`` (heaviest first), each sequence's heads one after another
+        and a head's tiles together (they share K and V in L2)."""
+        bidx, head_y, _ = cute.arch.block_idx()
+        found, tile, head = Int32(-1), Int32(0), head_y
+        if lpt == 0:
+            found, tile = packed_tile(bidx, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m)
+        else:
+            linear = head_y * cute.arch.grid_dim()[0] + bidx
+            found, item = packed_tile(linear, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m,
+                                      order=order, copies=heads_q)
+            seq_tiles = cute.ceil_div(sequence(cutlass.max(found, 0), cu_q, used_q, use_used_q, total_q).length,
+                                      self.cfg.tile_m)
+            seq_tiles = cutlass.max(seq_tiles, 1)
+            head = item // seq_tiles
+            tile = item - head * seq_tiles
+        return found, tile, head
 
     @cute.jit
     def _setup(self, atoms, sq_layout, skv_layout):

@@ -1,0 +1,167 @@
+"""The varlen forward's heaviest-first order, mirrored in Python from the device code
+(common/heaviest_first.py: the costs and the bitonic sort; common/seqlen.py: packed_tile
+with ``order`` and ``copies``; FlashFwdSm90._varlen_item: the CTA's sequence, head and
+tile): the sort is a permutation heaviest first, and the grid's CTAs take every (sequence,
+head, query tile) exactly once, in both orders, whatever the lengths (lying ones only
+within bounds)."""
+
+import random
+
+import pytest
+
+from fa4_aot import policy
+
+MAX_BATCH = policy.LPT_MAX_BATCH
+INDEX_BITS = MAX_BATCH.bit_length() - 1
+COST_MAX = (1 << (62 - INDEX_BITS)) - 1
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def sequence(b, cu, used, total):
+    """seqlen.sequence: (offset, length) clamped to the packed rows."""
+    start = cu[b]
+    length = used[b] if used is not None else cu[b + 1] - start
+    offset = min(max(start, 0), total)
+    return offset, min(max(length, 0), total - offset)
+
+
+def cost(b, lq, lk, tile_m, tile_n, causal):
+    """heaviest_first.sequence_cost."""
+    tq, tk = ceil_div(sequence(b, *lq)[1], tile_m), ceil_div(sequence(b, *lk)[1], tile_n)
+    visits = tq * tk
+    if causal:
+        visits = tq * (tk - tq) + tq * (tq + 1) // 2 if tq <= tk else tk * (tk + 1) // 2
+    return min(visits + tq, COST_MAX)
+
+
+def heaviest_first(batches, lq, lk, tile_m, tile_n, causal):
+    """heaviest_first.heaviest_first: the bitonic network as the threads run it."""
+    if batches > MAX_BATCH:
+        return list(range(batches))
+    width = 2
+    while width < batches:
+        width *= 2
+    keys = [(cost(i, lq, lk, tile_m, tile_n, causal) << INDEX_BITS) | (MAX_BATCH - 1 - i) if i < batches else -1
+            for i in range(width)]
+    size = 2
+    while size <= width:
+        stride = size // 2
+        while stride > 0:
+            for i in range(width):
+                partner = i ^ stride
+                if partner > i:
+                    a, b = keys[i], keys[partner]
+                    descending = (i & size) == 0
+                    keys[i], keys[partner] = (max(a, b), min(a, b)) if descending else (min(a, b), max(a, b))
+            stride //= 2
+        size *= 2
+    return [MAX_BATCH - 1 - (keys[r] & (MAX_BATCH - 1)) for r in range(batches)]
+
+
+def packed_tile(tile, lq, batches, tile_rows, order=None, copies=1):
+    """seqlen.packed_tile, 32 lanes at a time."""
+    base, chunk = 0, 0
+    while chunk * 32 < batches:
+        entries = [chunk * 32 + lane for lane in range(32)]
+        seqs = [min(max(order[e], 0), batches - 1) if order is not None and e < batches else e for e in entries]
+        tiles = [ceil_div(sequence(s, *lq)[1], tile_rows) * copies if e < batches else 0
+                 for e, s in zip(entries, seqs)]
+        inclusive = [sum(tiles[:lane + 1]) for lane in range(32)]
+        if tile < base + inclusive[31]:
+            first = sum(base + x <= tile for x in inclusive)
+            return seqs[first], tile - base - (inclusive[first] - tiles[first])
+        base += inclusive[31]
+        chunk += 1
+    return -1, 0
+
+
+def cta_item(x, y, grid_x, lq, batches, heads, tile_m, order):
+    """FlashFwdSm90._varlen_item: (sequence or -1, tile, head) of CTA (x, y)."""
+    if order is None:
+        found, tile = packed_tile(x, lq, batches, tile_m)
+        return found, tile, y
+    found, item = packed_tile(y * grid_x + x, lq, batches, tile_m, order=order, copies=heads)
+    tiles = max(ceil_div(sequence(max(found, 0), *lq)[1], tile_m), 1)
+    return found, item % tiles, item // tiles
+
+
+def walk(lengths_q, lengths_k, heads, tile_m, tile_n, causal, lpt, used=None, cu_q=None):
+    """Every CTA's (sequence, tile, head) in launch order, and the order walked."""
+    cu_q = cu_q or [sum(lengths_q[:i]) for i in range(len(lengths_q) + 1)]
+    cu_k = [sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)]
+    batches, total_q = len(cu_q) - 1, sum(lengths_q)
+    lq, lk = (cu_q, used, total_q), (cu_k, None, sum(lengths_k))
+    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal) if lpt else None
+    grid_x = ceil_div(total_q, tile_m) + batches
+    items = [cta_item(x, y, grid_x, lq, batches, heads, tile_m, order) for y in range(heads) for x in range(grid_x)]
+    return items, order, lq
+
+
+MIXES = [
+    ([256] * 63 + [16384], 4),  # the long sequence last
+    ([1, 0, 130, 257, 64, 0, 0], 3),  # one-token, empty, tile +-1
+    ([0, 0, 0], 2),  # nothing to compute
+    ([5000], 2),  # one sequence
+    *[([random.Random(s).randint(0, 900) for _ in range(70)], 2) for s in range(3)],  # more than 2 chunks of 32
+]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lpt", [False, True])
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"{len(m[0])}seqs_h{m[1]}")
+def test_every_tile_is_taken_once(mix, lpt, causal):
+    lengths, heads = mix
+    tile_m, tile_n = 128, 176
+    items, order, lq = walk(lengths, lengths[::-1], heads, tile_m, tile_n, causal, lpt)
+    live = [item for item in items if item[0] >= 0]
+    want = {(b, t, h) for b, n in enumerate(lengths) for t in range(ceil_div(n, tile_m)) for h in range(heads)}
+    assert len(live) == len(set(live)) and set(live) == want
+    if lpt:
+        assert sorted(order) == list(range(len(lengths)))
+        # launch order: the sequences' CTAs in the sorted order, a head's tiles together
+        firsts = [b for i, (b, t, h) in enumerate(live) if i == 0 or live[i - 1][0] != b]
+        assert firsts == [b for b in order if lengths[b]]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_order_is_heaviest_first_ties_in_the_callers_order(causal):
+    rng = random.Random(7)
+    for batch in (1, 2, 3, 31, 32, 33, 100, 257):
+        lq = [rng.choice([0, 1, 128, 129, 700, 4000]) for _ in range(batch)]
+        lk = [rng.choice([0, 5, 128, 3000]) for _ in range(batch)]
+        cu = lambda ls: [sum(ls[:i]) for i in range(len(ls) + 1)]  # noqa: E731
+        q, k = (cu(lq), None, sum(lq)), (cu(lk), None, sum(lk))
+        order = heaviest_first(batch, q, k, 128, 128, causal)
+        costs = [cost(b, q, k, 128, 128, causal) for b in range(batch)]
+        assert order == sorted(range(batch), key=lambda b: (-costs[b], b))
+
+
+def test_causal_cost_counts_the_key_tiles_each_query_tile_sees():
+    for tq in range(0, 9):
+        for tk in range(0, 9):
+            seen = sum(min(tk, max(0, i + 1 + tk - tq)) for i in range(tq))
+            lq, lk = ([0, tq * 128], None, tq * 128), ([0, tk * 128], None, tk * 128)
+            assert cost(0, lq, lk, 128, 128, True) == seen + tq
+
+
+def test_lying_metadata_stays_in_bounds():
+    """Decreasing, negative and past-the-total offsets, seqused past the rows: every CTA's
+    sequence, head and rows lie inside the tensors (tiles may be missed: wrong numbers)."""
+    rng = random.Random(3)
+    for _ in range(20):
+        batch, heads, total = rng.randint(1, 40), rng.randint(1, 3), rng.randint(0, 3000)
+        cu = [rng.randint(-500, total + 500) for _ in range(batch + 1)]
+        used = [rng.randint(-100, 5000) for _ in range(batch)] if rng.random() < 0.5 else None
+        lengths = [total] + [0] * (batch - 1)  # the packed rows: total_q = total
+        for lpt in (False, True):
+            items, order, lq = walk(lengths, lengths, heads, 128, 128, True, lpt, used=used, cu_q=cu)
+            if lpt:
+                assert sorted(order) == list(range(batch))
+            for b, t, h in items:
+                assert -1 <= b < batch and 0 <= h < heads
+                if b >= 0:
+                    offset, length = sequence(b, *lq)
+                    assert 0 <= t < ceil_div(length, 128) and offset + length <= total
