@@ -90,7 +90,9 @@ def varlen_cases():
         k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for cu_q, cu_k, max_q in (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199),
                                   ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64)):
-            flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal)
+            for order in ("plain", "lpt"):
+                flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal,
+                                      order=order)
     varlen_backward_cases()
 
 
