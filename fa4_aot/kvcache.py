@@ -28,7 +28,7 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _tma_tensor, default_library
+from .api import LOG2E, _check_built, _repeat_key, _tma_tensor, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_of
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
@@ -106,10 +106,15 @@ def check_forward_kvcache(arrays: dict) -> dict:
             "max_seqlen_k": reach}
 
 
+def _check_splits(value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= policy.DECODE_MAX_SPLITS):
+        raise OptionError(f"num_splits must be an int in 1..{policy.DECODE_MAX_SPLITS} or None; got {value!r}")
+
+
 def _splits(value, sizes: dict, tile_m: int, tile_n: int, sm_count: int) -> int:
+    _check_splits(value)
     if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= policy.DECODE_MAX_SPLITS:
-            raise OptionError(f"num_splits must be an int in 1..{policy.DECODE_MAX_SPLITS} or None; got {value!r}")
         return value
     return policy.decode_splits(_ctas(sizes, tile_m), -(-sizes["max_seqlen_k"] // tile_n), sm_count)
 
@@ -157,12 +162,12 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     is launched.
     """
     library = library or default_library()
+    _check_splits(num_splits)
     # a repeated call of DeviceArrays on an int stream: its launches again, as packed
-    given = (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table)
-    repeat = None
-    if type(stream) is int and all(a is None or type(a) is DeviceArray for a in given):
-        # DeviceArrays by value (they cannot change), so the key holds no id to reuse
-        repeat = ("kvcache", *given, causal, softmax_scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
+    # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.api)
+    given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None)
+    repeat = _repeat_key("kvcache", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
+                                            policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
@@ -170,6 +175,12 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
              ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
+    # the decode and its combine are kept as one plan under the arrays' values (and the
+    # repeat key's ids): a call with the same ones is launched again as packed
+    key = ("kvcache", *arrays.items(), causal, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
+    aliases = ((repeat, given),) if repeat is not None else ()
+    if library.launch_again(key, waits, aliases):
+        return
     sizes = check_forward_kvcache(arrays)
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
     _check_built(library.manifest, axes, 1)
@@ -205,11 +216,11 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     for name, src in (("q", "q"), ("o", "out")):
         for axis, stride in zip("bsh", arrays[src].strides[:3]):
             values[f"stride.{name}.{axis}"] = stride
-    library.launch(launch_row, device, stream, values, tensors, key=repeat, waits=waits)
+    library.launch(launch_row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
     if splits > 1:
         combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
                                         causal=False, arch=arch, q_tiles=1)
-        library.launch(combine, device, stream, values, tensors, key=repeat, append=True)
+        library.launch(combine, device, stream, values, tensors, key=key, aliases=aliases, append=True)
 
 
 _PIECE_ROWS: dict = {}

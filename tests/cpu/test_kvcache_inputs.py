@@ -87,6 +87,7 @@ class _FakeLibrary:
 
     def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=(), append=False):
         self.launches.append((row, values, tensors))
+        self.kept = getattr(self, "kept", []) + [(key, aliases, append)]
 
 
 def _every_slot_given(row, values, tensors):
@@ -163,3 +164,22 @@ def test_everything_is_a_typed_error(built):
 def test_split_heuristic(ctas, tiles, want):
     assert policy.decode_splits(ctas, tiles, 132) == want
     assert policy.decode_splits(ctas, tiles, 132) <= max(tiles, 1)
+
+
+def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
+    """The decode and its combine under one key (the combine appended), with the raw
+    API's id key as an alias pinning the arrays (fa4_aot.api._repeat_key)."""
+    from fa4_aot.api import _repeat_key
+    from fa4_aot.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    need = forward_kvcache_workspace_bytes(4, 1, 32, 8, 128, 1000, num_splits=2, library=library)
+    a = arrays(workspace=DeviceArray(BASE + 4096, (need,), (1,), "u8", 0))
+    _call(a, library, num_splits=2)
+    (key, aliases, append), (key2, aliases2, append2) = library.kept
+    assert key == key2 and aliases == aliases2 and (append, append2) == (False, True)
+    given = tuple(a[n] for n in ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "workspace"))
+    (alias, pinned), = aliases
+    assert pinned == given
+    assert alias == _repeat_key("kvcache", given, (False, True, False, None, 2, policy.DECODE_TURN_STRIDE), 0)

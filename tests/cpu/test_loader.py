@@ -505,3 +505,38 @@ def test_launch_attributes_follow_the_manifest():
     cluster, _ = launch_attributes({"cluster": [2, 1, 1], "programmatic": True})
     assert cluster.id == cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     assert cluster.value.clusterDim.x == 2
+
+
+def test_an_appended_row_repeats_with_the_first_under_every_key(monkeypatch):
+    """launch(..., append=True): a call of two rows (decode and its combine) is kept as one
+    plan under its key and its aliases, and launch_again repeats both, in order."""
+    import contextlib
+
+    launched = []
+
+    class Ctx:
+        handle = 7
+
+    monkeypatch.setattr(loader, "_Context", lambda device: contextlib.nullcontext(Ctx()))
+    monkeypatch.setattr(loader, "pack_params", lambda row, launch, values, tensors: (b"", (ctypes.c_uint64 * 1)()))
+    monkeypatch.setattr(loader, "grid_of", lambda launch, values, sm_count=None: (1, 1, 1))
+    monkeypatch.setattr(loader, "call", lambda fn, *args: launched.append(args[1]) if args else None)
+    monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (loader.SUCCESS, 7))
+    monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda config, fn, address, extra:
+                        (launched.append(fn), (loader.SUCCESS,))[1])
+    launch = {"block": [1, 1, 1], "smem_bytes": 0, "cluster": [1, 1, 1], "programmatic": False}
+    lib = KernelLibrary("/nonexistent")
+    monkeypatch.setattr(lib, "functions", lambda row, device, context=None: [row["name"]])
+    monkeypatch.setattr(lib, "sm_count", lambda device: 132)
+    pinned = (object(),)
+    decode, combine = {"name": "decode", "launches": [launch]}, {"name": "combine", "launches": [launch]}
+    lib.launch(decode, 0, 5, {}, {}, key="by value", aliases=(("by id", pinned),))
+    lib.launch(combine, 0, 5, {}, {}, key="by value", aliases=(("by id", pinned),), append=True)
+    assert launched == ["decode", "combine"]
+    for key in ("by id", "by value"):
+        launched.clear()
+        assert lib.launch_again(key)
+        assert launched == ["decode", "combine"]
+    lib.launch(decode, 0, 5, {}, {}, key="alone")  # no append: its own plan only
+    launched.clear()
+    assert lib.launch_again("alone") and launched == ["decode"]
