@@ -156,14 +156,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, head_dim=head_dim,
                        **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
-    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
-            "deterministic": checks.flag("deterministic", deterministic), "varlen": False}
-    if dtype is not None:
-        axes["dtype"] = dtype
-    rows = library.manifest.matching(**axes)
-    if not rows:
-        raise UnsupportedVariantError(f"no backward kernel is built for {axes}; built: "
-                                      f"{', '.join(sorted(n for n in library.manifest.rows if n.startswith('bwd.')))}")
+    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=False)
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "head_dim": head_dim}
     if seqlen_k is not None:
         sizes["seqlen_k"] = seqlen_k
@@ -171,6 +164,20 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
         sizes["heads_kv"] = heads_kv
     return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _workspace_names(r, sizes)))
                for r in rows)
+
+
+def backward_rows(manifest, head_dim: int, causal, deterministic, dtype: str | None, varlen: bool) -> list:
+    """The built backward rows of these axes (any dtype where None), whose workspace
+    rules size a workspace for whichever the backward picks; a typed error if none."""
+    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
+            "deterministic": checks.flag("deterministic", deterministic), "varlen": varlen}
+    if dtype is not None:
+        axes["dtype"] = dtype
+    rows = manifest.matching(**axes)
+    if not rows:
+        raise UnsupportedVariantError(f"no backward kernel is built for {axes}; built: "
+                                      f"{', '.join(sorted(n for n in manifest.rows if n.startswith('bwd.')))}")
+    return rows
 
 
 def _workspace_names(row: dict, sizes: dict) -> dict:

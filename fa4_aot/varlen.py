@@ -20,12 +20,12 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _tma_tensor, default_library
+from .api import LOG2E, _check_built, _tma_tensor, backward_rows, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
 from .checks import check_backward as _check_dense_backward
 from .checks import check_forward as _check_dense
-from .errors import DTypeError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
+from .errors import DTypeError, LayoutError, OptionError, ShapeError
 from .loader import KernelLibrary
 
 
@@ -197,13 +197,7 @@ def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head
     where given) needs; no GPU needed."""
     checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
     library = library or default_library()
-    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
-            "deterministic": checks.flag("deterministic", deterministic), "varlen": True}
-    if dtype is not None:
-        axes["dtype"] = dtype
-    rows = library.manifest.matching(**axes)
-    if not rows:
-        raise UnsupportedVariantError(f"no varlen backward kernel is built for {axes}")
+    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True)
     sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
     return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _varlen_workspace_values(r["workspace"], sizes)))
                for r in rows)

@@ -201,19 +201,7 @@ def compile_bwd(variant: Variant) -> dict:
         "postprocess": (abi.bwd_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
                         kernel.rows.post_smem_bytes, True),
     }
-    order = ["preprocess", "kernel", "postprocess"]
-    if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
-        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
-    launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
-    recipes = _recipes(kernel, variant)
-    if "dq_accum" in recipes:
-        # the kernel's second accumulator map (stores) is encoded from the reduce's recipe
-        store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
-        if store != recipes["dq_accum"]:
-            raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
-    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
-    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches, "tensormaps": recipes,
-            "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg)}
+    return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
 
 
 def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) -> dict:
@@ -237,12 +225,21 @@ def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) 
         "postprocess_varlen": (abi.bwd_varlen_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
                                kernel.rows.post_smem_bytes, True),
     }
+    return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
+
+
+def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: bytes, ptx: str, symbols: list,
+                plans: dict) -> dict:
+    """A backward's manifest fields from its three kernels' ``plans`` (role -> launch
+    plan, in launch order: preprocess, main kernel, postprocess, each role's name in its
+    symbol)."""
     order = list(plans)
     if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
         raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
     launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
     recipes = _recipes(kernel, variant)
     if "dq_accum" in recipes:
+        # the kernel's second accumulator map (stores) is encoded from the reduce's recipe
         store = tensormap_recipe("dq_accum", *kernel.dq_store_box, FP32_TENSORS["dq_accum"])
         if store != recipes["dq_accum"]:
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
