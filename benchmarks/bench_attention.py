@@ -3,9 +3,11 @@
 cubins, against cuDNN.
 
 Run on an sm_90 GPU:  python benchmarks/bench_attention.py --out results/ [--bwd]
-Writes fwd-<dtype>.json (every figure) and fwd-<dtype>.png (TFLOP/s against seqlen per head
-dim; the title names the GPU, the date and the shapes), bwd-* likewise (deterministic too),
-and prints tables. Needs the ``bench`` extra (triton, matplotlib). Peers timed in the same process: torch SDPA's cuDNN backend on the same inputs,
+Writes fwd-<dtype>.json (every figure, with the GPU and the date) and, where matplotlib is
+installed, fwd-<dtype>.png (plot_attention.py: TFLOP/s against seqlen per head dim; the
+title names the GPU, the date and the shapes; elsewhere plot_attention.py draws it from the
+JSON), bwd-* likewise (deterministic too), and prints tables. Needs triton (the ``bench``
+extra also has matplotlib). Peers timed in the same process: torch SDPA's cuDNN backend on the same inputs,
 and a bf16 8192^3 matmul (the practical ceiling of the tensor cores), timed before the
 tables and again after the forward's: its figure moves by up to 10% between runs (clocks,
 power), so /matmul is taken against the higher of the two (the stricter ratio).
@@ -26,12 +28,15 @@ import argparse
 import datetime
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import torch
 import triton.testing
 
 from fa4_aot.torch import flash_attn_fwd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_attention beside this file
 
 # FA4 upstream's forward TFLOP/s on this H200 (../shared/baselines/h200-2026-11-30.md).
 FA4_UPSTREAM_FWD = {
@@ -154,13 +159,10 @@ def bwd_table(args, dtype, mm):
         cell = (r["head_dim"], r["seqlen"], r["causal"])
         r["fa4_upstream_tflops"] = FA4_UPSTREAM_BWD.get(cell) if args.dtype == "bf16" else None
         r["fa4_upstream_det_tflops"] = FA4_UPSTREAM_BWD_DET.get(cell) if args.dtype == "bf16" else None
-    result = {"matmul_tflops": mm, "rounds": args.rounds, "timing_ms": TIMING, "device": torch.cuda.get_device_name(),
-              "date": TODAY, "rows": rows}
+    result = {"direction": "backward", "dtype": args.dtype, "matmul_tflops": mm, "rounds": args.rounds,
+              "timing_ms": TIMING, "device": torch.cuda.get_device_name(), "date": TODAY, "rows": rows}
     (args.out / f"bwd-{args.dtype}{args.tag}.json").write_text(json.dumps(result, indent=1))
-    plot(rows, args.out / f"bwd-{args.dtype}{args.tag}.png", mm, title("backward", args),
-         (("tflops", "fa4_aot", "o", "C0"), ("det_tflops", "fa4_aot deterministic", "D", "C3"),
-          ("cudnn_tflops", "cuDNN", "s", "C1"), ("fa4_upstream_tflops", "FA4 upstream", "^", "C2"),
-          ("fa4_upstream_det_tflops", "FA4 upstream deterministic", "v", "C4")))
+    plot(result, args.out / f"bwd-{args.dtype}{args.tag}.png")
     print(f"\nbackward (median of {args.rounds} round(s); rounds: the range of ours over them)")
     print("| head_dim | seqlen | causal | fa4_aot | rounds | /cuDNN | /FA4 | deterministic | det/nondet | /FA4 det |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -212,7 +214,8 @@ def main():
     mm = max(mm_runs)
     for r in rows:
         r["vs_matmul"] = r["tflops"] / mm
-    result = {"matmul_tflops": mm, "matmul_tflops_runs": mm_runs, "device": torch.cuda.get_device_name(),
+    result = {"direction": "forward", "dtype": args.dtype, "matmul_tflops": mm, "matmul_tflops_runs": mm_runs,
+              "device": torch.cuda.get_device_name(),
               "date": TODAY, "rows": rows,
               "rounds": args.rounds, "timing_ms": TIMING, "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version()}
@@ -228,52 +231,21 @@ def main():
         print(f"| {r['head_dim']} | {r['seqlen']} | {'yes' if r['causal'] else 'no'} | {r['tflops']:.0f} | "
               f"{spread(r, 'tflops')} | {r['cudnn_tflops']:.0f} | {r['vs_cudnn']:.2f} | {base} | {vs} | "
               f"{r['vs_matmul']:.2f} |")
-    plot(rows, args.out / f"fwd-{args.dtype}{args.tag}.png", mm, title("forward", args),
-         (("tflops", "fa4_aot", "o", "C0"), ("cudnn_tflops", "cuDNN", "s", "C1"),
-          ("fa4_upstream_tflops", "FA4 upstream", "^", "C2")))
+    plot(result, args.out / f"fwd-{args.dtype}{args.tag}.png")
 
 
 TODAY = datetime.date.today().isoformat()
 
 
-def title(direction, args) -> str:
-    """A plot's title: what, on which GPU, when, and the shape set."""
-    return (f"fa4_aot {direction}, {args.dtype}, {torch.cuda.get_device_name()}, {TODAY}\n"
-            f"batch x seqlen = 16384 tokens, heads x head_dim = 2048, seqlen_q = seqlen_k "
-            f"(median of {args.rounds} round(s); FA4 upstream: baselines file, another day)")
-
-
-def plot(rows, path, mm, heading, series):
-    """TFLOP/s against seqlen, one panel per head dim, full (solid) and causal (dashed);
-    ``series``: (row key, label, marker, colour), drawn where the rows have figures."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dims = sorted({r["head_dim"] for r in rows})
-    fig, axes = plt.subplots(1, len(dims), figsize=(4 * len(dims), 4.0), sharey=True, squeeze=False)
-    for ax, d in zip(axes[0], dims):
-        for causal, style in ((False, "-"), (True, "--")):
-            sel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
-            tag = "causal" if causal else "full"
-            for key, label, marker, colour in series:
-                points = [(r["seqlen"], r[key]) for r in sel if r.get(key)]
-                if points:
-                    ax.plot(*zip(*points), marker + style, color=colour, label=f"{label} {tag}")
-        ax.axhline(mm, color="gray", lw=0.8, label="bf16 matmul")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"head_dim {d}")
-        ax.set_xlabel("seqlen")
-    axes[0][0].set_ylabel("TFLOP/s")
-    legend = {}  # every panel's series, once each (not every head dim has every peer)
-    for ax in axes[0]:
-        for handle, label in zip(*ax.get_legend_handles_labels()):
-            legend.setdefault(label, handle)
-    axes[0][-1].legend(legend.values(), legend.keys(), fontsize=6)
-    fig.suptitle(heading, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+def plot(result: dict, path: Path) -> None:
+    """The result's plot (plot_attention.py), or where matplotlib is missing (the H200's
+    image) a line saying how to render it from the JSON elsewhere."""
+    try:
+        import plot_attention
+    except ImportError as e:
+        print(f"plot not drawn ({e}): python benchmarks/plot_attention.py {path.with_suffix('.json')}")
+        return
+    plot_attention.render(result, path)
 
 
 if __name__ == "__main__":

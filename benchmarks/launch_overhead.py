@@ -11,7 +11,8 @@ process whose CUDA context is up, ``import fa4_aot.torch`` and the first
 ``flash_attn_fwd`` (manifest, one cubin loaded, its launch, a synchronize), or the first
 ``flash_attn_func`` (which registers its custom ops on first use); and in a
 cuda-python process with its context and arrays made, ``import fa4_aot`` and the first
-``fa4_aot.forward``. Those processes may cache bytecode (PYTHONDONTWRITEBYTECODE is
+``fa4_aot.forward``. cuda-python's own import (``cuda.bindings.driver``, which fa4_aot
+needs and a torch process has not made) is timed apart from fa4_aot's. Those processes may cache bytecode (PYTHONDONTWRITEBYTECODE is
 cleared for them, the cache in a temporary folder, warmed by one unreported run), as an
 installed wheel has it.
 
@@ -37,17 +38,21 @@ import time, torch
 q, k, v = (torch.randn(1, 128, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
 torch.cuda.synchronize()
 start = time.perf_counter()
+from cuda.bindings import driver
+bound = time.perf_counter()
 import fa4_aot.torch
 imported = time.perf_counter()
 fa4_aot.torch.FUNCTION(q, k, v)
 torch.cuda.synchronize()
 done = time.perf_counter()
-print((imported - start) * 1e3, (done - imported) * 1e3)
+print((bound - start) * 1e3, (imported - bound) * 1e3, (done - imported) * 1e3)
 """
 # A fresh cuda-python process: its context and device arrays made before the clock starts.
 FIRST_RAW = r"""
 import time
+begin = time.perf_counter()
 from cuda.bindings import driver as cu
+bound = time.perf_counter()
 cu.cuInit(0)
 _, ctx = cu.cuDevicePrimaryCtxRetain(0)
 cu.cuCtxSetCurrent(ctx)
@@ -63,12 +68,13 @@ lse = fa4_aot.DeviceArray(ptrs[4], (b, h, s), (h * s, s, 1), "fp32", 0)
 fa4_aot.forward(q, k, v, out, lse, stream=0)
 cu.cuCtxSynchronize()
 done = time.perf_counter()
-print((imported - start) * 1e3, (done - imported) * 1e3)
+print((bound - begin) * 1e3, (imported - start) * 1e3, (done - imported) * 1e3)
 """
 
 
-def first_call(code: str, runs: int) -> list[tuple[float, float]]:
-    """(import ms, first call ms) in each of ``runs`` fresh processes, after one warm-up."""
+def first_call(code: str, runs: int) -> list[tuple[float, float, float]]:
+    """(cuda-python's import, fa4_aot's import, the first call), ms, in each of ``runs``
+    fresh processes, after one warm-up."""
     env = {k: x for k, x in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
@@ -79,7 +85,7 @@ def first_call(code: str, runs: int) -> list[tuple[float, float]]:
             out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
             if out.returncode:
                 raise RuntimeError(out.stdout + out.stderr)
-            times.append(tuple(float(x) for x in out.stdout.split()[-2:]))
+            times.append(tuple(float(x) for x in out.stdout.split()[-3:]))
     return times[1:]
 
 
@@ -90,11 +96,11 @@ def print_first_calls(runs: int) -> None:
                         FIRST_TORCH.replace("FUNCTION", "flash_attn_func")),
                        ("cuda-python process: import fa4_aot + first fa4_aot.forward", FIRST_RAW)):
         times = first_call(code, runs)
-        imports, calls, totals = ([t[0] for t in times], [t[1] for t in times], [sum(t) for t in times])
-        print(f"{name}, ms (median [range] of {runs} fresh processes): import {statistics.median(imports):.1f} "
-              f"[{min(imports):.1f}-{max(imports):.1f}] | first call {statistics.median(calls):.1f} "
-              f"[{min(calls):.1f}-{max(calls):.1f}] | total {statistics.median(totals):.1f} "
-              f"[{min(totals):.1f}-{max(totals):.1f}]")
+        parts = {"cuda-python import": [t[0] for t in times], "fa4_aot import": [t[1] for t in times],
+                 "first call": [t[2] for t in times], "ours (import + call)": [t[1] + t[2] for t in times],
+                 "total": [sum(t) for t in times]}
+        print(f"{name}, ms (median [range] of {runs} fresh processes): " + " | ".join(
+            f"{part} {statistics.median(x):.1f} [{min(x):.1f}-{max(x):.1f}]" for part, x in parts.items()))
 
 
 def host_us(fn, calls):

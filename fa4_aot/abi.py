@@ -227,26 +227,26 @@ def buffer_size(slots: list[dict]) -> int:
     return -(-end // align) * align
 
 
-_ENTRY = re.compile(r"\.entry\s+(\S+)\s*\((.*?)\)", re.S)
-_PARAM_ARRAY = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.b8\s+\S+?\[(\d+)\]")
-_PARAM_SCALAR = re.compile(r"\.param\s+\.([a-z]+)(\d+)\b")
-_PARAM_PTR_ALIGN = re.compile(r"\.ptr.*?\.align\s+(\d+)")
+# PTX patterns, compiled on first use (re's cache): a build's check, not the run time's import
+_ENTRY = r"\.entry\s+(\S+)\s*\((.*?)\)"
+_PARAM_ARRAY = r"\.param\s+(?:\.align\s+(\d+)\s+)?\.b8\s+\S+?\[(\d+)\]"
+_PARAM_SCALAR = r"\.param\s+\.([a-z]+)(\d+)\b"
 
 
 def ptx_entries(ptx: str) -> dict[str, list[tuple[int, int]]]:
     """{kernel symbol: [(size, alignment) per .param]} from PTX text."""
     entries = {}
-    for name, body in _ENTRY.findall(ptx):
+    for name, body in re.findall(_ENTRY, ptx, re.S):
         params = []
         for decl in body.split(","):
             decl = decl.strip()
             if not decl:
                 continue
-            m = _PARAM_ARRAY.search(decl)
+            m = re.search(_PARAM_ARRAY, decl)
             if m:
                 params.append((int(m.group(2)), int(m.group(1) or 1)))
                 continue
-            m = _PARAM_SCALAR.search(decl)
+            m = re.search(_PARAM_SCALAR, decl)
             if not m:
                 raise ValueError(f"unrecognised PTX parameter: {decl!r}")
             size = int(m.group(2)) // 8

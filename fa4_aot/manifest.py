@@ -9,9 +9,7 @@ Cubin bytes are handed out after their sha256 is verified, one file at a time.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
@@ -34,8 +32,14 @@ KIND_FIELDS = {"bwd": ("config", "workspace"), "decode": ("config", "workspace")
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
 PACKAGE_DIR = Path(__file__).resolve().parent
-_SPACE = re.compile(r"[ \t\n\r]*")
 _DECODER = json.JSONDecoder()
+
+
+def _skip_space(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    while i < len(text) and text[i] in " \t\n\r":
+        i += 1
+    return i
 
 
 def dumps(head: dict, rows: list[dict]) -> str:
@@ -88,27 +92,27 @@ class Manifest:
         does (no index before "kernels", or its span not the array's)."""
         text, head = self._text, {}
         try:
-            i = _SPACE.match(text, 0).end()
+            i = _skip_space(text, 0)
             if text[i] != "{":
                 return head, None
             i += 1
             while True:
-                i = _SPACE.match(text, i).end()
+                i = _skip_space(text, i)
                 key, i = _DECODER.raw_decode(text, i)
-                i = _SPACE.match(text, i).end()
+                i = _skip_space(text, i)
                 if text[i] != ":":
                     return head, None
-                i = _SPACE.match(text, i + 1).end()
+                i = _skip_space(text, i + 1)
                 if key == "kernels":
                     break
                 head[key], i = _DECODER.raw_decode(text, i)
-                i = _SPACE.match(text, i).end()
+                i = _skip_space(text, i)
                 if text[i] != ",":
                     return head, None
                 i += 1
             index = head.pop("index", None)
             end = i + index["kernels_chars"]
-            if text[i] != "[" or text[end - 1] != "]" or text[_SPACE.match(text, end).end()] != "}":
+            if text[i] != "[" or text[end - 1] != "]" or text[_skip_space(text, end)] != "}":
                 return head, None
             self.index = index["rows"]
             return head, i
@@ -247,6 +251,8 @@ class Manifest:
             data = path.read_bytes()
         except OSError as e:
             raise ManifestError(f"cannot read {path} ({e}); rebuild or reinstall") from e
+        import hashlib  # here, not at import: its OpenSSL load is a fresh process's first-call cost either way
+
         digest = hashlib.sha256(data).hexdigest()
         if digest != row["sha256"] or len(data) != row["size"]:
             raise ChecksumError(
