@@ -4,8 +4,9 @@
     out = flash_attn_func(q, k, v, causal=True)          # differentiable
     out, lse = flash_attn_func(q, k, v, return_lse=True)
 
-This module and its siblings (``torch_autograd``: flash_attn_func and the custom ops;
-``torch_varlen``; ``torch_sdpa``) import torch; nothing else in fa4_aot does. Launches go
+This module and its siblings (``torch_autograd``: flash_attn_func; ``torch_ops``: its
+custom ops, registered by its first torch.compile trace; ``torch_varlen``;
+``torch_kvcache``; ``torch_sdpa``) import torch; nothing else in fa4_aot does. Launches go
 to torch's current stream; outputs and the backward's workspace come from torch's
 caching allocator. ``flash_attn_func`` and the varlen functions are imported from their
 modules on first use (``_LAZY``).
@@ -138,7 +139,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
 # name -> the module that defines it, imported on first use: registering a custom op
 # costs milliseconds (torch.library reads the source of each) that a caller of
 # flash_attn_fwd / flash_attn_bwd alone need not spend.
-_LAZY = {"flash_attn_func": "torch_autograd", "_fwd_op": "torch_autograd", "_bwd_op": "torch_autograd",
+_LAZY = {"flash_attn_func": "torch_autograd", "_fwd_op": "torch_ops", "_bwd_op": "torch_ops",
          "_FlashAttention": "torch_autograd", "flash_attn_varlen_func": "torch_varlen",
          "flash_attn_varlen_fwd": "torch_varlen", "flash_attn_varlen_bwd": "torch_varlen",
          "flash_attn_with_kvcache": "torch_kvcache"}

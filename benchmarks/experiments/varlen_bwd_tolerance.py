@@ -1,0 +1,52 @@
+"""The varlen backward's tolerance edge (varlen_bwd_fuzz.py's failures), seed by seed: for
+each sequence, dk's error against the float32 reference beside PyTorch's two low-precision
+errors (fp16/bf16 autograd; the flash recipe with float32 FMA GEMMs) and the recipe with
+tensor-core GEMMs (TF32, which holds 16-bit operands exactly: a tensor-core backward's
+accumulation), and |dk| of the reference.
+
+    PYTHONPATH=$PWD python benchmarks/experiments/varlen_bwd_tolerance.py SEED [SEED ...]
+"""
+import random
+import sys
+
+import torch
+
+from tests.gpu import test_bwd as tb
+from tests.gpu import test_varlen as t
+from tests.reference import attention_bwd_from_out
+
+NAMES = ("bwd.sm90a.bf16.d128.causal.varlen", "bwd.sm90a.fp16.d192.varlen")
+
+for seed in map(int, sys.argv[1:]):
+    rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
+    name = rng.choice(NAMES)
+    variant = next(v for v in t.VARLEN_BWD if v.name == name)
+    batch = rng.randint(1, 6)
+    lq = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+    lk = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+    q, k, v, dout, out, lse, cu_q, cu_k = t._problem(lq, lk, 4, 2, variant.head_dim, t.DTYPES[variant.dtype],
+                                                     variant.causal, gen)
+    grads = t._backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq) or 1, max(lk) or 1, variant.causal)
+    torch.cuda.synchronize()
+    print(f"seed {seed} {name} lq={lq} lk={lk}")
+    at_q = at_k = 0
+    for sq, sk in zip(lq, lk):
+        rq, rk = slice(at_q, at_q + sq), slice(at_k, at_k + sk)
+        if sq and sk:
+            args = [x[r][None] for x, r in ((q, rq), (k, rk), (v, rk))]
+            o, do = out[rq][None], dout[rq][None]
+            ref, errors = tb.reference_errors(*args, do, o, variant.causal)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            try:
+                tc = attention_bwd_from_out(*args, do, o, variant.causal, operands=q.dtype)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = False
+            for i, (g, r) in enumerate(zip((grads[0][rq], grads[1][rk], grads[2][rk]), ref)):
+                err = (g[None].float() - r).abs().max().item()
+                e_tc = (tc[i].to(q.dtype).float() - r).abs().max().item()
+                e_low, e_recipe = errors[i]
+                tol = 2 * max(e_low, e_recipe) + 1e-5
+                print(f"  seq q{sq} k{sk} {'dq dk dv'.split()[i]}: err {err:.3e} tol {tol:.3e} ({err / tol:.2f}) | "
+                      f"e_low {e_low:.3e} e_recipe {e_recipe:.3e} e_recipe_tc {e_tc:.3e} "
+                      f"(err / 2 max {err / (2 * max(e_low, e_recipe, e_tc) + 1e-5):.2f}) | max|ref| {r.abs().max().item():.3e}")
+        at_q, at_k = at_q + sq, at_k + sk
