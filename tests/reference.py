@@ -31,6 +31,41 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     return out.to(dtype), lse
 
 
+def _bmm32(x, y):
+    """x (..., m, k) @ y (..., k, n) of 16-bit tensors into float32 on the tensor cores
+    (cuBLAS with a float32 output: 16-bit products, float32 accumulation, as wgmma)."""
+    lead = x.shape[:-2]
+    out = torch.bmm(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:]), out_dtype=torch.float32)
+    return out.reshape(*lead, x.shape[-2], y.shape[-1])
+
+
+def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None):
+    """(dq, dk, dv) in float32 by the recipe of attention_bwd_from_out with P and dS rounded
+    to the inputs' dtype, every GEMM on the tensor cores as a kernel's: 16-bit operands,
+    float32 accumulation (``_bmm32``). The recipe's float32 GEMMs accumulate exactly
+    rounded FMAs; the tensor cores do not, which shows where the exact gradient is 0 and
+    every figure is rounding: a one-key sequence (P = 1, dS = dP - D)."""
+    dtype = q.dtype
+    s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
+    group = h_q // h_kv
+    scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
+    heads = lambda x: x.transpose(1, 2)  # noqa: E731  (b, s, h, d) -> (b, h, s, d)
+    qh, doh = heads(q), heads(dout)
+    kh, vh = heads(k.repeat_interleave(group, dim=2)), heads(v.repeat_interleave(group, dim=2))
+    scores = _bmm32(qh, kh.transpose(-1, -2)) * scale
+    if causal:
+        scores = _causal_masked(scores)
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    dp = _bmm32(doh, vh.transpose(-1, -2))
+    dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    p16, ds16 = p.to(dtype), (p * (dp - dsum[..., None])).to(dtype)
+    dv = _bmm32(p16.transpose(-1, -2), doh)
+    dk = _bmm32(ds16.transpose(-1, -2), qh) * scale
+    dq = _bmm32(ds16, kh) * scale
+    by_group = lambda x: heads(x).reshape(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
+    return heads(dq), by_group(dk), by_group(dv)
+
+
 def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None):
     """(dq, dk, dv) in float32 by the flash-attention backward recipe from a given ``out``:
     P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). ``operands``: a dtype

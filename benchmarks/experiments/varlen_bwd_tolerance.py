@@ -1,8 +1,8 @@
 """The varlen backward's tolerance edge (varlen_bwd_fuzz.py's failures), seed by seed: for
 each sequence, dk's error against the float32 reference beside PyTorch's two low-precision
 errors (fp16/bf16 autograd; the flash recipe with float32 FMA GEMMs) and the recipe with
-tensor-core GEMMs (TF32, which holds 16-bit operands exactly: a tensor-core backward's
-accumulation), and |dk| of the reference.
+tensor-core GEMMs (tests/reference.attention_bwd_tensor_cores: 16-bit operands, float32
+outputs, a tensor-core backward's accumulation), and |dk| of the reference.
 
     PYTHONPATH=$PWD python benchmarks/experiments/varlen_bwd_tolerance.py SEED [SEED ...]
 """
@@ -13,7 +13,7 @@ import torch
 
 from tests.gpu import test_bwd as tb
 from tests.gpu import test_varlen as t
-from tests.reference import attention_bwd_from_out
+from tests.reference import attention_bwd_tensor_cores
 
 NAMES = ("bwd.sm90a.bf16.d128.causal.varlen", "bwd.sm90a.fp16.d192.varlen")
 
@@ -36,11 +36,7 @@ for seed in map(int, sys.argv[1:]):
             args = [x[r][None] for x, r in ((q, rq), (k, rk), (v, rk))]
             o, do = out[rq][None], dout[rq][None]
             ref, errors = tb.reference_errors(*args, do, o, variant.causal)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            try:
-                tc = attention_bwd_from_out(*args, do, o, variant.causal, operands=q.dtype)
-            finally:
-                torch.backends.cuda.matmul.allow_tf32 = False
+            tc = attention_bwd_tensor_cores(*args, do, o, variant.causal)
             for i, (g, r) in enumerate(zip((grads[0][rq], grads[1][rk], grads[2][rk]), ref)):
                 err = (g[None].float() - r).abs().max().item()
                 e_tc = (tc[i].to(q.dtype).float() - r).abs().max().item()
