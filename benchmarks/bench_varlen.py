@@ -3,7 +3,7 @@
 
 Run on an sm_90 GPU:  python benchmarks/bench_varlen.py [--rounds 3] [--out results/]
     [--kernels DIR ...]   # A/B: each build's varlen forward beside the package's, interleaved
-    [--order plain,lpt]   # the forward's sequence order(s): each a cell, in the same rounds
+    [--order plain,lpt]   # the sequence order(s), forward or --bwd: each a cell, in the same rounds
     [--mixes NAME,...]    # only these mixes (substrings of their names)
 
 Peers in the same process, on the same inputs: torch's ``varlen_attn`` (FlashAttention
@@ -104,10 +104,11 @@ def cells(lengths, hq, hkv, causal, libraries=(), orders=(None,)):
     return peers
 
 
-def cells_bwd(lengths, hq, hkv, causal):
+def cells_bwd(lengths, hq, hkv, causal, orders=(None,)):
     """{peer: callable} of the backward on one set of inputs (outputs and the workspace
-    given, so the timings are the kernels'): ours varlen, ours dense on the padded batch,
-    torch's varlen_attn backward (autograd.grad of a kept forward)."""
+    given, so the timings are the kernels'): ours varlen (one cell per sequence order, as
+    ``cells``; the workspace has room for the heaviest-first one), ours dense on the padded
+    batch, torch's varlen_attn backward (autograd.grad of a kept forward)."""
     total, longest = sum(lengths), max(lengths)
     q = torch.randn(total, hq, D, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(total, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -120,8 +121,11 @@ def cells_bwd(lengths, hq, hkv, causal):
 
     size = fa4_aot.backward_varlen_workspace_bytes(total, len(lengths), hq, D, causal=causal)
     space = torch.empty(size, dtype=torch.uint8, device="cuda")
-    peers = {"fa4_aot varlen": lambda: flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu, cu, longest, longest,
-                                                             causal=causal, dq=dq, dk=dk, dv=dv, workspace=space)}
+    peers = {}
+    for order in orders:
+        peers["fa4_aot varlen" + (f" {order}" if order else "")] = (
+            lambda order=order: flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu, cu, longest, longest, causal=causal,
+                                                      dq=dq, dk=dk, dv=dv, workspace=space, order=order))
     b = len(lengths)
     qp = torch.zeros(b, longest, hq, D, device="cuda", dtype=torch.bfloat16)
     kp, vp = (torch.zeros(b, longest, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
@@ -152,7 +156,7 @@ def main():
                         help="another build's folder (manifest.json, cubins/); repeatable")
     parser.add_argument("--bwd", action="store_true", help="time the backward (FLOPs 2.5x the forward's)")
     parser.add_argument("--order", default=None,
-                        help="the forward's sequence orders, comma-separated: plain, lpt (default: the policy's)")
+                        help="the sequence orders, comma-separated: plain, lpt (default: the policy's)")
     parser.add_argument("--mixes", default=None, help="only the mixes whose names contain one of these (comma-separated)")
     args = parser.parse_args()
     from fa4_aot.loader import KernelLibrary
@@ -165,7 +169,7 @@ def main():
         if wanted and not any(w in name for w in wanted):
             continue
         for causal in (False, True):
-            peers = (cells_bwd(lengths, hq, hkv, causal) if args.bwd
+            peers = (cells_bwd(lengths, hq, hkv, causal, orders) if args.bwd
                      else cells(lengths, hq, hkv, causal, libraries, orders))
             work = flops(lengths, hq, causal) * (2.5 if args.bwd else 1)
             rounds = {p: [] for p in peers}

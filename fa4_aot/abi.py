@@ -64,9 +64,9 @@ def fwd_varlen_plan() -> list[dict]:
     return with_offsets(slots)
 
 
-def fwd_varlen_order_plan() -> list[dict]:
-    """Slots of FlashFwdSm90.order_varlen: the sequences' metadata in, their heaviest-first
-    order out (the workspace)."""
+def varlen_order_plan() -> list[dict]:
+    """Slots of FlashFwdSm90.order_varlen and FlashBwdSm90.order_varlen: the sequences'
+    metadata in, their heaviest-first order out (the workspace)."""
     slots = [_slot(n, "ptr", tensor=n) for n in ("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")]
     slots += [_slot(n, "i32", fields=[n]) for n in ("use_seqused_q", "use_seqused_k", "batch", "total_q", "total_k")]
     slots.append(_slot("order", "ptr", tensor="order"))
@@ -180,7 +180,8 @@ def bwd_varlen_preprocess_plan() -> list[dict]:
 def bwd_varlen_main_plan(dq_tensor_map: bool = True) -> list[dict]:
     """FlashBwdSm90.kernel_varlen: packed Q, dO, K, V as (total, d, h, 1) tensor maps, dK and
     dV by address and (row, head) strides, the dQ accumulator (a tensor map over its
-    (ws_rows, h_q, chains) rows unless in fragment order), workspaces, scales, metadata."""
+    (ws_rows, h_q, chains) rows unless in fragment order), workspaces, scales, metadata,
+    the sequence order (read where lpt)."""
     maps = [("q", ["total_q", "heads_q", "one"]), ("do", ["total_q", "heads_q", "one"]),
             ("k", ["total_k", "heads_kv", "one"]), ("v", ["total_k", "heads_kv", "one"])]
     slots = []
@@ -198,6 +199,7 @@ def bwd_varlen_main_plan(dq_tensor_map: bool = True) -> list[dict]:
     slots += _i32s("turn_tiles", "first_write")
     slots += _ptrs("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
     slots += _i32s("use_seqused_q", "use_seqused_k", "batch")
+    slots += [_slot("order", "ptr", tensor="order"), _slot("lpt", "i32", fields=["lpt"])]
     return with_offsets(slots)
 
 

@@ -154,3 +154,14 @@ VARLEN_ORDERS = ("plain", "lpt")
 def varlen_order(batch: int) -> str:
     """The varlen forward's default order for ``batch`` sequences: "lpt" or "plain"."""
     return "lpt" if VARLEN_LPT and 2 <= batch <= LPT_MAX_BATCH else "plain"
+
+
+# The varlen backward's default order (backward_varlen with order None, where its workspace
+# has room for the order): the same sort, by the (key tile, query tile) pairs of each
+# sequence's key tiles. Provisional: not yet measured against the plain order.
+VARLEN_BWD_LPT = True
+
+
+def varlen_backward_order(batch: int) -> str:
+    """The varlen backward's default order for ``batch`` sequences: "lpt" or "plain"."""
+    return "lpt" if VARLEN_BWD_LPT and 2 <= batch <= LPT_MAX_BATCH else "plain"

@@ -71,10 +71,11 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q
 def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                           max_seqlen_k: int, *, seqused_q=None, seqused_k=None, causal: bool = False,
                           softmax_scale: float | None = None, deterministic: bool = False, dq=None, dk=None, dv=None,
-                          workspace=None):
+                          workspace=None, order: str | None = None):
     """(dq, dk, dv) like q, k, v; see fa4_aot.backward_varlen. Rows of no sequence are left
     as allocated (zeroed here, so that autograd sums them as no gradient); the workspace
-    (uint8) comes from torch's allocator unless given."""
+    (uint8, with room for the heaviest-first order) comes from torch's allocator unless
+    given; ``order``: the sequences' order (None: the policy's)."""
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -87,7 +88,7 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
     backward_varlen(*(_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
                     int(max_seqlen_q), int(max_seqlen_k), _array(workspace), causal=causal,
                     softmax_scale=softmax_scale, deterministic=deterministic,
-                    stream=torch.cuda.current_stream(q.device).cuda_stream, **used)
+                    stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, **used)
     return dq, dk, dv
 
 

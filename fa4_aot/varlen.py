@@ -91,23 +91,27 @@ def forward_varlen_workspace_bytes(batch: int) -> int:
     return -(-4 * batch // 256) * 256
 
 
-def _order(order, batch: int, workspace, heads_q: int, tile_m: int, total_q: int) -> str:
-    """The walk's order: ``order`` as given ("plain" or "lpt"), or the policy's where None
-    and a workspace is given (else "plain")."""
+def _walk_order(order, batch: int, room: bool, needs: str, default: str, total: int, tile: int, heads: int,
+                names: tuple[str, str]) -> str:
+    """A varlen call's sequence order: ``order`` as given ("plain" or "lpt"), or where None
+    ``default`` (the policy's) if the workspace has ``room`` for the order and the walk's
+    (ceil(total / tile) + batch) * heads CTAs count in int32, else "plain". ``needs``: the
+    workspace the order needs, ``names``: (total's, heads') names, for the errors."""
+    fits = (-(-total // tile) + batch) * heads <= INT32_MAX
     if order is None:
-        fits = (-(-total_q // tile_m) + batch) * heads_q <= INT32_MAX
-        return policy.varlen_order(batch) if workspace is not None and fits else "plain"
+        return default if room and fits else "plain"
     if order not in policy.VARLEN_ORDERS:
         raise OptionError(f"order must be one of {policy.VARLEN_ORDERS} or None; got {order!r}")
     if order == "lpt":
-        if workspace is None:
-            raise OptionError("order='lpt' needs a workspace of forward_varlen_workspace_bytes(batch) bytes")
+        if not room:
+            raise OptionError(f"order='lpt' needs a workspace of {needs} bytes")
         if batch > policy.LPT_MAX_BATCH:
             raise ShapeError(f"order='lpt' sorts up to {policy.LPT_MAX_BATCH} sequences; got batch={batch} "
                              "(order=None takes the plain order there)")
-        if (-(-total_q // tile_m) + batch) * heads_q > INT32_MAX:
-            raise ShapeError(f"order='lpt' walks (ceil(total_q / {tile_m}) + batch) * heads_q CTAs in int32; "
-                             f"total_q={total_q}, batch={batch}, heads_q={heads_q} pass it")
+        if not fits:
+            total_name, heads_name = names
+            raise ShapeError(f"order='lpt' walks (ceil({total_name} / {tile}) + batch) * {heads_name} CTAs in int32; "
+                             f"{total_name}={total}, batch={batch}, {heads_name}={heads} pass it")
     return order
 
 
@@ -156,8 +160,9 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
         # not given: any int32 vector of at least batch entries (the kernel reads it, but
         # does not use it): cu_seqlens
         tensors[name] = arrays.get(name, arrays["cu_seqlens_" + name[-1]]).as_launch_tensor()
-    walk = _order(order, sizes["batch"], arrays.get("workspace"), sizes["heads_q"], row["tiling"]["tile_m"],
-                  sizes["total_q"])
+    walk = _walk_order(order, sizes["batch"], "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
+                       policy.varlen_order(sizes["batch"]), sizes["total_q"], row["tiling"]["tile_m"],
+                       sizes["heads_q"], ("total_q", "heads_q"))
     # plain: the kernel reads no order (cu_seqlens_q stands in for the pointer)
     tensors["order"] = arrays["workspace" if walk == "lpt" else "cu_seqlens_q"].as_launch_tensor()
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
@@ -179,13 +184,19 @@ def _check_order_workspace(space: DeviceArray, batch: int) -> None:
                          f"(forward_varlen_workspace_bytes({batch}))")
 
 
-def _varlen_workspace_values(rule: dict, sizes: dict) -> dict:
+def _varlen_workspace_values(rule: dict, sizes: dict, lpt: bool) -> dict:
     """The varlen workspace rule's names (config.varlen_workspace_rule) for a problem:
     ws_tiles = ceil(total_q / query_tile) + batch query tiles per head (sequence b's from
-    cu_seqlens_q[b] // query_tile + b), ws_rows their rows."""
+    cu_seqlens_q[b] // query_tile + b), ws_rows their rows, order_entries the heaviest-first
+    order's (batch where ``lpt``, else 0)."""
     tile = rule["constants"]["query_tile"]
     ws_tiles = -(-sizes["total_q"] // tile) + sizes["batch"]
-    return {**sizes, **rule["constants"], "ws_tiles": ws_tiles, "ws_rows": ws_tiles * tile}
+    return {**sizes, **rule["constants"], "ws_tiles": ws_tiles, "ws_rows": ws_tiles * tile,
+            "order_entries": sizes["batch"] if lpt else 0}
+
+
+def _workspace_bytes(rule: dict, values: dict) -> int:
+    return ws.total_bytes(rule, ws.regions(rule, values))
 
 
 def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head_dim: int, *, causal: bool = False,
@@ -193,14 +204,13 @@ def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head
                                     library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``backward_varlen`` needs as its ``workspace``: for packed
     queries of ``total_q`` rows in ``batch`` sequences (called with the same ``causal`` and
-    ``deterministic``). The most any built varlen backward of this head_dim (and dtype,
-    where given) needs; no GPU needed."""
+    ``deterministic``), with room for the heaviest-first order (batch int32). The most any
+    built varlen backward of this head_dim (and dtype, where given) needs; no GPU needed."""
     checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
     library = library or default_library()
     rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True)
     sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
-    return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _varlen_workspace_values(r["workspace"], sizes)))
-               for r in rows)
+    return max(_workspace_bytes(r["workspace"], _varlen_workspace_values(r["workspace"], sizes, True)) for r in rows)
 
 
 def check_backward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
@@ -224,7 +234,7 @@ def _lse_4d(lse: DeviceArray) -> DeviceArray:
 def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                     max_seqlen_k: int, workspace, *, seqused_q=None, seqused_k=None, causal: bool = False,
                     softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
-                    library: KernelLibrary | None = None) -> None:
+                    library: KernelLibrary | None = None, order: str | None = None) -> None:
     """Gradients dq, dk, dv of ``forward_varlen``'s out for the upstream gradient dout.
 
     q, k, v, out, lse, the metadata, causal and the scale: as given to and produced by
@@ -234,7 +244,12 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     head_dim, causal=causal, deterministic=deterministic)`` bytes, 256-byte aligned, any
     contents. ``deterministic``: repeated runs are bitwise identical. GQA/MQA as for
     ``backward``. A sequence with no keys gets dq 0; one with no queries dk, dv 0.
-    Asynchronous and allocation-free; bad arguments raise before any launch.
+    ``order``: the main kernel's sequence order, as forward_varlen's: "lpt" (heaviest
+    first by the tile pairs of their key tiles, a one-CTA sort launched first; needs the
+    whole workspace), "plain", or None: the policy's (policy.varlen_backward_order) where
+    the workspace has room for the order (batch int32 more than the plain order needs),
+    else "plain". The order moves CTAs, not their math: deterministic, the same bits either
+    way. Asynchronous and allocation-free; bad arguments raise before any launch.
     """
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
@@ -244,7 +259,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
              ("seqused_q", seqused_q), ("seqused_k", seqused_k))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
     library = library or default_library()
-    key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, deterministic, stream)
+    key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, deterministic, stream, order)
     if library.launch_again(key, waits):
         return
     sizes = check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k)
@@ -257,11 +272,18 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
     rule = row["workspace"]
     packed = sizes.pop("packed")
-    values = _varlen_workspace_values(rule, {n: x for n, x in sizes.items() if n != "dtype"})
+    problem = {n: x for n, x in sizes.items() if n != "dtype"}
+    values = _varlen_workspace_values(rule, problem, True)
     if values["heads_q"] * values["ws_rows"] > INT32_MAX:
         raise ShapeError(f"heads_q * (total_q + batch * {rule['constants']['query_tile']}) rows must be below 2**31 "
                          "(the workspace's int32 indices)")
-    tensors = ws.carve(rule, values, space.ptr, math.prod(space.shape) * space.itemsize)
+    have = math.prod(space.shape) * space.itemsize
+    walk = _walk_order(order, sizes["batch"], have >= _workspace_bytes(rule, values),
+                       "backward_varlen_workspace_bytes(total_q, batch, heads_q, head_dim, causal=, deterministic=)",
+                       policy.varlen_backward_order(sizes["batch"]), sizes["total_k"], row["tiling"]["tile_n"],
+                       sizes["heads_kv"], ("total_k", "heads_kv"))
+    values = _varlen_workspace_values(rule, problem, walk == "lpt")
+    tensors = ws.carve(rule, values, space.ptr, have)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     tensors.update({name: _tma_tensor(packed[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"),
                                                                      ("do", "dout"))})
@@ -274,7 +296,8 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     turn_tiles = policy.deterministic_turn_tiles(causal, sizes["head_dim"], sizes["max_seqlen_k"]) if deterministic else 1
     values.update({"scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
                    "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
-                   "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays)})
+                   "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
+                   "lpt": int(walk == "lpt")})
     for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv")):
         values[f"stride.{name}.s"], values[f"stride.{name}.h"] = arrays[src].strides[:2]
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)

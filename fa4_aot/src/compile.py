@@ -168,7 +168,7 @@ def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) 
     order = ["order_varlen", "kernel_varlen"]
     if len(symbols) != 2 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
         raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
-    sort = _launch(cubin, ptx, symbols[0], abi.fwd_varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
+    sort = _launch(cubin, ptx, symbols[0], abi.varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
                    [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES)
     sort["when"] = "lpt"
     # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
@@ -206,19 +206,23 @@ def compile_bwd(variant: Variant) -> dict:
 
 def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) -> dict:
     """The varlen backward: packed (1, total, h, d) tensors, LSE (h_q, total_q), the
-    workspace by config.varlen_workspace_rule, cu_seqlens and seqused int32 vectors; each
-    grid ceil(total / tile) + batch blocks by heads (common/seqlen.packed_tile)."""
+    workspace by config.varlen_workspace_rule, cu_seqlens and seqused int32 vectors, the
+    order (a workspace region); the heaviest-first sort (launched only where the run-time
+    value ``lpt`` is not 0), then the three kernels, each grid ceil(total / tile) + batch
+    blocks by heads (common/seqlen.packed_tile_of_cta)."""
     dtype = DTYPES[variant.dtype]
     lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 2), _fake_rows(Float32, 2), _fake_rows(Float32, 2),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
             _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
-            *lengths, cutlass.Int32(0), cutlass.Int32(0)]
+            *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1), cutlass.Int32(0)]
     cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
     rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
     main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]
     plans = {
+        "order_varlen": (abi.varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
+                         [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES, False, "lpt"),
         "preprocess_varlen": (abi.bwd_varlen_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
         "kernel_varlen": (abi.bwd_varlen_main_plan(dq_tensor_map=not cfg.dq_fragment_order), [cfg.threads, 1, 1],
                           main, kernel.smem_bytes, True),
@@ -230,13 +234,19 @@ def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) 
 
 def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: bytes, ptx: str, symbols: list,
                 plans: dict) -> dict:
-    """A backward's manifest fields from its three kernels' ``plans`` (role -> launch
-    plan, in launch order: preprocess, main kernel, postprocess, each role's name in its
-    symbol)."""
+    """A backward's manifest fields from its kernels' ``plans`` (role -> launch plan, in
+    launch order: varlen, the sort; preprocess, main kernel, postprocess; each role's name
+    in its symbol). A plan of six entries ends with its launch's ``when`` (a run-time value
+    that leaves the launch out where it is 0)."""
     order = list(plans)
-    if len(symbols) != 3 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
+    if len(symbols) != len(order) or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
         raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
-    launches = [_launch(cubin, ptx, sym, *plans[role]) for role, sym in zip(order, symbols)]
+    launches = []
+    for role, sym in zip(order, symbols):
+        plan, when = plans[role][:5], plans[role][5:]
+        launches.append(_launch(cubin, ptx, sym, *plan))
+        if when:
+            launches[-1]["when"] = when[0]
     recipes = _recipes(kernel, variant)
     if "dq_accum" in recipes:
         # the kernel's second accumulator map (stores) is encoded from the reduce's recipe

@@ -74,7 +74,7 @@ def test_launch_contract_is_complete(built, name):
     row = row_of(folder, name)
     v = Variant.from_dict(row["variant"])
     assert v.name == name and row["arch"] == "sm_90a" and row["compute_capability"] == [9, 0]
-    # the widest launch but one a run-time value may leave out (the varlen forward's sort)
+    # the widest launch but one a run-time value may leave out (the varlen sorts)
     main = max((launch for launch in row["launches"] if "when" not in launch), key=lambda launch: launch["block"][0])
     consumers = row["tiling"]["tile_m"] // 64 if v.kind == "fwd" else row["config"]["num_consumers"]
     assert main["block"] == [128 * (1 + consumers), 1, 1] and main["cluster"] == [1, 1, 1]
@@ -95,11 +95,14 @@ def test_launch_contract_is_complete(built, name):
     assert row["tensormaps"]["q"]["box"][1] == row["tiling"]["tile_m"]
     assert row["tensormaps"]["k"]["box"][1] == row["tiling"]["tile_n"]
     # Only launches that wait on griddepcontrol may overlap the one before them: the
-    # backward's main kernel and postprocess, never a call's first launch.
+    # backward's main kernel and postprocess, never a call's first launch (varlen: the
+    # heaviest-first sort, where lpt, then the forward's kernel or the backward's three).
     programmatic = [launch["programmatic"] for launch in row["launches"]]
-    assert not any(programmatic) if v.kind == "fwd" else programmatic == [False, True, True]
-    if v.kind == "fwd" and v.varlen:  # the heaviest-first sort (where lpt), then attention
-        assert [launch.get("when") for launch in row["launches"]] == ["lpt", None]
+    sort = [False] if v.varlen else []
+    assert not any(programmatic) if v.kind == "fwd" else programmatic == sort + [False, True, True]
+    if v.varlen:
+        assert [launch.get("when") for launch in row["launches"]] == ["lpt"] + [None] * (len(programmatic) - 1)
+        assert "order_varlen" in row["launches"][0]["symbol"]
     ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
     assert ("griddepcontrol.wait" in ptx) == (v.kind == "bwd")
 

@@ -227,7 +227,8 @@ def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
     call_backward(a, library=library, causal=True, deterministic=True)
     (row, values, tensors), = library.launches
     assert row["name"] == "bwd.sm90a.bf16.d128.causal.varlen.det"
-    assert [launch["symbol"].split("_")[2] for launch in row["launches"]] == ["preprocess", "kernel", "postprocess"]
+    assert [launch["symbol"].split("_")[2] for launch in row["launches"]] == ["order", "preprocess", "kernel",
+                                                                              "postprocess"]
     for launch in row["launches"]:
         for slot in launch["params"]:
             for name in slot.get("fields", []):
@@ -244,8 +245,18 @@ def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
     need = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
     call_backward(bwd_arrays(workspace=DeviceArray(BASE, (need,), (1,), "u8", 0)), library=library, causal=True,
                   deterministic=True)
+    # less than the order's room: the plain order, its regions where they were
+    from fa4_aot import policy
+
+    plain = need - 256  # batch 3: one 256-byte unit of order
+    for size, lpt in ((need, int(policy.VARLEN_BWD_LPT)), (need - 1, 0), (plain, 0)):
+        call_backward(bwd_arrays(workspace=DeviceArray(BASE, (size,), (1,), "u8", 0)), library=library,
+                      causal=True, deterministic=True)
+        values, tensors = library.launches[-1][1:]
+        assert values["lpt"] == lpt and values["order_entries"] == 3 * lpt
+        assert tensors["order"]["ptr"] == BASE and tensors["lse2"]["ptr"] == BASE + 256 * lpt
     with pytest.raises(ShapeError, match="workspace has"):
-        call_backward(bwd_arrays(workspace=DeviceArray(BASE, (need - 1,), (1,), "u8", 0)), library=library,
+        call_backward(bwd_arrays(workspace=DeviceArray(BASE, (plain - 1,), (1,), "u8", 0)), library=library,
                       causal=True, deterministic=True)
 
 
@@ -289,3 +300,64 @@ def test_the_varlen_workspace_size_needs_no_gpu(built):
         backward_varlen_workspace_bytes(0, 3, 8, 128, library=library)
     with pytest.raises(UnsupportedVariantError):
         backward_varlen_workspace_bytes(100, 3, 8, 128, causal=False, library=library)  # not in the subset
+
+
+def call_backward_order(library, size=WS_BYTES, **options):
+    call_backward(bwd_arrays(workspace=DeviceArray(BASE, (size,), (1,), "u8", 0)), library=library, causal=True,
+                  deterministic=True, **options)
+    return library.launches[-1][1:]
+
+
+def test_the_backward_order_flag(built, monkeypatch):
+    from fa4_aot import policy
+    from fa4_aot.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    need = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
+    assert call_backward_order(library, order="lpt")[0]["lpt"] == 1
+    assert call_backward_order(library, order="plain")[0]["lpt"] == 0
+    assert call_backward_order(library, size=need - 256, order="plain")[0]["lpt"] == 0
+    for default in (False, True):  # order None: the policy's, where the workspace has room
+        monkeypatch.setattr(policy, "VARLEN_BWD_LPT", default)
+        assert call_backward_order(library)[0]["lpt"] == int(default)
+        assert call_backward_order(library, size=need - 1)[0]["lpt"] == 0
+    monkeypatch.setattr(policy, "VARLEN_LPT", False)  # the forward's default is not the backward's
+    assert call_backward_order(library)[0]["lpt"] == 1
+    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)  # past the sort's width: the plain order
+    assert call_backward_order(library)[0]["lpt"] == 0
+    with pytest.raises(ShapeError, match="sorts up to 2 sequences"):
+        call_backward_order(library, order="lpt")
+
+
+@pytest.mark.parametrize("options, error, message", [
+    ({"order": "lpt", "size": "plain"}, OptionError, "order='lpt' needs a workspace of backward_varlen_workspace_bytes"),
+    ({"order": "heaviest"}, OptionError, "order must be one of"),
+])
+def test_bad_backward_order_options_raise_before_any_launch(built, options, error, message):
+    from fa4_aot.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    if options.get("size") == "plain":
+        options["size"] = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True,
+                                                          library=library) - 1
+    with pytest.raises(error, match=message):
+        call_backward_order(library, **options)
+    assert not library.launches
+
+
+def test_lpt_backward_past_int32_ctas_is_refused(built, monkeypatch):
+    """(ceil(total_k / tile_n) + batch) * heads_kv CTAs past int32: the plain order by
+    default, an error when asked for (the sizes are faked: the check reads them only)."""
+    from fa4_aot import varlen
+    from fa4_aot.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    real = varlen.check_backward_varlen
+
+    def huge(arrays, max_q, max_k):
+        return {**real(arrays, max_q, max_k), "total_k": 2**31 - 1, "heads_kv": 128}
+
+    monkeypatch.setattr(varlen, "check_backward_varlen", huge)
+    assert call_backward_order(library)[0]["lpt"] == 0
+    with pytest.raises(ShapeError, match=r"ceil\(total_k / 128\) \+ batch\) \* heads_kv CTAs in int32"):
+        call_backward_order(library, order="lpt")

@@ -1,9 +1,11 @@
-"""The varlen forward's heaviest-first order, mirrored in Python from the device code
+"""The varlen kernels' heaviest-first order, mirrored in Python from the device code
 (common/heaviest_first.py: the costs and the bitonic sort; common/seqlen.py: packed_tile
-with ``order`` and ``copies``; FlashFwdSm90._varlen_item: the CTA's sequence, head and
-tile): the sort is a permutation heaviest first, and the grid's CTAs take every (sequence,
-head, query tile) exactly once, in both orders, whatever the lengths (lying ones only
-within bounds)."""
+with ``order`` and ``copies``, packed_tile_of_cta: the CTA's sequence, head and tile): the
+sort is a permutation heaviest first, and the grid's CTAs take every (sequence, head,
+query tile) of the forward, every (sequence, KV head, key tile) of the backward, exactly
+once, in both orders, whatever the lengths (lying ones only within bounds). The backward's
+order keeps each (sequence, KV head)'s key tiles in the plain order's launch order, which
+its deterministic turns rely on."""
 
 import random
 
@@ -28,23 +30,32 @@ def sequence(b, cu, used, total):
     return offset, min(max(length, 0), total - offset)
 
 
-def cost(b, lq, lk, tile_m, tile_n, causal):
-    """heaviest_first.sequence_cost."""
-    tq, tk = ceil_div(sequence(b, *lq)[1], tile_m), ceil_div(sequence(b, *lk)[1], tile_n)
+def cost(b, lq, lk, tile_m, tile_n, causal, keys_outer=False):
+    """heaviest_first.sequence_cost (``keys_outer``: the backward's)."""
+    len_q, len_k = sequence(b, *lq)[1], sequence(b, *lk)[1]
+    tq, tk = ceil_div(len_q, tile_m), ceil_div(len_k, tile_n)
     visits = tq * tk
+    if keys_outer:
+        if causal:
+            shift = len_k - len_q
+            full = min(shift // tile_n + 1, tk) if shift >= 0 else 0
+            rest, first = tk - full, full * tile_n - shift
+            visits = max(visits - (rest * first + tile_n * (rest * (rest - 1) // 2)) // tile_m, 0)
+        return min(visits + tk, COST_MAX)
     if causal:
         visits = tq * (tk - tq) + tq * (tq + 1) // 2 if tq <= tk else tk * (tk + 1) // 2
     return min(visits + tq, COST_MAX)
 
 
-def heaviest_first(batches, lq, lk, tile_m, tile_n, causal):
+def heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=False):
     """heaviest_first.heaviest_first: the bitonic network as the threads run it."""
     if batches > MAX_BATCH:
         return list(range(batches))
     width = 2
     while width < batches:
         width *= 2
-    keys = [(cost(i, lq, lk, tile_m, tile_n, causal) << INDEX_BITS) | (MAX_BATCH - 1 - i) if i < batches else -1
+    keys = [(cost(i, lq, lk, tile_m, tile_n, causal, keys_outer) << INDEX_BITS) | (MAX_BATCH - 1 - i)
+            if i < batches else -1
             for i in range(width)]
     size = 2
     while size <= width:
@@ -79,7 +90,7 @@ def packed_tile(tile, lq, batches, tile_rows, order=None, copies=1):
 
 
 def cta_item(x, y, grid_x, lq, batches, heads, tile_m, order):
-    """FlashFwdSm90._varlen_item: (sequence or -1, tile, head) of CTA (x, y)."""
+    """seqlen.packed_tile_of_cta: (sequence or -1, tile, head) of CTA (x, y)."""
     if order is None:
         found, tile = packed_tile(x, lq, batches, tile_m)
         return found, tile, y
@@ -165,3 +176,129 @@ def test_lying_metadata_stays_in_bounds():
                 if b >= 0:
                     offset, length = sequence(b, *lq)
                     assert 0 <= t < ceil_div(length, 128) and offset + length <= total
+
+
+# ---------------------------------------------------------------- the backward
+def key_tile_of_launch(t, n_tiles, causal, deterministic):
+    """bwd_order.key_tile_of_launch."""
+    return n_tiles - 1 - t if causal and deterministic else t
+
+
+def bwd_walk(lengths_q, lengths_k, heads_kv, tile_m, tile_n, causal, deterministic, lpt, used_k=None, cu_k=None):
+    """TileWalk.cta_work_varlen: every CTA's (sequence or -1, KV head, key tile) in launch
+    order (x fastest, then y), and the order walked."""
+    cu_q = [sum(lengths_q[:i]) for i in range(len(lengths_q) + 1)]
+    cu_k = cu_k or [sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)]
+    batches = len(cu_k) - 1
+    lq, lk = (cu_q, None, sum(lengths_q)), (cu_k, used_k, sum(lengths_k))
+    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
+    grid_x = ceil_div(sum(lengths_k), tile_n) + batches
+    items = []
+    for y in range(heads_kv):
+        for x in range(grid_x):
+            found, tile, head = cta_item(x, y, grid_x, lk, batches, heads_kv, tile_n, order)
+            n_tiles = ceil_div(sequence(max(found, 0), *lk)[1], tile_n)
+            items.append((found, head, max(key_tile_of_launch(tile, n_tiles, causal, deterministic), 0)))
+    return items, order, lk
+
+
+BWD_MIXES = [  # (query lengths, key lengths, KV heads)
+    ([256] * 63 + [16384], [256] * 63 + [16384], 4),  # the long sequence last
+    ([1, 0, 130, 257, 64, 0, 0], [1, 5, 130, 300, 1000, 0, 3], 3),  # one-token, empty, sq != sk
+    ([129, 40], [20, 511], 1),  # causal rows that see no key (sq > sk)
+    ([0, 0, 0], [0, 0, 0], 2),  # nothing to compute
+    *[([random.Random(s).randint(0, 900) for _ in range(70)], [random.Random(s + 9).randint(0, 900) for _ in range(70)],
+       2) for s in range(3)],  # more than 2 chunks of 32
+]
+
+
+@pytest.mark.parametrize("causal, deterministic", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("mix", BWD_MIXES, ids=lambda m: f"{len(m[0])}seqs_h{m[2]}")
+def test_backward_takes_every_key_tile_once_in_the_plain_orders_order_within_a_sequence(mix, causal, deterministic):
+    lq, lk, heads = mix
+    tile_m, tile_n = 64, 128
+    walks = {}
+    for lpt in (False, True):
+        items, order, _ = bwd_walk(lq, lk, heads, tile_m, tile_n, causal, deterministic, lpt)
+        live = [item for item in items if item[0] >= 0]
+        want = {(b, h, n) for b, length in enumerate(lk) for n in range(ceil_div(length, tile_n)) for h in range(heads)}
+        assert len(live) == len(set(live)) and set(live) == want
+        # each (sequence, KV head)'s key tiles in launch order: the dense grid's (key_tile_of_launch)
+        per_head = {}
+        for b, h, n in live:
+            per_head.setdefault((b, h), []).append(n)
+        for (b, h), tiles in per_head.items():
+            count = ceil_div(lk[b], tile_n)
+            assert tiles == [key_tile_of_launch(t, count, causal, deterministic) for t in range(count)]
+        walks[lpt] = per_head
+        if lpt:
+            assert sorted(order) == list(range(len(lk)))
+            # a sequence's CTAs (every KV head's) consecutive, the sequences in the sorted order
+            firsts = [b for i, (b, h, n) in enumerate(live) if i == 0 or live[i - 1][0] != b]
+            assert firsts == [b for b in order if lk[b]]
+    assert walks[False] == walks[True]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_turns_wait_only_for_ctas_launched_before(causal):
+    """Deterministic: in either order, every CTA's turn at a (sequence, query head, run,
+    chain) word counts only CTAs launched before it (bwd_order.dq_turn, run on Python ints),
+    and the turns there are 0, 1, ...: so no order deadlocks however few CTAs are resident."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to import the kernel source")
+    from fa4_aot.src.common import bwd_order as bwd
+
+    tile_m, tile_n, run_tiles, chains, group = 64, 128, 2, 1 if causal else 2, 2
+    lq, lk = [700, 3, 0, 191, 1300, 64], [700, 3, 0, 193, 1000, 513]
+    for lpt in (False, True):
+        items, _, lk_meta = bwd_walk(lq, lk, 2, tile_m, tile_n, causal, True, lpt)
+        words = {}  # (sequence, query head, run, chain) -> [(turn, launch index)]
+        for launch, (b, h, n) in enumerate(items):
+            if b < 0:
+                continue
+            m_blocks, n_blocks = ceil_div(lq[b], tile_m), ceil_div(lk[b], tile_n)
+            first = bwd.first_query_tile(n, lq[b], lk[b], tile_m, tile_n, causal)
+            for head_q in range(h * group, (h + 1) * group):
+                for run in sorted({m // run_tiles for m in range(first, m_blocks)}):
+                    turn = bwd.dq_turn(n, run, run_tiles, m_blocks, n_blocks, lq[b], lk[b], tile_m, tile_n, causal,
+                                       chains)
+                    words.setdefault((b, head_q, run, bwd.dq_chain(n, chains)), []).append((turn, launch))
+        for taken in words.values():
+            assert sorted(turn for turn, _ in taken) == list(range(len(taken)))
+            assert [turn for turn, _ in sorted(taken, key=lambda t: t[1])] == list(range(len(taken)))
+
+
+def test_backward_cost_counts_the_query_tiles_each_key_tile_visits():
+    """The backward's causal cost: the key tiles' visits (bwd_order.first_query_tile on) plus
+    the key tiles, exact for aligned lengths, at most one visit short per key tile else."""
+    for tile_m, tile_n in ((64, 128), (80, 128), (64, 96), (64, 80)):
+        for len_q in range(0, 700, 37):
+            for len_k in range(0, 700, 41):
+                tq, tk = ceil_div(len_q, tile_m), ceil_div(len_k, tile_n)
+                visits = sum(max(tq - max(n * tile_n - (len_k - len_q), 0) // tile_m, 0) for n in range(tk))
+                lq, lk = ([0, len_q], None, len_q), ([0, len_k], None, len_k)
+                got = cost(0, lq, lk, tile_m, tile_n, True, keys_outer=True) - tk
+                assert visits - tk <= got <= visits, (tile_m, tile_n, len_q, len_k)
+                if len_q % tile_m == 0 and len_k % tile_n == 0 and tile_n % tile_m == 0:
+                    assert got == visits
+                assert cost(0, lq, lk, tile_m, tile_n, False, keys_outer=True) == tq * tk + tk
+
+
+def test_backward_lying_metadata_stays_in_bounds():
+    """Lying key metadata: every CTA's sequence, KV head and key tile lie inside the
+    tensors in both orders (tiles may be missed: wrong numbers)."""
+    rng = random.Random(11)
+    for _ in range(20):
+        batch, heads, total = rng.randint(1, 40), rng.randint(1, 3), rng.randint(0, 3000)
+        cu = [rng.randint(-500, total + 500) for _ in range(batch + 1)]
+        used = [rng.randint(-100, 5000) for _ in range(batch)] if rng.random() < 0.5 else None
+        lengths = [total] + [0] * (batch - 1)
+        for lpt in (False, True):
+            items, order, lk = bwd_walk([rng.randint(0, 300) for _ in range(batch)], lengths, heads, 64, 128, True,
+                                        True, lpt, used_k=used, cu_k=cu)
+            if lpt:
+                assert sorted(order) == list(range(batch))
+            for b, h, n in items:
+                assert -1 <= b < batch and 0 <= h < heads
+                if b >= 0:
+                    offset, length = sequence(b, *lk)
+                    assert 0 <= n < ceil_div(length, 128) and offset + length <= total

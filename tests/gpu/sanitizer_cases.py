@@ -11,6 +11,7 @@ past its end.
 
 python -m tests.gpu.sanitizer_cases [KERNELS_DIR]  (default: the package's cubins)"""
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -99,8 +100,8 @@ def varlen_cases():
 def varlen_backward_cases():
     """The varlen backward of every bf16 head dim, causal and not, deterministic and not: the
     same mixes and lying metadata as the forward's, and seqused past the packed rows (two
-    sequences then share workspace tiles); the workspace is the exact size the adapter
-    allocates."""
+    sequences then share workspace tiles), in both sequence orders; the workspace is the
+    exact size the adapter allocates."""
     from fa4_aot.torch import flash_attn_varlen_bwd
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
@@ -113,9 +114,9 @@ def varlen_backward_cases():
         k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         out = torch.randn_like(q)
         lse = torch.randn(4, 333, device="cuda")
-        for cu_q, cu_k, max_q, used in cases:
+        for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
             flash_attn_varlen_bwd(q, k, val, out, do, lse, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20,
-                                  causal=v.causal, deterministic=v.deterministic,
+                                  causal=v.causal, deterministic=v.deterministic, order=order,
                                   **{n: as_i32(x) for n, x in used.items()})
 
 

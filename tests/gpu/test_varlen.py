@@ -249,9 +249,10 @@ def test_varlen_func_is_traceable_and_differentiable(gen):
 
 
 # ---------------------------------------------------------------- the backward
-def _backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal, deterministic=False, **used):
+def _backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal, deterministic=False, order=None, **used):
     """(dq, dk, dv) from NaN-poisoned outputs and a workspace of 0xff bytes, of exactly the
-    size the problem needs."""
+    size the problem needs (with room for the heaviest-first order); ``order``: the
+    sequences' (None: the policy's)."""
     from fa4_aot.varlen import backward_varlen_workspace_bytes
 
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
@@ -259,7 +260,8 @@ def _backward(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal, determi
                                            deterministic=deterministic)
     workspace = torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda")
     return flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max_q, max_k, causal=causal,
-                                 deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace=workspace, **used)
+                                 deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace=workspace, order=order,
+                                 **used)
 
 
 def _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, used_q, used_k, causal):
@@ -370,10 +372,12 @@ def test_varlen_backward_matches_the_dense_kernel_on_equal_lengths(gen):
         assert torch.equal(flat(a), g), name
 
 
-def test_varlen_backward_lying_metadata_stays_in_bounds():
+@pytest.mark.parametrize("order", ["plain", "lpt"])
+def test_varlen_backward_lying_metadata_stays_in_bounds(order):
     """Decreasing and past-the-total cu_seqlens, seqused past the packed rows, max_seqlen too
     small: wrong numbers are allowed, writes outside dq, dk, dv are not (the guard rows
-    around them stay NaN; compute-sanitizer checks every access in test_sanitizer)."""
+    around them stay NaN; compute-sanitizer checks every access in test_sanitizer), in
+    either sequence order."""
     d, hq = 128, 2
     q = torch.randn(100, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(50, hq, d, device="cuda", dtype=torch.bfloat16)
@@ -387,10 +391,39 @@ def test_varlen_backward_lying_metadata_stays_in_bounds():
             dq, dk, dv = big_q[100:200], big_k[0, 50:100], big_k[1, 50:100]
             as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
             flash_attn_varlen_bwd(q, k, k, q, q, lse, as_i32(cu_q), as_i32(cu_k), 64, 1, dq=dq, dk=dk, dv=dv,
-                                  deterministic=deterministic, **{n: as_i32(x) for n, x in used.items()})
+                                  deterministic=deterministic, order=order, **{n: as_i32(x) for n, x in used.items()})
             torch.cuda.synchronize()
             assert big_q[:100].isnan().all() and big_q[200:].isnan().all(), "wrote outside dq"
             assert big_k[:, :50].isnan().all() and big_k[:, 100:].isnan().all(), "wrote outside dk, dv"
+
+
+@pytest.mark.parametrize("variant", [v for v in VARLEN_BWD if v.dtype == "bf16"], ids=lambda v: v.name)
+def test_varlen_backward_lpt_order_gives_the_plain_orders_bits(variant, gen):
+    """The heaviest-first order moves CTAs, not their math: deterministic, the plain order's
+    bits; dk, dv summed in registers in a fixed order, so bitwise equal in every variant; dq
+    right against the reference (the long sequence last; random mixes of empty and
+    one-token sequences, more than one warp's 32 sequences, GQA)."""
+    import random
+
+    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
+    mixes = [([256] * 9 + [3000], [256] * 9 + [3100], 4, 4)]  # the long sequence last
+    for _ in range(2):
+        batch = rng.randint(1, 70)
+        lq = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        lk = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        mixes.append((lq, lk, 4, 2))
+    for i, (lq, lk, hq, hkv) in enumerate(mixes):
+        if not sum(lq) or not sum(lk):
+            continue
+        q, k, v, dout, out, lse, cu_q, cu_k = _problem(lq, lk, hq, hkv, variant.head_dim, torch.bfloat16,
+                                                       variant.causal, gen)
+        plain, lpt = (_backward(q, k, v, out, dout, lse, cu_q, cu_k, max(max(lq), 1), max(max(lk), 1), variant.causal,
+                                variant.deterministic, order=order) for order in ("plain", "lpt"))
+        torch.cuda.synchronize()
+        same = [torch.equal(_bits(a), _bits(b)) for a, b in zip(plain, lpt)]
+        assert same[1:] == [True, True] and (same[0] or not variant.deterministic), (same, lq, lk)
+        if i == 0 or not variant.deterministic:
+            _check_grads_by_sequence(lpt, q, k, v, out, dout, lq, lk, lq, lk, variant.causal)
 
 
 def test_varlen_backward_under_cuda_graph_with_lengths_changing_between_replays(gen):

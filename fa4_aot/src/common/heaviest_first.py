@@ -2,8 +2,9 @@
 sequences by their estimated cost, heaviest first, and writes the permutation that the
 varlen kernels' walk (``seqlen.packed_tile`` with ``order``) takes the sequences in.
 
-A sequence's cost is the key tiles its query tiles visit plus one per query tile (the
-prologue and epilogue), causal-aware (bottom-right aligned, as the masks): the CTAs of the
+A sequence's cost is the (query tile, key tile) pairs its CTAs visit plus one per CTA (its
+prologue and epilogue), causal-aware (bottom-right aligned, as the masks): the forward's
+CTAs are its query tiles, the backward's (``keys_outer``) its key tiles. The CTAs of the
 heaviest sequence start first, the short ones fill the last wave. Sorted by a bitonic sort
 of 64-bit keys (cost, then the caller's index: ties keep the caller's order) in shared
 memory, up to ``MAX_BATCH`` sequences; past that the kernel writes the caller's order
@@ -46,24 +47,45 @@ class Lengths(NamedTuple):
 
 @cute.jit
 def sequence_cost(batch, lengths: Lengths, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
-                  causal: cutlass.Constexpr[bool]):
-    """Int64 cost of sequence ``batch``: its query tiles plus the key tiles they visit
-    (causal: query tile i of tq sees min(tk, i + 1 + tk - tq) key tiles, tile-rounded)."""
+                  causal: cutlass.Constexpr[bool], keys_outer: cutlass.Constexpr[bool] = False):
+    """Int64 cost of sequence ``batch``: the tile pairs its CTAs visit plus its CTAs. The
+    forward's CTAs are query tiles (causal: query tile i of tq sees min(tk, i + 1 + tk - tq)
+    key tiles, tile-rounded); ``keys_outer`` (the backward) key tiles, key tile n visiting
+    query tiles from max(n tile_n - (len_k - len_q), 0) // tile_m on (bwd_order.first_query_tile)."""
     len_q = sequence(batch, lengths.cu_q, lengths.used_q, lengths.use_used_q, lengths.total_q).length
     len_k = sequence(batch, lengths.cu_k, lengths.used_k, lengths.use_used_k, lengths.total_k).length
     tq = Int64(cute.ceil_div(len_q, tile_m))
     tk = Int64(cute.ceil_div(len_k, tile_n))
-    visits = tq * tk
-    if cutlass.const_expr(causal):
+    visits, ctas = tq * tk, tq
+    if cutlass.const_expr(keys_outer):
+        ctas = tk
+        if cutlass.const_expr(causal):
+            visits = cutlass.max(visits - _skipped_query_tiles(Int64(len_q), Int64(len_k), tk, tile_m, tile_n),
+                                 Int64(0))
+    elif cutlass.const_expr(causal):
         visits = cutlass.select_(tq <= tk, tq * (tk - tq) + tq * (tq + 1) // 2, tk * (tk + 1) // 2)
-    return cutlass.min(visits + tq, Int64(COST_MAX))
+    return cutlass.min(visits + ctas, Int64(COST_MAX))
+
+
+@cute.jit
+def _skipped_query_tiles(len_q, len_k, tk, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int]):
+    """Causal, key tiles outer: the query tiles the key tiles skip, the sum over n of
+    max(n tile_n - shift, 0) // tile_m (shift = len_k - len_q), summed without the floors
+    (at most one tile too many per key tile). The first ``full`` key tiles (n tile_n <= shift)
+    skip none; the others, from ``first`` rows past the diagonal, tile_n rows more each."""
+    shift = len_k - len_q
+    full = cutlass.select_(shift >= 0, cutlass.min(shift // tile_n + 1, tk), Int64(0))
+    rest = tk - full
+    first = full * tile_n - shift
+    return (rest * first + tile_n * (rest * (rest - 1) // 2)) // tile_m
 
 
 @cute.jit
 def heaviest_first(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Tensor, tile_m: cutlass.Constexpr[int],
-                   tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool]):
-    """order[r] (r < batches): the sequence of rank r, heaviest first. ``keys``: (MAX_BATCH,)
-    Int64 in shared memory; the CTA's THREADS threads take part."""
+                   tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+                   keys_outer: cutlass.Constexpr[bool] = False):
+    """order[r] (r < batches): the sequence of rank r, heaviest first (costs: ``sequence_cost``).
+    ``keys``: (MAX_BATCH,) Int64 in shared memory; the CTA's THREADS threads take part."""
     tidx, _, _ = cute.arch.thread_idx()
     if batches > MAX_BATCH:
         for r in cutlass.range(tidx, batches, THREADS, unroll=1):
@@ -75,7 +97,8 @@ def heaviest_first(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Ten
         for i in cutlass.range(tidx, width, THREADS, unroll=1):
             key = Int64(-1)  # padding sorts last
             if i < batches:
-                key = (sequence_cost(i, lengths, tile_m, tile_n, causal) << INDEX_BITS) | Int64(MAX_BATCH - 1 - i)
+                cost = sequence_cost(i, lengths, tile_m, tile_n, causal, keys_outer)
+                key = (cost << INDEX_BITS) | Int64(MAX_BATCH - 1 - i)
             keys[i] = key
         cute.arch.sync_threads()
         # bitonic sort, descending: blocks of `size` alternate direction until the last
@@ -96,3 +119,21 @@ def heaviest_first(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Ten
             size = size * 2
         for r in cutlass.range(tidx, batches, THREADS, unroll=1):
             order[r] = Int32(MAX_BATCH - 1) - Int32(keys[r] & Int64(MAX_BATCH - 1))
+
+
+@cute.jit
+def sort_sequences(cu_q_ptr: cute.Pointer, cu_k_ptr: cute.Pointer, used_q_ptr: cute.Pointer, used_k_ptr: cute.Pointer,
+                   use_used_q, use_used_k, batches, total_q, total_k, order_ptr: cute.Pointer,
+                   tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+                   keys_outer: cutlass.Constexpr[bool] = False):
+    """The body of a varlen sort kernel (one CTA of THREADS threads, SMEM_BYTES of dynamic
+    shared memory): the sequences' metadata (cu_seqlens (b + 1,), seqused (b,), read where
+    its flag is not 0) in, order_ptr's (b,) int32 out, heaviest first."""
+    lengths = Lengths(
+        cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_q_ptr, cute.make_layout(batches)),
+        use_used_q, total_q,
+        cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_k_ptr, cute.make_layout(batches)),
+        use_used_k, total_k)
+    keys = cutlass.utils.SmemAllocator().allocate_tensor(Int64, cute.make_layout(MAX_BATCH), byte_alignment=16)
+    heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
+                   causal, keys_outer)

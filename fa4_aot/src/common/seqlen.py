@@ -78,3 +78,26 @@ def packed_tile(tile, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused
         base = base + chunk_tiles
         chunk = chunk + 1
     return found_batch, found_tile
+
+
+@cute.jit
+def packed_tile_of_cta(x, y, grid_x, cu_seqlens: cute.Tensor, seqused: cute.Tensor, use_seqused, batches, total,
+                       tile_rows: int, order: cute.Tensor, lpt, copies):
+    """(batch or -1, tile within it, copy) of CTA (x, y) of a (grid_x, copies) grid over every
+    entry's tiles in ``copies`` copies (heads), as ``packed_tile``. lpt 0: CTA (x, copy y)
+    takes the x-th tile of the entries in the caller's order. Else the CTAs in launch order
+    (x fastest, then y) take the entries in ``order`` (the heaviest-first sort's), each
+    entry's copies one after another and a copy's tiles together, in the same relative
+    order as lpt 0 gives them (docs/design.md, "Variable length")."""
+    found, tile, copy = Int32(-1), Int32(0), y
+    if lpt == 0:
+        found, tile = packed_tile(x, cu_seqlens, seqused, use_seqused, batches, total, tile_rows)
+    else:
+        found, item = packed_tile(y * grid_x + x, cu_seqlens, seqused, use_seqused, batches, total, tile_rows,
+                                  order=order, copies=copies)
+        tiles = cute.ceil_div(sequence(cutlass.max(found, 0), cu_seqlens, seqused, use_seqused, total).length,
+                              tile_rows)
+        tiles = cutlass.max(tiles, 1)
+        copy = item // tiles
+        tile = item - copy * tiles
+    return found, tile, copy

@@ -177,12 +177,16 @@ def varlen_workspace_rule(cfg: BwdConfig) -> dict:
     (the bulk copies of the statistics and the accumulator's tiles need one) and leaves
     room for the sequence's ceil(len / query_tile) tiles before the next sequence's start,
     and for clamped lying metadata it stays below ws_tiles: no tile of one sequence is
-    another's, and none lies outside the workspace (docs/design.md, "Variable length")."""
+    another's, and none lies outside the workspace (docs/design.md, "Variable length").
+    First, the heaviest-first order of the sequences: ``order_entries`` int32, batch where
+    the call takes that order, else 0 (so a workspace sized for the plain order holds the
+    rest as before)."""
     rows = ["heads_q", "ws_tiles", "query_tile"]
     return {
         "align": 256,
         "constants": {"query_tile": cfg.tile_m, "key_tile": cfg.tile_n, "chains": cfg.chains},
         "regions": [
+            {"name": "order", "itemsize": 4, "count": ["order_entries"]},  # the sequences heaviest first
             {"name": "lse2", "itemsize": 4, "count": rows},
             {"name": "dsum", "itemsize": 4, "count": rows},
             {"name": "dq_accum", "itemsize": 4, "count": ["chains", "ws_tiles", "query_tile", "heads_q", "head_dim"]},

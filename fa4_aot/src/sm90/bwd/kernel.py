@@ -34,7 +34,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ...common import symbols
+from ...common import heaviest_first, symbols
 from ..primitives import DTYPES, WARPGROUP, sdhb, smem_buffer, smem_layout, tma_pipeline
 from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Start, Stats, Tiles
 from .config import PRODUCER_REGS, BwdConfig
@@ -185,13 +185,21 @@ class FlashBwdSm90:
         mUsedK: cute.Tensor,  # (b,) int32
         use_used_q: Int32,
         use_used_k: Int32,
+        mOrder: cute.Tensor,  # (b,) int32 workspace: the sequences heaviest first (where lpt)
+        lpt: Int32,  # 0: the caller's order; else order_varlen sorts, kernel_varlen walks mOrder
     ):
         """The varlen backward: as ``__call__``, sequences located by cu_seqlens (and
         seqused): the row kernels one block per (query tile of a sequence, head), the main
         kernel one CTA per (key tile of a sequence, KV head), the sequences' tiles back to
-        back (grids of ceil(total / tile) + b, which bound every sequence's tiles)."""
+        back (grids of ceil(total / tile) + b, which bound every sequence's tiles). Four
+        launches: the heaviest-first sort (one CTA; the run time skips it where lpt is 0),
+        then the three of ``__call__``."""
         total_q, h_q, batches = mQ.shape[1], mQ.shape[2], mCuQ.shape[0] - 1
         rows_grid = (cute.ceil_div(total_q, self.cfg.tile_m) + batches, h_q, 1)
+        self.order_varlen(mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k,
+                          batches, total_q, mK.shape[1], mOrder.iterator).launch(
+            grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+        )
         self.rows.preprocess_varlen(
             mO.iterator, mO.stride[1], mO.stride[2], mdO.iterator, mdO.stride[1], mdO.stride[2],
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
@@ -207,7 +215,7 @@ class FlashBwdSm90:
             mdV.iterator, mdV.stride[1], mdV.stride[2], tma_dq, gdq, tma_dq_store,
             mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
             turn_tiles, first_write, mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator,
-            use_used_q, use_used_k, batches, s_q_tile, s_kv_all, s_ds, s_dq,
+            use_used_q, use_used_k, batches, mOrder.iterator, lpt, s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess_varlen(
@@ -215,6 +223,28 @@ class FlashBwdSm90:
             total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
             mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1],
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+
+    @cute.kernel
+    def order_varlen(
+        self,
+        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
+        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
+        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
+        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
+        use_used_q: Int32,
+        use_used_k: Int32,
+        batch_count: Int32,
+        total_q: Int32,
+        total_k: Int32,
+        order_ptr: cute.Pointer,  # int32 (b,) out: the sequences heaviest first
+    ):
+        """The sequences sorted by cost, heaviest first (common/heaviest_first.py: the
+        (key tile, query tile) pairs of their key tiles, causal-aware), for kernel_varlen's
+        walk. Launched before the preprocess, not programmatically: the main kernel reads
+        the order before its griddepcontrol.wait, as it reads the metadata."""
+        heaviest_first.sort_sequences(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
+                                      total_q, total_k, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal,
+                                      keys_outer=True)
 
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors (q, do, k, v, dk, dv (None
@@ -341,6 +371,8 @@ class FlashBwdSm90:
         use_used_q: Int32,
         use_used_k: Int32,
         batch_count: Int32,  # sequences
+        order_ptr: cute.Pointer,  # int32 (b,): the sequences heaviest first, read where lpt
+        lpt: Int32,
         sq_layout: cute.ComposedLayout,
         skv_layout: cute.ComposedLayout,
         sds_layout: cute.ComposedLayout,
@@ -355,7 +387,8 @@ class FlashBwdSm90:
         seqs = Sequences(*(cute.make_tensor(p, cute.make_layout(batches + extra)) for p, extra in
                            ((cu_q_ptr, 1), (cu_k_ptr, 1), (used_q_ptr, 0), (used_k_ptr, 0))),
                          use_used_q, use_used_k, batches)
-        prob, work = self.walk.cta_work_varlen(gQ, gK, seqs)
+        prob, work = self.walk.cta_work_varlen(gQ, gK, seqs, cute.make_tensor(order_ptr, cute.make_layout(batches)),
+                                               lpt)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
                         Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh), start.sdK,

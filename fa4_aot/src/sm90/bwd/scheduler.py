@@ -13,9 +13,10 @@ CTAs", "Backward: split last wave"):
 - ``tail_split``: a one-dimensional grid whose last blocks are pieces of the last partial
   wave's items, each a range of query tiles (common/bwd_order.tail_item, piece_tiles).
 - ``varlen``: one CTA per (key tile of a sequence, KV head), the sequences' key tiles back
-  to back (common/seqlen.packed_tile), as the varlen forward walks query tiles; a CTA's
-  problem is its sequence's (lengths, where its rows lie in the packed tensors and in the
-  workspace: ``rows_of``, ``ws_tile``).
+  to back (common/seqlen.packed_tile_of_cta), as the varlen forward walks query tiles, in
+  the caller's order or (``lpt``) heaviest first, a sequence's (KV head, key tile) CTAs
+  together; a CTA's problem is its sequence's (lengths, where its rows lie in the packed
+  tensors and in the workspace: ``rows_of``, ``ws_tile``).
 Within an item, not causal and not deterministic (``rotate``), a CTA starts at a query
 tile of its own and wraps around, so a head's CTAs reduce into different dQ tiles.
 """
@@ -28,7 +29,7 @@ from cutlass import Int32, const_expr
 
 from ...common.bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
 from ...common.launch_order import backward_head_group, launch_in_head_groups
-from ...common.seqlen import packed_tile, sequence
+from ...common.seqlen import packed_tile_of_cta, sequence
 from .config import ROTATION_TILES
 
 
@@ -131,16 +132,23 @@ class TileWalk:
             item = self.item_of_block(launch, head_kv, batch, prob)
         return prob, CtaWork(item, tail, None, None, None)
 
-    def cta_work_varlen(self, gQ, gK, seqs: Sequences):
-        """Varlen: (the CTA's sequence's problem, its CtaWork). Block (x, KV head) takes the
-        x-th key tile of all sequences in order (common/seqlen.packed_tile), a key tile
-        n_block of the sequence as the dense grid's block would (key_tile_of_launch: so a
-        deterministic CTA waits only for CTAs launched before it, its sequence's). A CTA
-        past the last tile gets a sequence of no rows, batch -1 and no steps."""
+    def cta_work_varlen(self, gQ, gK, seqs: Sequences, order: cute.Tensor, lpt):
+        """Varlen: (the CTA's sequence's problem, its CtaWork). lpt 0: block (x, KV head)
+        takes the x-th key tile of all sequences in order; else the blocks in launch order
+        take the sequences in ``order`` ((b,) int32, heaviest first), each sequence's KV
+        heads one after another and a head's key tiles together (common/seqlen.
+        packed_tile_of_cta). The t-th key tile of a (sequence, KV head) is key tile n_block
+        = key_tile_of_launch(t) of the sequence, as the dense grid's block t would be: in
+        either order a (sequence, KV head)'s CTAs are launched in the order of t, so a
+        deterministic CTA waits only for CTAs launched before it (its turns count only
+        CTAs of its sequence and KV head: the query heads of a semaphore word are the KV
+        head's). A CTA past the last tile gets a sequence of no rows, batch -1 and no steps."""
         cfg = self.cfg
-        launch, head_kv, _ = cute.arch.block_idx()
+        launch, head_y, _ = cute.arch.block_idx()
         total_q, total_k, heads_q, heads_kv = gQ.shape[0], gK.shape[0], gQ.shape[2], gK.shape[2]
-        found, tile = packed_tile(launch, seqs.cu_k, seqs.used_k, seqs.use_used_k, seqs.batches, total_k, cfg.tile_n)
+        found, tile, head_kv = packed_tile_of_cta(launch, head_y, cute.arch.grid_dim()[0], seqs.cu_k, seqs.used_k,
+                                                  seqs.use_used_k, seqs.batches, total_k, cfg.tile_n, order, lpt,
+                                                  heads_kv)
         live = found >= 0
         batch = cutlass.max(found, 0)
         seq_q = sequence(batch, seqs.cu_q, seqs.used_q, seqs.use_used_q, total_q)

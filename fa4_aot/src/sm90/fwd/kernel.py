@@ -35,7 +35,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common import symbols
 from ...common import heaviest_first
-from ...common.seqlen import packed_tile, sequence
+from ...common.seqlen import packed_tile_of_cta, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
@@ -154,16 +154,8 @@ class FlashFwdSm90:
     ):
         """The sequences sorted by cost, heaviest first (common/heaviest_first.py), for
         kernel_varlen's walk."""
-        batches = batch_count
-        lengths = heaviest_first.Lengths(
-            cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_q_ptr, cute.make_layout(batches)),
-            use_used_q, total_q,
-            cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_k_ptr, cute.make_layout(batches)),
-            use_used_k, total_k)
-        keys = cutlass.utils.SmemAllocator().allocate_tensor(
-            Int64, cute.make_layout(heaviest_first.MAX_BATCH), byte_alignment=16)
-        heaviest_first.heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys,
-                                      self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        heaviest_first.sort_sequences(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
+                                      total_q, total_k, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given), shared layouts, storage:
@@ -317,19 +309,8 @@ class FlashFwdSm90:
         sequences in ``order`` (heaviest first), each sequence's heads one after another
         and a head's tiles together (they share K and V in L2)."""
         bidx, head_y, _ = cute.arch.block_idx()
-        found, tile, head = Int32(-1), Int32(0), head_y
-        if lpt == 0:
-            found, tile = packed_tile(bidx, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m)
-        else:
-            linear = head_y * cute.arch.grid_dim()[0] + bidx
-            found, item = packed_tile(linear, cu_q, used_q, use_used_q, batches, total_q, self.cfg.tile_m,
-                                      order=order, copies=heads_q)
-            seq_tiles = cute.ceil_div(sequence(cutlass.max(found, 0), cu_q, used_q, use_used_q, total_q).length,
-                                      self.cfg.tile_m)
-            seq_tiles = cutlass.max(seq_tiles, 1)
-            head = item // seq_tiles
-            tile = item - head * seq_tiles
-        return found, tile, head
+        return packed_tile_of_cta(bidx, head_y, cute.arch.grid_dim()[0], cu_q, used_q, use_used_q, batches, total_q,
+                                  self.cfg.tile_m, order, lpt, heads_q)
 
     @cute.jit
     def _setup(self, atoms, sq_layout, skv_layout):
