@@ -157,9 +157,12 @@ def varlen_order(batch: int) -> str:
 
 
 # The varlen backward's default order (backward_varlen with order None, where its workspace
-# has room for the order): the same sort, by the (key tile, query tile) pairs of each
-# sequence's key tiles. Provisional: not yet measured against the plain order.
-VARLEN_BWD_LPT = True
+# has room for the order): the plain one. Heaviest first (the same sort, by the (key tile,
+# query tile) pairs of each sequence's key tiles) won only the causal mixes with one long
+# sequence (+1.0 to +5.3%) and lost 2.3-3.3% on 16 x U(1, 8191) and 256 GQA prompts
+# (H200, bench_varlen.py --bwd --order plain,lpt --rounds 2; docs/design.md "Variable
+# length"); order="lpt" still takes it.
+VARLEN_BWD_LPT = False
 
 
 def varlen_backward_order(batch: int) -> str:

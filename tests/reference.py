@@ -33,10 +33,15 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
 
 def _bmm32(x, y):
     """x (..., m, k) @ y (..., k, n) of 16-bit tensors into float32 on the tensor cores
-    (cuBLAS with a float32 output: 16-bit products, float32 accumulation, as wgmma)."""
-    lead = x.shape[:-2]
-    out = torch.bmm(x.reshape(-1, *x.shape[-2:]), y.reshape(-1, *y.shape[-2:]), out_dtype=torch.float32)
-    return out.reshape(*lead, x.shape[-2], y.shape[-1])
+    (cuBLAS with a float32 output: 16-bit products, float32 accumulation, as wgmma). Every
+    dimension is padded with zeros to a multiple of 16, so that cuBLAS takes a tensor-core
+    kernel for a one-key GEMM too, not a float32 FMA one (the zeros add nothing)."""
+    lead, m, k, n = x.shape[:-2], x.shape[-2], x.shape[-1], y.shape[-1]
+    up = lambda size: -size % 16  # noqa: E731
+    x = torch.nn.functional.pad(x, (0, up(k), 0, up(m))).reshape(-1, m + up(m), k + up(k))
+    y = torch.nn.functional.pad(y, (0, up(n), 0, up(k))).reshape(-1, k + up(k), n + up(n))
+    out = torch.bmm(x, y, out_dtype=torch.float32)[:, :m, :n]
+    return out.reshape(*lead, m, n)
 
 
 def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None):
