@@ -171,7 +171,7 @@ def bwd_varlen_preprocess_plan() -> list[dict]:
     """PrePostSm90.preprocess_varlen: packed O and dO rows, LSE (h_q, total_q) in, the
     workspace out, the query sequences' metadata."""
     slots = [_slot("o", "ptr", tensor="o"), *_strides_sh("o"), _slot("do", "ptr", tensor="do"), *_strides_sh("do")]
-    slots += _ptrs("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done")
+    slots += _ptrs("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "ctas_done")
     slots += _i32s("total_q", "heads_q", "first_write")
     slots += _ptrs("cu_seqlens_q", "seqused_q") + _i32s("use_seqused_q", "batch")
     return with_offsets(slots)
@@ -194,7 +194,7 @@ def bwd_varlen_main_plan(dq_tensor_map: bool = True) -> list[dict]:
         slots.append(_slot("tma_dq_accum", "tensormap", tensor="dq_accum"))
         slots.append(_slot("dq_accum_coords", "i32", fields=["ws_rows", "heads_q", "chains"]))
         slots.append(_slot("tma_dq_accum_store", "tensormap", tensor="dq_accum"))
-    slots += _ptrs("lse2", "dsum", "dq_semaphore", "dq_accum", "dq_done")
+    slots += _ptrs("lse2", "dsum", "dq_semaphore", "dq_accum", "dq_done", "ctas_done")
     slots += [_slot("scale", "f32", value="scale"), _slot("scale_log2", "f32", value="scale_log2")]
     slots += _i32s("turn_tiles", "first_write")
     slots += _ptrs("cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
@@ -204,11 +204,12 @@ def bwd_varlen_main_plan(dq_tensor_map: bool = True) -> list[dict]:
 
 
 def bwd_varlen_postprocess_plan() -> list[dict]:
-    """PrePostSm90.postprocess_varlen: the fp32 accumulator to packed dQ rows."""
-    slots = _ptrs("dq_accum", "dq_semaphore", "dq_done", "dq") + _strides_sh("dq")
+    """PrePostSm90.postprocess_varlen: the fp32 accumulator to packed dQ rows (the main
+    grid's size from total_k, batch and heads_kv: when all its CTAs have ended)."""
+    slots = _ptrs("dq_accum", "dq_semaphore", "dq_done", "ctas_done", "dq") + _strides_sh("dq")
     slots += _i32s("total_q", "heads_q") + [_slot("scale", "f32", value="scale")] + _i32s("first_write")
     slots += _ptrs("cu_seqlens_q", "seqused_q") + _i32s("use_seqused_q")
-    slots += _ptrs("cu_seqlens_k", "seqused_k") + _i32s("use_seqused_k", "batch", "total_k")
+    slots += _ptrs("cu_seqlens_k", "seqused_k") + _i32s("use_seqused_k", "batch", "total_k", "heads_kv")
     return with_offsets(slots)
 
 

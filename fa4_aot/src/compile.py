@@ -215,8 +215,9 @@ def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) 
     args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
             _fake_rows(Float32, 2), _fake_rows(Float32, 2), _fake_rows(Float32, 2),
             _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
-            *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1), cutlass.Int32(0)]
+            _fake_rows(cutlass.Int32, 2), _fake_rows(cutlass.Int64, 1), Float32(1.0), Float32(1.0), cutlass.Int32(1),
+            cutlass.Int32(1), *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1),
+            cutlass.Int32(0)]
     cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
     rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
     main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]

@@ -7,6 +7,7 @@ once, in both orders, whatever the lengths (lying ones only within bounds). The 
 order keeps each (sequence, KV head)'s key tiles in the plain order's launch order, which
 its deterministic turns rely on."""
 
+import itertools
 import random
 
 import pytest
@@ -302,3 +303,159 @@ def test_backward_lying_metadata_stays_in_bounds():
                 if b >= 0:
                     offset, length = sequence(b, *lk)
                     assert 0 <= n < ceil_div(length, 128) and offset + length <= total
+
+
+# ------------------------------------------------- the backward's waits on lying metadata
+JUNK = 0x80808080 - (1 << 32)  # a word as a poisoned workspace holds it: negative, FIRST_STORED clear
+FIRST_STORED = 1 << 24  # dq_writer.FIRST_STORED
+
+
+def bwd_cta_programs(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, turn_tiles, state):
+    """The main grid's CTAs in launch order, each a generator mirroring the dQ writer's waits
+    (dq_writer.DqWriter.add_item): it yields a test that is true once the CTA may go on,
+    and counts its turns (deterministic) or takes its tickets a step ahead and marks its
+    first stores (not deterministic, first_write) in ``state``; at its end, its dq_done
+    counts (a CTA of a sequence) and one more CTA ended (count_ended)."""
+    from fa4_aot.src.common import bwd_order as bwd
+
+    batches = len(lk[0]) - 1
+    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
+    grid_x = ceil_div(lk[2], tile_n) + batches
+    chains = 2 if deterministic and not causal else 1
+    words = state["words"]
+
+    def program(b, head_kv, n_block):
+        if b >= 0:
+            (q_off, len_q), len_k = sequence(b, *lq), sequence(b, *lk)[1]
+            m_blocks, n_tiles = ceil_div(len_q, tile_m), ceil_div(len_k, tile_n)
+            ws_first, chain = q_off // tile_m + b, bwd.dq_chain(n_block, chains)
+            m_first = bwd.first_query_tile(n_block, len_q, len_k, tile_m, tile_n, causal)
+            span = max(m_blocks - m_first, 0)
+            if not causal and not deterministic:  # rotate: each CTA's own start, wrapping
+                m_first = (n_block * ceil_div(m_blocks, 2) // n_tiles) * 2
+            at = [(head_kv * group + s // span, (m_first + s % span) % max(m_blocks, 1)) for s in range(group * span)]
+            tickets = {}
+
+            def take(s):
+                word = (at[s][0], ws_first + at[s][1], 0)
+                tickets[s] = words.get(word, JUNK)
+                words[word] = tickets[s] + 1
+            if not deterministic and at:
+                take(0)
+            for s, (head_q, m) in enumerate(at):
+                if deterministic:
+                    run = m // turn_tiles
+                    word = (head_q, ws_first + run, chain)
+                    if m % turn_tiles == 0 or s % span == 0:
+                        turn = bwd.dq_turn(n_block, run, turn_tiles, m_blocks, n_tiles, len_q, len_k, tile_m, tile_n,
+                                           causal, chains)
+                        yield lambda word=word, turn=turn: words.get(word, JUNK) >= turn  # `<` waits: the varlen's
+                    if m % turn_tiles == turn_tiles - 1 or m == m_blocks - 1:
+                        words[word] = words.get(word, JUNK) + 1
+                else:
+                    if s + 1 < len(at):
+                        take(s + 1)
+                    word = (head_q, ws_first + m, 0)
+                    if tickets[s] != 0 and tickets[s] & FIRST_STORED == 0:
+                        yield lambda word=word: words.get(word, JUNK) & FIRST_STORED != 0
+                    if tickets[s] == 0:
+                        words[word] += FIRST_STORED
+            for g in range(group):
+                key = (b, head_kv * group + g)
+                state["done"][key] = state["done"].get(key, JUNK) + 1
+        state["ended"] += 1
+
+    return [program(*(lambda f, t, h: (f, h, key_tile_of_launch(t, ceil_div(sequence(max(f, 0), *lk)[1], tile_n),
+                                                                 causal, deterministic)))(
+                *cta_item(x, y, grid_x, lk, batches, heads_kv, tile_n, order)))
+            for y in range(heads_kv) for x in range(grid_x)]
+
+
+def bwd_waits_end(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, fixed, resident=3,
+                  turn_tiles=2):
+    """Whether every wait of a varlen backward ends: the preprocess clears the semaphore
+    words (``fixed``: every workspace tile's, preprocess_varlen; else those of the query
+    tiles its blocks walk, as before) and the walked sequences' dq_done; the main grid's
+    CTAs run ``resident`` at a time in launch order (a CTA is placed once every earlier one
+    is, as blocks are dispatched); then each postprocess block waits for its head's key
+    tiles, or (``fixed``) for every main CTA to have ended (_wait_for_keys)."""
+    batches, heads_q = len(lq[0]) - 1, heads_kv * group
+    grid_q, chains = ceil_div(lq[2], tile_m) + batches, 2 if deterministic and not causal else 1
+    state = {"words": {}, "done": {}, "ended": 0}
+    blocks = [packed_tile(x, lq, batches, tile_m) for x in range(grid_q)]
+    for x, (b, t) in enumerate(blocks):
+        tiles = [x] if fixed else [sequence(b, *lq)[0] // tile_m + b + t] if b >= 0 else []
+        for h in range(heads_q):
+            state["words"].update({(h, w, c): 0 for w in tiles for c in range(chains)})
+            if b >= 0 and t == 0:
+                state["done"][(b, h)] = 0
+    ctas = bwd_cta_programs(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, turn_tiles, state)
+    waiting, live, placed = [], [], 0
+    while placed < len(ctas) or live:
+        while placed < len(ctas) and len(live) < resident:
+            live.append([ctas[placed], lambda: True])
+            placed += 1
+        moved = False
+        for cta in list(live):
+            while cta[1]():
+                moved = True
+                try:
+                    cta[1] = next(cta[0])
+                except StopIteration:
+                    live.remove(cta)
+                    break
+        if not moved:
+            return False  # every resident CTA waits
+    for b, t in blocks:
+        if b >= 0:
+            need = ceil_div(sequence(b, *lk)[1], tile_n)
+            waiting += [h for h in range(heads_q) if state["done"].get((b, h), JUNK) < need]
+    return not waiting or (fixed and state["ended"] == len(ctas))
+
+
+def lying_backward_cases():
+    """(query metadata, key metadata) as (cu_seqlens, seqused or None, total): each makes the
+    clamped sequences overlap so that their tiles pass a grid's bound."""
+    honest = lambda lengths: ([sum(lengths[:i]) for i in range(len(lengths) + 1)], None, sum(lengths))  # noqa: E731
+    flip = lambda n, total: ([0, total] * (n // 2) + [0], None, total)  # noqa: E731  decreasing: [0, T, 0, T, ..., 0]
+    return [
+        (honest([30] * 8), flip(8, 512)),  # key tiles past the main grid
+        (honest([30] * 8), (honest([64] * 8)[0], [512] * 8, 512)),  # seqused_k = total_k: the same
+        # query tiles past the row grid: words no walked block clears (the turns' words too:
+        # a run's word is tile ws_first + run, past the last walked sequence's tiles)
+        (flip(16, 256), honest([64] * 16)),
+        (flip(16, 300), flip(16, 700)),  # both
+    ]
+
+
+@pytest.mark.parametrize("causal, deterministic", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("lpt", [False, True])
+def test_backward_waits_end_on_lying_metadata(lpt, causal, deterministic):
+    """Lying metadata that overlaps sequences past the grids: every turn, ticket and
+    postprocess wait ends (wrong numbers, never a hang), in both orders, while the
+    mechanism before it (words cleared by the walked query tiles, the postprocess waiting
+    for its count alone) hangs on each of these cases; random lying metadata too."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to import the kernel source")
+    tile_m, tile_n, heads_kv, group = 64, 128, 2, 2
+    for lq, lk in lying_backward_cases():
+        assert bwd_waits_end(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, fixed=True)
+        assert not bwd_waits_end(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, fixed=False)
+    rng = random.Random(5)
+    for _ in range(12):
+        batch, total_q, total_k = rng.randint(1, 12), rng.randint(0, 600), rng.randint(0, 900)
+        lq = ([rng.randint(-50, total_q + 50) for _ in range(batch + 1)],
+              [rng.randint(-9, 700) for _ in range(batch)] if rng.random() < 0.5 else None, total_q)
+        lk = ([rng.randint(-50, total_k + 50) for _ in range(batch + 1)],
+              [rng.randint(-9, 1000) for _ in range(batch)] if rng.random() < 0.5 else None, total_k)
+        assert bwd_waits_end(lq, lk, heads_kv, group, tile_m, tile_n, causal, deterministic, lpt, fixed=True)
+
+
+def test_backward_waits_end_on_honest_metadata_by_their_counts():
+    """Honest lengths: every postprocess block's count is reached by the walk itself (the
+    grid's end is only a fallback), and nothing is left to the cleared words' junk."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to import the kernel source")
+    for lengths_q, lengths_k, _ in BWD_MIXES[1:4]:  # the small mixes: each CTA is stepped through
+        lq = ([sum(lengths_q[:i]) for i in range(len(lengths_q) + 1)], None, sum(lengths_q))
+        lk = ([sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)], None, sum(lengths_k))
+        for lpt, causal, det in itertools.product((False, True), repeat=3):
+            assert bwd_waits_end(lq, lk, 2, 2, 64, 128, causal, det, lpt, fixed=False)

@@ -100,14 +100,16 @@ def varlen_cases():
 def varlen_backward_cases():
     """The varlen backward of every bf16 head dim, causal and not, deterministic and not: the
     same mixes and lying metadata as the forward's, and seqused past the packed rows (two
-    sequences then share workspace tiles), in both sequence orders; the workspace is the
-    exact size the adapter allocates."""
+    sequences then share workspace tiles; in the last case 16 sequences overlap so far
+    that their tiles pass every grid's bound, and the launch must still end), in both
+    sequence orders; the workspace is the exact size the adapter allocates."""
     from fa4_aot.torch import flash_attn_varlen_bwd
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
     cases = (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199, {}),
              ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64, {}),
-             ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [300, 2**30], "seqused_k": [199, 5]}))
+             ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [300, 2**30], "seqused_k": [199, 5]}),
+             (list(range(17)), list(range(17)), 8, {"seqused_q": [333] * 16, "seqused_k": [200] * 16}))
     for v in (v for v in MATRIX if v.kind == "bwd" and v.varlen and v.dtype == "bf16"):
         d = v.head_dim
         q, do = (torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))

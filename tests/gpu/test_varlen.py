@@ -397,6 +397,49 @@ def test_varlen_backward_lying_metadata_stays_in_bounds(order):
             assert big_k[:, :50].isnan().all() and big_k[:, 100:].isnan().all(), "wrote outside dk, dv"
 
 
+# Lying metadata whose clamped sequences overlap, so that their tiles pass a grid's bound
+# (ceil(total / tile) + batch): (cu_seqlens_q, cu_seqlens_k, seqused), 16 sequences, 256
+# packed query rows and 512 key rows. Before the backward bounded its waits these hung.
+_FLIP = lambda n, total: [0, total] * (n // 2) + [0]  # noqa: E731  decreasing: [0, T, 0, T, ..., 0]
+OVERLAPPING = [
+    (list(range(0, 257, 16)), _FLIP(16, 512), {}),  # 8 sequences of every key: tiles past the main grid
+    (list(range(0, 257, 16)), list(range(0, 513, 32)), {"seqused_k": [512] * 16}),  # seqused_k = total_k: the same
+    (_FLIP(16, 256), list(range(0, 513, 32)), {}),  # query tiles past the row grid: semaphore words left as poisoned
+    (_FLIP(16, 256), _FLIP(16, 512), {"seqused_q": [256] * 16}),  # both
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["tickets", "det"])
+@pytest.mark.parametrize("order", ["plain", "lpt"])
+def test_varlen_backward_lying_metadata_never_hangs(order, deterministic, causal):
+    """Sequences that lying cu_seqlens or seqused make overlap have more tiles than the
+    grids walk: the postprocess's waits end once the main grid has, every semaphore word is
+    cleared whichever query tiles the blocks walk, so the launch ends (wrong numbers are
+    allowed) and writes nothing outside dq, dk, dv (guard rows stay NaN), in both orders.
+    The workspace is poisoned with 0x80 bytes: a word left so is negative (a turn's wait)
+    and nonzero without FIRST_STORED (a ticket's); max_seqlen_k 512 keeps first_write on."""
+    from fa4_aot.varlen import backward_varlen_workspace_bytes
+
+    d, hq, hkv, total_q, total_k = 128, 4, 2, 256, 512
+    q, out, dout = (torch.randn(total_q, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k, v = (torch.randn(total_k, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    lse = torch.zeros(hq, total_q, device="cuda")
+    as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    size = backward_varlen_workspace_bytes(total_q, 16, hq, d, causal=causal, deterministic=deterministic)
+    for cu_q, cu_k, used in OVERLAPPING:
+        big_q = torch.full((3 * total_q, hq, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        big_k = torch.full((2, 3 * total_k, hkv, d), float("nan"), device="cuda", dtype=torch.bfloat16)
+        dq, dk, dv = big_q[total_q:2 * total_q], big_k[0, total_k:2 * total_k], big_k[1, total_k:2 * total_k]
+        workspace = torch.full((size,), 0x80, dtype=torch.uint8, device="cuda")
+        flash_attn_varlen_bwd(q, k, v, out, dout, lse, as_i32(cu_q), as_i32(cu_k), total_q, total_k, causal=causal,
+                              deterministic=deterministic, dq=dq, dk=dk, dv=dv, workspace=workspace, order=order,
+                              **{n: as_i32(x) for n, x in used.items()})
+        torch.cuda.synchronize()
+        assert big_q[:total_q].isnan().all() and big_q[2 * total_q:].isnan().all(), ("wrote outside dq", cu_q, cu_k)
+        assert big_k[:, :total_k].isnan().all() and big_k[:, 2 * total_k:].isnan().all(), "wrote outside dk, dv"
+
+
 @pytest.mark.parametrize("variant", [v for v in VARLEN_BWD if v.dtype == "bf16"], ids=lambda v: v.name)
 def test_varlen_backward_lpt_order_gives_the_plain_orders_bits(variant, gen):
     """The heaviest-first order moves CTAs, not their math: deterministic, the plain order's

@@ -67,7 +67,8 @@ class Outputs(NamedTuple):
 
 class DqTarget(NamedTuple):
     """Where the dQ writer adds: the fp32 accumulator (a TMA reduce and store atom on its
-    rows, None in fragment order, and its address), the semaphores, the per-head counts."""
+    rows, None in fragment order, and its address), the semaphores, the per-head counts;
+    varlen, the count of the grid's CTAs that have ended."""
 
     tma_dq: object
     tma_dq_store: object
@@ -75,6 +76,7 @@ class DqTarget(NamedTuple):
     dqacc_ptr: object
     sem_ptr: object
     done_ptr: object
+    ended_ptr: object = None
 
 
 class Scalars(NamedTuple):

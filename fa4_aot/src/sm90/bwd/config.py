@@ -180,7 +180,7 @@ def varlen_workspace_rule(cfg: BwdConfig) -> dict:
     another's, and none lies outside the workspace (docs/design.md, "Variable length").
     First, the heaviest-first order of the sequences: ``order_entries`` int32, batch where
     the call takes that order, else 0 (so a workspace sized for the plain order holds the
-    rest as before)."""
+    rest as before); last, one int64 count of the main kernel's CTAs that have ended."""
     rows = ["heads_q", "ws_tiles", "query_tile"]
     return {
         "align": 256,
@@ -192,6 +192,9 @@ def varlen_workspace_rule(cfg: BwdConfig) -> dict:
             {"name": "dq_accum", "itemsize": 4, "count": ["chains", "ws_tiles", "query_tile", "heads_q", "head_dim"]},
             {"name": "dq_semaphore", "itemsize": 4, "count": ["chains", "heads_q", "ws_tiles"]},
             {"name": "dq_done", "itemsize": 4, "count": ["batch", "heads_q"]},  # key tiles done per sequence, head
+            # main-kernel CTAs ended: a postprocess block stops waiting for its key tiles once
+            # all have, which lying metadata can leave unwalked (docs/design.md, "Variable length")
+            {"name": "ctas_done", "itemsize": 8, "count": [1]},
         ],
         # the TMA reduce target: copy c is batch entry c, ws_tiles * query_tile rows
         "views": {"dq_accum": [["chains"], ["ws_tiles", "query_tile"], ["heads_q"], ["head_dim"]]},

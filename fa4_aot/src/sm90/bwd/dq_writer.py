@@ -142,7 +142,8 @@ class DqWriter:
     def run(self, tidx, sdQ, target, prob, scalars, work):
         """The writer's items (``work``: the scheduler's CtaWork), once the preprocess's
         semaphores, counters (and accumulator) are cleared; only then may the postprocess
-        be placed (see kernel.FlashBwdSm90.kernel)."""
+        be placed (see kernel.FlashBwdSm90.kernel). Varlen, the CTA then counts itself
+        ended (``count_ended``)."""
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
         if const_expr(self.cfg.persistent):
@@ -153,6 +154,18 @@ class DqWriter:
                 done = done + item.steps
         else:
             self.add_item(tidx, sdQ, target, prob, scalars, work.item, 0, work.tail)
+        if const_expr(self.cfg.varlen):
+            self.count_ended(target.ended_ptr, tidx % 32)
+
+    @cute.jit
+    def count_ended(self, ended_ptr, lane):
+        """Varlen, lane 0 once the CTA's dQ adds are complete and counted (``add_item``'s
+        end): one more CTA of the grid ended (release, after the dq_done counts). Lying
+        metadata can give sequences more key tiles than the grid walks, so a postprocess
+        block waits for its head's count or for every CTA here to have ended
+        (pre_post.PrePostSm90._wait_for_keys); honest, the two come together."""
+        if lane == 0:
+            cute.arch.red(ended_ptr.llvm_ptr, cutlass.Uint64(1), op="add", dtype="u64", sem="release", scope="gpu")
 
     @cute.jit
     def add_item(self, tidx, sdQ, target, prob, scalars, item, done, tail):
@@ -186,7 +199,7 @@ class DqWriter:
         taken before its own, and a ticket's holder stores and marks without waiting for
         any other CTA, so the waits cannot form a cycle, whichever CTAs are resident.
         """
-        _, _, _, _, sem_ptr, done_ptr = target
+        sem_ptr, done_ptr = target.sem_ptr, target.done_ptr
         group, seqlen_q, heads_q = prob.group, prob.seqlen_q, prob.heads_q
         first_write = scalars.first_write
         n_block, head_kv, batch, m_first, span, steps = item
@@ -315,7 +328,7 @@ class DqWriter:
         else added; by one 1D bulk copy in fragment order, else by a 2D TMA box. ``batch``,
         ``m_block``, ``m_blocks``: the tile's place in the workspace (TileWalk.ws_tile)."""
         cfg = self.cfg
-        tma_dq, tma_dq_store, gdQacc, dqacc_ptr, _, _ = target
+        tma_dq, tma_dq_store, gdQacc, dqacc_ptr = target[:4]
         if const_expr(cfg.dq_fragment_order):
             part_elems = cfg.dq_tile[0] * cfg.dq_tile[1]
             at = frag_offset(batch, chain, head_q, m_block, heads_q, m_blocks, cfg.chains,

@@ -44,7 +44,7 @@ from .keys_on_m import KeysOnM
 from .pre_post import DqFragments, PrePostSm90
 from .packed_rows import PackedRows
 from .producer import Producer
-from .scheduler import Sequences, TileWalk
+from .scheduler import Sequences, TileWalk, varlen_grid_x
 from .scores import ScoreMath
 from .split_last_wave import SplitLastWave
 from .two_query_tiles import TwoQueryTiles
@@ -175,6 +175,7 @@ class FlashBwdSm90:
         mdQacc: cute.Tensor,  # (chains, ws_tiles * tile_m, h_q, d) float32 workspace
         mSem: cute.Tensor,  # (chains, h_q, ws_tiles) int32 workspace
         mDone: cute.Tensor,  # (b, h_q) int32 workspace
+        mEnded: cute.Tensor,  # (1,) int64 workspace: main-kernel CTAs ended
         scale: Float32,
         scale_log2: Float32,
         turn_tiles: Int32,
@@ -191,9 +192,11 @@ class FlashBwdSm90:
         """The varlen backward: as ``__call__``, sequences located by cu_seqlens (and
         seqused): the row kernels one block per (query tile of a sequence, head), the main
         kernel one CTA per (key tile of a sequence, KV head), the sequences' tiles back to
-        back (grids of ceil(total / tile) + b, which bound every sequence's tiles). Four
-        launches: the heaviest-first sort (one CTA; the run time skips it where lpt is 0),
-        then the three of ``__call__``."""
+        back (grids of ceil(total / tile) + b, which bound every sequence's tiles while the
+        sequences do not overlap). Four launches: the heaviest-first sort (one CTA; the run
+        time skips it where lpt is 0), then the three of ``__call__``. Every main-kernel CTA
+        counts itself in ``mEnded`` as it ends, so a postprocess block waiting for key tiles
+        that lying metadata left past the grid stops once the grid has ended."""
         total_q, h_q, batches = mQ.shape[1], mQ.shape[2], mCuQ.shape[0] - 1
         rows_grid = (cute.ceil_div(total_q, self.cfg.tile_m) + batches, h_q, 1)
         self.order_varlen(mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k,
@@ -203,25 +206,26 @@ class FlashBwdSm90:
         self.rows.preprocess_varlen(
             mO.iterator, mO.stride[1], mO.stride[2], mdO.iterator, mdO.stride[1], mdO.stride[2],
             mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
-            total_q, h_q, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q, batches,
+            mEnded.iterator, total_q, h_q, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q, batches,
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
         q, k, v, do, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdQacc)]
         (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, _, _, _, _, tma_dq, gdq, tma_dq_store,
          s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, None, None, dq_acc)
-        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n) + batches, k.shape[2], 1)
+        grid = (varlen_grid_x(k.shape[0], batches, self.cfg.tile_n), k.shape[2], 1)
         self.kernel_varlen(
             tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, mdK.iterator, mdK.stride[1], mdK.stride[2],
             mdV.iterator, mdV.stride[1], mdV.stride[2], tma_dq, gdq, tma_dq_store,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
+            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, mEnded.iterator,
+            scale, scale_log2,
             turn_tiles, first_write, mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator,
             use_used_q, use_used_k, batches, mOrder.iterator, lpt, s_q_tile, s_kv_all, s_ds, s_dq,
         ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
 
         self.rows.postprocess_varlen(
-            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[1], mdQ.stride[2],
-            total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
-            mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1],
+            mdQacc.iterator, mSem.iterator, mDone.iterator, mEnded.iterator, mdQ.iterator, mdQ.stride[1],
+            mdQ.stride[2], total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
+            mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1], mK.shape[2],
         ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
 
     @cute.kernel
@@ -360,6 +364,7 @@ class FlashBwdSm90:
         sem_ptr: cute.Pointer,  # int32 (h_q, ws_tiles, chains)
         dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
         done_ptr: cute.Pointer,  # int32 (b, h_q): key tiles whose dQ adds are complete
+        ended_ptr: cute.Pointer,  # int64 (1,): CTAs of this grid that have ended
         scale: Float32,
         scale_log2: Float32,
         turn_tiles: Int32,
@@ -393,7 +398,7 @@ class FlashBwdSm90:
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
                         Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh), start.sdK,
                                 None, PackedRows(dv_ptr, dv_ss, dv_sh), start.sdV),
-                        DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr),
+                        DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, ended_ptr),
                         (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write), prob, work,
                         sds_layout)
 

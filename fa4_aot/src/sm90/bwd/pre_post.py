@@ -31,6 +31,7 @@ from ...common.bwd_order import first_dq_key_tile, semaphore_word
 from ...common.seqlen import packed_tile, sequence
 from ..primitives import DTYPES, WARPGROUP
 from .config import TAIL_COUNTERS, TAIL_MAX_TILES
+from .scheduler import varlen_grid_x
 
 # THREADS_PER_ROW threads share a query row, each taking every THREADS_PER_ROW-th 16-byte
 # chunk, so a warp's access covers 64 contiguous bytes of each of 8 rows; a block covers
@@ -157,16 +158,30 @@ class PrePostSm90:
     def preprocess_varlen(
         self, o_ptr: cute.Pointer, o_ss: Int64, o_sh: Int64, do_ptr: cute.Pointer, do_ss: Int64, do_sh: Int64,
         lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer,
+        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, ended_ptr: cute.Pointer,
         total_q: Int32, heads_q: Int32, first_write: Int32,
         cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32, batches: Int32,
     ):
         """``preprocess`` of packed sequences: block (x, head) takes the x-th query tile
         of all sequences in order (common/seqlen.packed_tile); blocks past the last one
-        do nothing. O, dO (total_q, h_q, d), LSE (h_q, total_q); the workspace's rows
-        padded per sequence (config.varlen_workspace_rule)."""
+        do nothing more. O, dO (total_q, h_q, d), LSE (h_q, total_q); the workspace's rows
+        padded per sequence (config.varlen_workspace_rule).
+
+        Whatever the metadata, block (x, head) clears the semaphore words of workspace tile
+        x of the head (the grid's x is the workspace's ws_tiles), so every word is 0 when
+        the main kernel's turns and tickets start: lying metadata can leave sequences past
+        this grid, whose tiles no block takes, and a word left as the caller's workspace
+        held it could stall a turn or a ticket's wait forever. Block (0, 0) clears the
+        count of main-kernel CTAs ended (``ended_ptr``, int64)."""
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
+        x, head, _ = cute.arch.block_idx()
+        ws_tiles = cute.ceil_div(total_q, self.cfg.tile_m) + batches
+        if tidx < self.cfg.chains:
+            sem = cute.make_tensor(sem_ptr, cute.make_layout(ws_tiles * heads_q * self.cfg.chains))
+            sem[semaphore_word(0, heads_q, head, ws_tiles, x, self.cfg.chains, tidx)] = Int32(0)
+        if x + head + tidx == 0:
+            cute.arch.store(ended_ptr.llvm_ptr, Int64(0))
         where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
         if where.batch >= 0:
             self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh),
@@ -252,13 +267,14 @@ class PrePostSm90:
                 if row == 0:
                     done = cute.make_tensor(done_ptr, cute.make_layout(batch * heads_q + head + 1))
                     done[batch * heads_q + head] = Int32(0)
-                if row % self.cfg.tile_m == 0:
-                    m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
-                    ws_batch, ws_tiles, ws_tile = self._ws(where, m_blocks, row // self.cfg.tile_m)
-                    sem_at = semaphore_word(ws_batch, heads_q, head, ws_tiles, ws_tile, self.cfg.chains)
-                    sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.cfg.chains))
-                    for copy in cutlass.range_constexpr(self.cfg.chains):
-                        sem[sem_at + copy] = Int32(0)
+                if const_expr(not self.cfg.varlen):  # varlen: every word, by block (preprocess_varlen)
+                    if row % self.cfg.tile_m == 0:
+                        m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
+                        ws_batch, ws_tiles, ws_tile = self._ws(where, m_blocks, row // self.cfg.tile_m)
+                        sem_at = semaphore_word(ws_batch, heads_q, head, ws_tiles, ws_tile, self.cfg.chains)
+                        sem = cute.make_tensor(sem_ptr, cute.make_layout(sem_at + self.cfg.chains))
+                        for copy in cutlass.range_constexpr(self.cfg.chains):
+                            sem[sem_at + copy] = Int32(0)
             else:
                 # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
                 self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), where, row)
@@ -300,35 +316,44 @@ class PrePostSm90:
 
     @cute.kernel
     def postprocess_varlen(
-        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, dq_ptr: cute.Pointer,
-        dq_ss: Int64, dq_sh: Int64, total_q: Int32, heads_q: Int32, scale: Float32, first_write: Int32,
-        cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32,
+        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, ended_ptr: cute.Pointer,
+        dq_ptr: cute.Pointer, dq_ss: Int64, dq_sh: Int64, total_q: Int32, heads_q: Int32, scale: Float32,
+        first_write: Int32, cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32,
         cu_k_ptr: cute.Pointer, used_k_ptr: cute.Pointer, use_used_k: Int32, batches: Int32, total_k: Int32,
+        heads_kv: Int32,
     ):
         """``postprocess`` of packed sequences, blocks as ``preprocess_varlen``'s; a
-        sequence's head waits for its own key tiles (dq_done is (b, h_q))."""
+        sequence's head waits for its own key tiles (dq_done is (b, h_q)), or until every
+        CTA of the main grid ((varlen_grid_x, heads_kv)) has ended (``ended_ptr``: lying
+        metadata can leave key tiles past that grid, which nothing counts)."""
         tidx, _, _ = cute.arch.thread_idx()
         where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
         if where.batch >= 0:
             seq_k = sequence(where.batch, cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)),
                              cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
+            ctas = Int64(varlen_grid_x(total_k, batches, self.cfg.tile_n)) * Int64(heads_kv)
             self._postprocess_block(tidx, where, (dq_ptr, 0, dq_ss, dq_sh), dqacc_ptr,
-                                    (sem_ptr, seq_k.length, first_write), done_ptr, scale)
+                                    (sem_ptr, seq_k.length, first_write), done_ptr, scale, (ended_ptr, ctas))
         x, head, _ = cute.arch.block_idx()
         if x + head == 0:
             cute.arch.griddepcontrol_wait()  # as in postprocess
 
     @cute.jit
-    def _postprocess_block(self, tidx, where, dq_out, dqacc_ptr, coverage, done_ptr, scale):
+    def _postprocess_block(self, tidx, where, dq_out, dqacc_ptr, coverage, done_ptr, scale, ended=None):
         """The postprocess of one query tile of one head (``where``: a RowBlock);
-        ``coverage``: (semaphores, seqlen_k, first_write), what _written reads."""
+        ``coverage``: (semaphores, seqlen_k, first_write), what _written reads; ``ended``:
+        varlen, (the count of main-kernel CTAs ended, the grid's CTAs), else None."""
         dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
         batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
         seqlen_k = coverage[1]
         if tidx == 0:
             done = (done_ptr + batch * heads_q + head).llvm_ptr
-            while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k, self.cfg.tile_n):
-                pass
+            if const_expr(ended is None):
+                while cute.arch.load(done, Int32, sem="acquire", scope="gpu") < cute.ceil_div(seqlen_k,
+                                                                                               self.cfg.tile_n):
+                    pass
+            else:
+                self._wait_for_keys(done, cute.ceil_div(seqlen_k, self.cfg.tile_n), ended)
         cute.arch.sync_threads()
         row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
@@ -355,6 +380,25 @@ class PrePostSm90:
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
                 cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+
+    @cute.jit
+    def _wait_for_keys(self, done, need, ended):
+        """Varlen: until the head's count (``done``) reaches ``need`` key tiles, or every CTA
+        of the main grid has ended (``ended``: the count's address, the grid's CTAs), each
+        after its dq_done counts (dq_writer.DqWriter.count_ended). Honest metadata brings
+        both together; lying metadata can give sequences more key tiles than the grid
+        walks, and only the second ends the wait then (wrong numbers, never a hang). The
+        grid's count is loaded relaxed beside the head's acquire load (both in flight at
+        once); a wait it ends takes a fence, so the accumulator reads come after every
+        CTA's adds either way."""
+        ended_ptr, ctas = ended
+        over = cute.arch.load(ended_ptr.llvm_ptr, Int64, sem="relaxed", scope="gpu")
+        count = cute.arch.load(done, Int32, sem="acquire", scope="gpu")
+        while (count < need) & (over < ctas):
+            over = cute.arch.load(ended_ptr.llvm_ptr, Int64, sem="relaxed", scope="gpu")
+            count = cute.arch.load(done, Int32, sem="acquire", scope="gpu")
+        if count < need:
+            cute.arch.fence_acq_rel_gpu()
 
     def _written_copies(self, coverage, where, m_block) -> list:
         """``_written`` for every accumulator copy of query tile m_block, in copy order."""

@@ -33,6 +33,14 @@ from ...common.seqlen import packed_tile_of_cta, sequence
 from .config import ROTATION_TILES
 
 
+def varlen_grid_x(total_k, batches, tile_n: int):
+    """The varlen main grid's CTAs per KV head: ceil(total_k / tile_n) + batches, a bound on
+    every sequence's key tiles while the clamped sequences do not overlap. Lying metadata
+    that makes them overlap can leave the last sequences' tiles past it, unwalked (the
+    postprocess then stops waiting once the grid has ended: dq_writer.DqWriter.run)."""
+    return cute.ceil_div(total_k, tile_n) + batches
+
+
 class Problem(NamedTuple):
     """The problem's sizes as the main kernel sees them (run-time values); varlen, the
     CTA's sequence's."""
