@@ -9,7 +9,7 @@ a 0.2 ms forward) are where that starts to show. This times N calls of a tiny pr
 It also times the first call in fresh processes (``--fresh N``, default 5): in a torch
 process whose CUDA context is up, ``import fa4_aot.torch`` and the first
 ``flash_attn_fwd`` (manifest, one cubin loaded, its launch, a synchronize), or the first
-``flash_attn_func`` (which registers its custom ops on first use); and in a
+``flash_attn_func`` (its eager autograd path: the custom ops wait for a torch.compile trace); and in a
 cuda-python process with its context and arrays made, ``import fa4_aot`` and the first
 ``fa4_aot.forward``. cuda-python's own import (``cuda.bindings.driver``, which fa4_aot
 needs and a torch process has not made) is timed apart from fa4_aot's. Those processes may cache bytecode (PYTHONDONTWRITEBYTECODE is
@@ -92,7 +92,7 @@ def first_call(code: str, runs: int) -> list[tuple[float, float, float]]:
 def print_first_calls(runs: int) -> None:
     for name, code in (("torch process: import fa4_aot.torch + first flash_attn_fwd",
                         FIRST_TORCH.replace("FUNCTION", "flash_attn_fwd")),
-                       ("torch process: import fa4_aot.torch + first flash_attn_func (its custom ops registered)",
+                       ("torch process: import fa4_aot.torch + first flash_attn_func",
                         FIRST_TORCH.replace("FUNCTION", "flash_attn_func")),
                        ("cuda-python process: import fa4_aot + first fa4_aot.forward", FIRST_RAW)):
         times = first_call(code, runs)
