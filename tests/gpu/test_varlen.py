@@ -153,16 +153,8 @@ def test_varlen_lpt_order_gives_the_plain_orders_bits(variant, gen):
     """The heaviest-first order moves tiles between CTAs, not their math: the same bits as
     the plain order, on random mixes (empty and one-token sequences, more than one warp's
     32 sequences, the long one last), and right against the reference."""
-    import random
-
-    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
     d = variant.head_dim
-    mixes = [([256] * 9 + [3000], [256] * 9 + [3100], 4, 4)]  # the long sequence last
-    for _ in range(2):
-        batch = rng.randint(1, 70)
-        lq = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
-        lk = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
-        mixes.append((lq, lk, 4, 2))
+    mixes = _order_mixes(gen)
     for i, (lq, lk, hq, hkv) in enumerate(mixes):
         if not sum(lq) or not sum(lk):
             continue
@@ -299,6 +291,22 @@ def _problem(lq, lk, hq, hkv, d, dtype, causal, gen, **used):
 def _mixes_of(variant):
     """Every variant on the first two mixes; the MQA mix in bf16 (one cubin serves them all)."""
     return MIXES if variant.dtype == "bf16" else MIXES[:2]
+
+
+def _order_mixes(gen):
+    """The order tests' mixes: nine of 256 and the long sequence last (4 heads), then two
+    random mixes of 1-70 sequences (empty and one-token ones among them, more than a warp's
+    32) with GQA 4:2, (lq, lk, heads_q, heads_kv) each."""
+    import random
+
+    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
+    mixes = [([256] * 9 + [3000], [256] * 9 + [3100], 4, 4)]  # the long sequence last
+    for _ in range(2):
+        batch = rng.randint(1, 70)
+        lq = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        lk = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
+        mixes.append((lq, lk, 4, 2))
+    return mixes
 
 
 @pytest.mark.parametrize("variant, mix", [(v, m) for v in VARLEN_BWD for m in _mixes_of(v)],
@@ -446,15 +454,7 @@ def test_varlen_backward_lpt_order_gives_the_plain_orders_bits(variant, gen):
     bits; dk, dv summed in registers in a fixed order, so bitwise equal in every variant; dq
     right against the reference (the long sequence last; random mixes of empty and
     one-token sequences, more than one warp's 32 sequences, GQA)."""
-    import random
-
-    rng = random.Random(torch.randint(0, 2**31, (1,), generator=gen, device="cuda").item())
-    mixes = [([256] * 9 + [3000], [256] * 9 + [3100], 4, 4)]  # the long sequence last
-    for _ in range(2):
-        batch = rng.randint(1, 70)
-        lq = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
-        lk = [rng.choice((0, 1, rng.randint(2, 700))) for _ in range(batch)]
-        mixes.append((lq, lk, 4, 2))
+    mixes = _order_mixes(gen)
     for i, (lq, lk, hq, hkv) in enumerate(mixes):
         if not sum(lq) or not sum(lk):
             continue
