@@ -19,6 +19,18 @@ from tests.reference import attention_bwd_from_out, attention_bwd_tensor_cores, 
 DEFAULT = "bwd.sm90a.bf16.d128.causal.varlen,bwd.sm90a.fp16.d192.varlen"
 
 
+def draw(seed: int, names) -> tuple:
+    """(name, variant, lq, lk, generator) of trial ``seed`` over ``names``, drawn as the
+    random-mix test draws (varlen_bwd_tolerance.py replays a seed by it)."""
+    rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
+    name = rng.choice(names)
+    variant = next(v for v in t.VARLEN_BWD if v.name == name)
+    batch = rng.randint(1, 6)
+    lq = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+    lk = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+    return name, variant, lq, lk, gen
+
+
 def ratios(grads, q, k, v, out, dout, lq, lk, causal) -> dict:
     """name -> worst err / tol over the sequences (the test's rules: tests/gpu/test_bwd.py
     check_grads), plus 'unwritten' for NaN or stray writes."""
@@ -61,12 +73,7 @@ def main():
     fails, tops, tops_tc, loosening = [], [], [], []  # tops_tc: the fp32-recipe rule
     for trial in range(args.trials):
         seed = random.randrange(2**31)
-        rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
-        name = rng.choice(names)
-        variant = next(v for v in t.VARLEN_BWD if v.name == name)
-        batch = rng.randint(1, 6)
-        lq = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
-        lk = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+        name, variant, lq, lk, gen = draw(seed, names)
         if not sum(lq) or not sum(lk):
             continue
         q, k, v, dout, out, lse, cu_q, cu_k = t._problem(lq, lk, 4, 2, variant.head_dim, t.DTYPES[variant.dtype],

@@ -6,24 +6,20 @@ outputs, a tensor-core backward's accumulation), and |dk| of the reference.
 
     PYTHONPATH=$PWD python benchmarks/experiments/varlen_bwd_tolerance.py SEED [SEED ...]
 """
-import random
 import sys
+from pathlib import Path
 
 import torch
 
-from tests.gpu import test_bwd as tb
-from tests.gpu import test_varlen as t
-from tests.reference import attention_bwd_tensor_cores
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from varlen_bwd_fuzz import DEFAULT, draw  # noqa: E402
 
-NAMES = ("bwd.sm90a.bf16.d128.causal.varlen", "bwd.sm90a.fp16.d192.varlen")
+from tests.gpu import test_bwd as tb  # noqa: E402
+from tests.gpu import test_varlen as t  # noqa: E402
+from tests.reference import attention_bwd_tensor_cores  # noqa: E402
 
 for seed in map(int, sys.argv[1:]):
-    rng, gen = random.Random(seed), torch.Generator(device="cuda").manual_seed(seed)
-    name = rng.choice(NAMES)
-    variant = next(v for v in t.VARLEN_BWD if v.name == name)
-    batch = rng.randint(1, 6)
-    lq = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
-    lk = [rng.choice((0, 1, rng.randint(2, 400))) for _ in range(batch)]
+    name, variant, lq, lk, gen = draw(seed, DEFAULT.split(","))  # the fuzz's default variants
     q, k, v, dout, out, lse, cu_q, cu_k = t._problem(lq, lk, 4, 2, variant.head_dim, t.DTYPES[variant.dtype],
                                                      variant.causal, gen)
     grads = t._backward(q, k, v, out, dout, lse, cu_q, cu_k, max(lq) or 1, max(lk) or 1, variant.causal)
