@@ -121,19 +121,33 @@ def heaviest_first(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Ten
             order[r] = Int32(MAX_BATCH - 1) - Int32(keys[r] & Int64(MAX_BATCH - 1))
 
 
+class Metadata(NamedTuple):
+    """A varlen launch's sequence metadata as its kernels take it: the cu_seqlens ((b + 1,)
+    int32) and seqused ((b,) int32, read where its flag is not 0) pointers of the queries
+    and keys, the flags, b and the packed totals."""
+
+    cu_q: object
+    cu_k: object
+    used_q: object
+    used_k: object
+    use_used_q: object
+    use_used_k: object
+    batches: object
+    total_q: object
+    total_k: object
+
+
 @cute.jit
-def sort_sequences(cu_q_ptr: cute.Pointer, cu_k_ptr: cute.Pointer, used_q_ptr: cute.Pointer, used_k_ptr: cute.Pointer,
-                   use_used_q, use_used_k, batches, total_q, total_k, order_ptr: cute.Pointer,
-                   tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+def sort_sequences(meta: Metadata, order_ptr: cute.Pointer, tile_m: cutlass.Constexpr[int],
+                   tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
                    keys_outer: cutlass.Constexpr[bool] = False):
     """The body of a varlen sort kernel (one CTA of THREADS threads, SMEM_BYTES of dynamic
-    shared memory): the sequences' metadata (cu_seqlens (b + 1,), seqused (b,), read where
-    its flag is not 0) in, order_ptr's (b,) int32 out, heaviest first."""
-    lengths = Lengths(
-        cute.make_tensor(cu_q_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_q_ptr, cute.make_layout(batches)),
-        use_used_q, total_q,
-        cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)), cute.make_tensor(used_k_ptr, cute.make_layout(batches)),
-        use_used_k, total_k)
+    shared memory): the sequences' ``meta`` in, order_ptr's (b,) int32 out, heaviest first."""
+    batches = meta.batches
+    cu = lambda ptr: cute.make_tensor(ptr, cute.make_layout(batches + 1))  # noqa: E731
+    used = lambda ptr: cute.make_tensor(ptr, cute.make_layout(batches))  # noqa: E731
+    lengths = Lengths(cu(meta.cu_q), used(meta.used_q), meta.use_used_q, meta.total_q,
+                      cu(meta.cu_k), used(meta.used_k), meta.use_used_k, meta.total_k)
     keys = cutlass.utils.SmemAllocator().allocate_tensor(Int64, cute.make_layout(MAX_BATCH), byte_alignment=16)
     heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
                    causal, keys_outer)

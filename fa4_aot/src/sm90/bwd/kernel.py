@@ -246,9 +246,9 @@ class FlashBwdSm90:
         (key tile, query tile) pairs of their key tiles, causal-aware), for kernel_varlen's
         walk. Launched before the preprocess, not programmatically: the main kernel reads
         the order before its griddepcontrol.wait, as it reads the metadata."""
-        heaviest_first.sort_sequences(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
-                                      total_q, total_k, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal,
-                                      keys_outer=True)
+        meta = heaviest_first.Metadata(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
+                                       total_q, total_k)
+        heaviest_first.sort_sequences(meta, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
 
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors (q, do, k, v, dk, dv (None

@@ -154,8 +154,9 @@ class FlashFwdSm90:
     ):
         """The sequences sorted by cost, heaviest first (common/heaviest_first.py), for
         kernel_varlen's walk."""
-        heaviest_first.sort_sequences(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
-                                      total_q, total_k, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        meta = heaviest_first.Metadata(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
+                                       total_q, total_k)
+        heaviest_first.sort_sequences(meta, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given), shared layouts, storage:
