@@ -157,14 +157,19 @@ def varlen_order(batch: int) -> str:
 
 
 # The varlen backward's default order (backward_varlen with order None, where its workspace
-# has room for the order): the plain one. Heaviest first (the same sort, by the (key tile,
-# query tile) pairs of each sequence's key tiles) won only the causal mixes with one long
-# sequence (+1.0 to +5.3%) and lost 2.3-3.3% on 16 x U(1, 8191) and 256 GQA prompts
-# (H200, bench_varlen.py --bwd --order plain,lpt --rounds 2; docs/design.md "Variable
-# length"); order="lpt" still takes it.
-VARLEN_BWD_LPT = False
+# has room for the order): heaviest first where causal and one sequence holds at least
+# this share of the keys (max_seqlen_k, the caller's, against total_k: all the host knows
+# without a sync), else the plain order. Heaviest first (the same sort, by the (key tile,
+# query tile) pairs of each sequence's key tiles) won exactly the causal mixes with one
+# long sequence, +1.1 to +5.3% (1 x 16384 + 63 x 256, first, last and at 4 heads), was
+# even on the same mixes not causal and lost 2.3-3.3% on 16 x U(1, 8191) (longest 12%
+# of the keys) and 256 GQA prompts (H200, bench_varlen.py --bwd --order plain,lpt --rounds
+# 2; docs/design.md "Variable length"); order="lpt" or "plain" forces either.
+VARLEN_BWD_LPT_KEY_SHARE = 0.5
 
 
-def varlen_backward_order(batch: int) -> str:
-    """The varlen backward's default order for ``batch`` sequences: "lpt" or "plain"."""
-    return "lpt" if VARLEN_BWD_LPT and 2 <= batch <= LPT_MAX_BATCH else "plain"
+def varlen_backward_order(batch: int, causal: bool, max_seqlen_k: int, total_k: int) -> str:
+    """The varlen backward's default order for ``batch`` sequences of ``total_k`` keys, the
+    longest ``max_seqlen_k``: "lpt" or "plain"."""
+    one_long = max_seqlen_k >= VARLEN_BWD_LPT_KEY_SHARE * total_k
+    return "lpt" if causal and one_long and 2 <= batch <= LPT_MAX_BATCH else "plain"

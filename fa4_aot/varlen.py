@@ -280,8 +280,8 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     have = math.prod(space.shape) * space.itemsize
     walk = _walk_order(order, sizes["batch"], have >= _workspace_bytes(rule, values),
                        "backward_varlen_workspace_bytes(total_q, batch, heads_q, head_dim, causal=, deterministic=)",
-                       policy.varlen_backward_order(sizes["batch"]), sizes["total_k"], row["tiling"]["tile_n"],
-                       sizes["heads_kv"], ("total_k", "heads_kv"))
+                       policy.varlen_backward_order(sizes["batch"], causal, sizes["max_seqlen_k"], sizes["total_k"]),
+                       sizes["total_k"], row["tiling"]["tile_n"], sizes["heads_kv"], ("total_k", "heads_kv"))
     values = _varlen_workspace_values(rule, problem, walk == "lpt")
     tensors = ws.carve(rule, values, space.ptr, have)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale

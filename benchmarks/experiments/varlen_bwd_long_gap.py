@@ -2,7 +2,8 @@
 heads), the mix where it trails FA4 upstream's varlen by 1-2.5% (same process): the long
 sequence alone as a varlen batch of one, against our dense backward on (1, 16384) with its
 split last wave (docs/design.md, "Backward: split last wave") and with the split turned
-off; and the 63 short sequences alone. Times in us, median of do_bench (50/200 ms), rounds
+off (causal does not split: that cell and a second set of inputs show the noise
+between cells); and the 63 short sequences alone. Times in us, median of do_bench (50/200 ms), rounds
 interleaved, the range over rounds in brackets.
 
     PYTHONPATH=$PWD python benchmarks/experiments/varlen_bwd_long_gap.py ROUNDS
@@ -52,6 +53,7 @@ rounds = int(sys.argv[1])
 for causal in (False, True):
     cells = {
         "dense 1x16384 (split last wave)": dense_cell(16384, causal, True),
+        "dense 1x16384 (split), other inputs": dense_cell(16384, causal, True),
         "dense 1x16384, no split": dense_cell(16384, causal, False),
         "varlen [16384]": varlen_cell([16384], causal),
         "varlen 1x16384+63x256": varlen_cell([16384] + [256] * 63, causal),
@@ -63,4 +65,5 @@ for causal in (False, True):
             times[name].append(1000 * triton.testing.do_bench(cells[name], warmup=50, rep=200, return_mode="median"))
     print(f"\ncausal={causal} (us)")
     for name, ts in times.items():
-        print(f"  {name:34s} {statistics.median(ts):9.1f} ({min(ts):.1f}-{max(ts):.1f})")
+        print(f"  {name:34s} {statistics.median(ts):9.1f} ({min(ts):.1f}-{max(ts):.1f})  rounds: "
+              + " ".join(f"{t:.0f}" for t in ts))

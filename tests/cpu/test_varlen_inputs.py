@@ -249,7 +249,8 @@ def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
     from fa4_aot import policy
 
     plain = need - 256  # batch 3: one 256-byte unit of order
-    for size, lpt in ((need, int(policy.VARLEN_BWD_LPT)), (need - 1, 0), (plain, 0)):
+    lpt_default = int(policy.varlen_backward_order(3, True, 200, 300) == "lpt")
+    for size, lpt in ((need, lpt_default), (need - 1, 0), (plain, 0)):
         call_backward(bwd_arrays(workspace=DeviceArray(BASE, (size,), (1,), "u8", 0)), library=library,
                       causal=True, deterministic=True)
         values, tensors = library.launches[-1][1:]
@@ -317,16 +318,28 @@ def test_the_backward_order_flag(built, monkeypatch):
     assert call_backward_order(library, order="lpt")[0]["lpt"] == 1
     assert call_backward_order(library, order="plain")[0]["lpt"] == 0
     assert call_backward_order(library, size=need - 256, order="plain")[0]["lpt"] == 0
-    for default in (False, True):  # order None: the policy's, where the workspace has room
-        monkeypatch.setattr(policy, "VARLEN_BWD_LPT", default)
-        assert call_backward_order(library)[0]["lpt"] == int(default)
+    # order None: the policy's, where the workspace has room; the longest of the 300 keys 200
+    for share, default in ((0.5, 1), (0.9, 0)):
+        monkeypatch.setattr(policy, "VARLEN_BWD_LPT_KEY_SHARE", share)
+        assert call_backward_order(library)[0]["lpt"] == default
         assert call_backward_order(library, size=need - 1)[0]["lpt"] == 0
+    monkeypatch.setattr(policy, "VARLEN_BWD_LPT_KEY_SHARE", 0.5)
     monkeypatch.setattr(policy, "VARLEN_LPT", False)  # the forward's default is not the backward's
     assert call_backward_order(library)[0]["lpt"] == 1
     monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)  # past the sort's width: the plain order
     assert call_backward_order(library)[0]["lpt"] == 0
     with pytest.raises(ShapeError, match="sorts up to 2 sequences"):
         call_backward_order(library, order="lpt")
+
+
+def test_the_backward_takes_heaviest_first_where_causal_and_one_sequence_holds_half_the_keys():
+    from fa4_aot import policy
+
+    assert policy.varlen_backward_order(64, True, 16384, 32512) == "lpt"  # 1 x 16384 + 63 x 256
+    assert policy.varlen_backward_order(64, False, 16384, 32512) == "plain"  # even there not causal
+    assert policy.varlen_backward_order(16, True, 8000, 65000) == "plain"  # 16 x U(1, 8191)
+    assert policy.varlen_backward_order(1, True, 100, 100) == "plain"  # one sequence: nothing to sort
+    assert policy.varlen_backward_order(policy.LPT_MAX_BATCH + 1, True, 10**6, 10**6) == "plain"
 
 
 @pytest.mark.parametrize("options, error, message", [
