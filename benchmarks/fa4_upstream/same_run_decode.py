@@ -19,13 +19,13 @@ import math
 import os
 import statistics
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
+from rounds import finish, note, summary, time_round  # noqa: E402
 
 DEV = "cuda"
 PAGES = (128, 256, 64, 16)
@@ -110,12 +110,6 @@ def kv_bytes(batch, heads_kv, head_dim, keys):
     return batch * keys * heads_kv * head_dim * 2 * 2
 
 
-def note(res, key, e):
-    res["errors"].setdefault(key, f"{type(e).__name__}: {str(e)[:300]}")
-    print(f"ERROR {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    traceback.print_exc(limit=3)
-
-
 def cell(shape, page, r, res, bench):
     name, batch, sq, hq, hkv, d, keys, _ = shape
     key = f"{name}|{page or 'dense'}"
@@ -143,33 +137,23 @@ def cell(shape, page, r, res, bench):
                 print(f"check {key} {label}: max|o_fa4-o_ours| {do:.2e} max|lse| diff {dl:.2e}", flush=True)
             except Exception as e:  # noqa: BLE001
                 note(res, f"{key}|{label}|check", e)
-    order = list(peers.items())
-    if r % 2:
-        order.reverse()
-    nbytes, line = kv_bytes(batch, hkv, d, keys), []
-    for label, fn in order:
-        try:
-            bw = nbytes / (bench(fn) * 1e-3)
-            res["bytes_per_s"].setdefault(f"{key}|{label}", []).append(bw)
-            line.append(f"{label} {bw / 1e12:.2f}")
-        except Exception as e:  # noqa: BLE001
-            note(res, f"{key}|{label}", e)
-    print(f"r{r} {key}: " + " ".join(line) + " TB/s", flush=True)
+    nbytes = kv_bytes(batch, hkv, d, keys)
+    figures = time_round(key, peers, r, res, bench, ("bytes_per_s", lambda ms: nbytes / (ms * 1e-3)))
+    print(f"r{r} {key}: " + " ".join(f"{name} {x / 1e12:.2f}" for name, x in figures.items()) + " TB/s", flush=True)
 
 
 def table(res, cells):
     b = res["bytes_per_s"]
-    med = lambda k: statistics.median(b[k]) / 1e12 if k in b else float("nan")  # noqa: E731
-    rng = lambda k: f" ({min(b[k]) / 1e12:.2f}-{max(b[k]) / 1e12:.2f})" if len(b.get(k, [])) > 1 else ""  # noqa: E731
     copy = statistics.median(res["copy_bytes_per_s"]) / 1e12 if res["copy_bytes_per_s"] else float("nan")
     lines = [f"K+V read, TB/s (median over rounds, range in brackets); device-to-device copy {copy:.2f} TB/s", "",
              "| shape | cache | fa4_aot | FA4 upstream | ours / FA4 | FA4 cp.async |", "|---|---|---|---|---|---|"]
     for key in cells:
         name, page = key.split("|")
-        o, f, c = med(f"{key}|ours"), med(f"{key}|fa4"), med(f"{key}|fa4_cpasync")
-        extra = f"{c:.2f}{rng(key + '|fa4_cpasync')}" if f"{key}|fa4_cpasync" in b else "-"
-        lines.append(f"| {name} | {page if page == 'dense' else 'paged ' + page} | {o:.2f}{rng(key + '|ours')} | "
-                     f"{f:.2f}{rng(key + '|fa4')} | {o / f:.3f} | {extra} |")
+        (o, o_range), (f, f_range), (c, c_range) = (summary(b, f"{key}|{peer}", 1e12, 2)
+                                                    for peer in ("ours", "fa4", "fa4_cpasync"))
+        extra = f"{c:.2f}{c_range}" if f"{key}|fa4_cpasync" in b else "-"
+        lines.append(f"| {name} | {page if page == 'dense' else 'paged ' + page} | {o:.2f}{o_range} | "
+                     f"{f:.2f}{f_range} | {o / f:.3f} | {extra} |")
     return "\n".join(lines)
 
 
@@ -199,12 +183,7 @@ def main(argv):
                 note(res, f"{shape[0]}|{page or 'dense'}", e)
             torch.cuda.empty_cache()
         Path(out_json).write_text(json.dumps(res, indent=1))
-    text = table(res, [f"{s[0]}|{p or 'dense'}" for s, p in cells])
-    res["table"] = text
-    Path(out_json).write_text(json.dumps(res, indent=1))
-    print(text)
-    if res["errors"]:
-        print("\nerrors:", json.dumps(res["errors"], indent=1))
+    finish(res, out_json, table(res, [f"{s[0]}|{p or 'dense'}" for s, p in cells]))
 
 
 if __name__ == "__main__":

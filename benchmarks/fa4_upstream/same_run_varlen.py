@@ -17,15 +17,14 @@ bench_varlen (outputs and workspace given).
 """
 import json
 import math
-import statistics
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
+from rounds import finish, note, summary, time_round  # noqa: E402
 
 DEV = "cuda"
 D = 128
@@ -177,31 +176,12 @@ def bwd_cell(label, lengths, hq, hkv, causal, r, res, bench, flops, spec):
     timed(key, peers, r, res, 2.5 * flops(lengths, hq, causal), bench)
 
 
-def note(res, key, e):
-    res["errors"].setdefault(key, f"{type(e).__name__}: {str(e)[:300]}")
-    print(f"ERROR {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-    traceback.print_exc(limit=3)
-
-
 def timed(key, peers, r, res, work, bench):
-    order = list(peers.items())
-    if r % 2:
-        order.reverse()
-    line = []
-    for name, fn in order:
-        try:
-            t = bench(fn)
-            res["tflops"].setdefault(f"{key}|{name}", []).append(work / t / 1e9)
-            line.append(f"{name} {work / t / 1e9:.0f}")
-        except Exception as e:  # noqa: BLE001
-            note(res, f"{key}|{name}", e)
-    print(f"r{r} {key}: " + " ".join(line), flush=True)
+    figures = time_round(key, peers, r, res, bench, ("tflops", lambda ms: work / ms / 1e9))
+    print(f"r{r} {key}: " + " ".join(f"{name} {x:.0f}" for name, x in figures.items()), flush=True)
 
 
 def table(res, kinds, mixes):
-    med = lambda k: statistics.median(res["tflops"][k]) if k in res["tflops"] else float("nan")  # noqa: E731
-    rng = lambda k: (f" ({min(res['tflops'][k]):.0f}-{max(res['tflops'][k]):.0f})"  # noqa: E731
-                     if len(res["tflops"].get(k, [])) > 1 else "")
     lines = []
     for kind in kinds:
         lines += ["", f"{kind} (TFLOP/s, median over rounds, range in brackets)", "",
@@ -209,9 +189,9 @@ def table(res, kinds, mixes):
         for label in mixes:
             for causal in (False, True):
                 p = f"{kind}|{label}|{int(causal)}|"
-                o, f = med(p + "ours"), med(p + "fa4")
-                lines.append(f"| {label} | {'yes' if causal else 'no'} | {o:.0f}{rng(p + 'ours')} | "
-                             f"{f:.0f}{rng(p + 'fa4')} | {o / f:.3f} |")
+                (o, o_range), (f, f_range) = (summary(res["tflops"], p + peer) for peer in ("ours", "fa4"))
+                lines.append(f"| {label} | {'yes' if causal else 'no'} | {o:.0f}{o_range} | {f:.0f}{f_range} | "
+                             f"{o / f:.3f} |")
     return "\n".join(lines)
 
 
@@ -239,12 +219,7 @@ def main(argv):
                         note(res, f"{kind}|{label}|{int(causal)}", e)
                     torch.cuda.empty_cache()
         Path(out_json).write_text(json.dumps(res, indent=1))
-    text = table(res, kinds, list(mixes()))
-    res["table"] = text
-    Path(out_json).write_text(json.dumps(res, indent=1))
-    print(text)
-    if res["errors"]:
-        print("\nerrors:", json.dumps(res["errors"], indent=1))
+    finish(res, out_json, table(res, kinds, list(mixes())))
 
 
 if __name__ == "__main__":
