@@ -34,7 +34,7 @@ from fa4_aot import manifest as mf  # noqa: E402
 from fa4_aot.variants import ARCHS, AXES, MATRIX, NOT_BUILT_REASONS, Variant, select  # noqa: E402
 
 PACKAGE = ROOT / "fa4_aot"
-SOURCES = sorted((PACKAGE / "src").rglob("*.py")) + [PACKAGE / "abi.py", PACKAGE / "variants.py"]
+SOURCES = sorted((PACKAGE / "src").rglob("*.py")) + [PACKAGE / "variants.py"]
 # The DSL's cu13 libraries carry ptxas 13.x; cubins from it load on CUDA 13.0 drivers
 # (seen on 580.159.04) and are not promised to load on older ones.
 DRIVER_FLOOR = {"cuda_version": 13000, "driver": "580", "why": "cubins from ptxas 13.x (cu13 DSL libraries)"}

@@ -32,16 +32,10 @@ def default_library() -> KernelLibrary:
     return _default_library
 
 
-def _tma_tensor(t: DeviceArray) -> dict:
-    """Launch view of a (b, s, h, d) array; size-1 axes get a harmless 16-byte-multiple
-    stride, since a descriptor needs one even where no coordinate ever multiplies it."""
-    strides = list(t.strides)
-    inner_extent = t.shape[3]
-    for axis in (1, 2, 0):  # s, h, b: the descriptor's dims after d
-        if t.shape[axis] == 1:
-            strides[axis] = -(-inner_extent * t.itemsize // 16) * 16 // t.itemsize
-        inner_extent = strides[axis] * t.shape[axis]
-    return {"ptr": t.ptr, "shape": t.shape, "strides": tuple(strides), "itemsize": t.itemsize}
+def launch_tensors(arrays: dict) -> dict:
+    """The launch's tensors by the kernels' input names (fa4_aot/src/interfaces.py: the
+    public arguments' names), but the workspace, which the row's rule carves."""
+    return {name: a.as_launch_tensor() for name, a in arrays.items() if name != "workspace"}
 
 
 def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
@@ -135,10 +129,8 @@ def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
     device = device_of(arrays)
     row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     scale = default_scale(problem.head_dim) if scale is None else scale
-    tensors = {name: _tma_tensor(arrays[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"), ("o", "out"))}
-    tensors["lse"] = arrays["lse"].as_launch_tensor()
-    library.launch(row, device, stream, {**problem.sizes, "scale_log2": scale * LOG2E}, tensors, key=key,
-                   waits=waits, aliases=aliases)
+    library.launch(row, device, stream, {**problem.sizes, "scale_log2": scale * LOG2E}, launch_tensors(arrays),
+                   key=key, waits=waits, aliases=aliases)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
@@ -236,19 +228,12 @@ def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, cau
     config, rule = row["config"], row["workspace"]
     sizes = problem.sizes
     tensors = ws.carve(rule, _workspace_names(row, sizes), space.ptr, math.prod(space.shape) * space.itemsize)
+    tensors.update(launch_tensors(arrays))
     scale = default_scale(problem.head_dim) if scale is None else scale
-    tensors.update({name: _tma_tensor(arrays[src]) for name, src in (
-        ("q", "q"), ("k", "k"), ("v", "v"), ("do", "dout"), ("dk", "dk"), ("dv", "dv"),
-        ("o", "out"), ("dq", "dq"))})
-    tensors["lse"] = arrays["lse"].as_launch_tensor()
     turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
     first_write = policy.first_write_dq(deterministic, problem.seqlen_k)
     tail_tiles, tail_pieces = policy.backward_tail_split(sizes, config, rule["constants"]["tail_max_tiles"],
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
-              "first_write": int(first_write), "dq_batch": problem.batch * config["chains"],
-              "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}
-    for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq")):
-        for axis, stride in zip("bsh", arrays[src].strides[:3]):
-            values[f"stride.{name}.{axis}"] = stride
+              "first_write": int(first_write), "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}
     library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)

@@ -28,7 +28,7 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _repeat_key, _tma_tensor, default_library
+from .api import LOG2E, _check_built, _repeat_key, default_library, launch_tensors
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_of
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
@@ -203,19 +203,13 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     piece = math.gcd(sizes["cache_rows"], cfg["tile_n"]) if sizes["paged"] else cfg["tile_n"]
     launch_row = _with_piece(row, piece)
-    for name, src in (("k", "k_cache"), ("v", "v_cache")):
-        tensors[name] = _tma_tensor(arrays[src])
-    tensors["q"], tensors["o"] = arrays["q"].as_launch_tensor(), arrays["out"].as_launch_tensor()
-    tensors["lse"] = arrays["lse"].as_launch_tensor()
-    tensors["cache_seqlens"] = arrays["cache_seqlens"].as_launch_tensor()
-    tensors["page_table"] = arrays.get("page_table", arrays["cache_seqlens"]).as_launch_tensor()
+    tensors.update(launch_tensors(arrays))
+    tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
     group = sizes["heads_q"] // sizes["heads_kv"]
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
-              "piece_rows": piece, "turn_stride": policy.DECODE_TURN_STRIDE, "decode_ctas": -(-group * sizes["seqlen_q"] // cfg["tile_m"]) * splits,
+              "piece_rows": piece, "turn_stride": policy.DECODE_TURN_STRIDE,
+              "decode_ctas": -(-group * sizes["seqlen_q"] // cfg["tile_m"]) * splits,
               "combine_rows": sizes["batch"] * sizes["seqlen_q"] * sizes["heads_q"]}
-    for name, src in (("q", "q"), ("o", "out")):
-        for axis, stride in zip("bsh", arrays[src].strides[:3]):
-            values[f"stride.{name}.{axis}"] = stride
     library.launch(launch_row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
     if splits > 1:
         combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"],

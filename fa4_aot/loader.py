@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from pathlib import Path
 
-from . import abi, tma
+from . import tma
 from .driver import SUCCESS, call, compute_capability, cu, device_name, failed, init, multiprocessor_count
 from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
@@ -350,32 +350,63 @@ def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int
     return tuple(rule(*r) for r in launch["grid"])
 
 
+AXIS = {"b": 0, "s": 1, "h": 2}  # of a (b, s, h, d) launch tensor
+
+
+def buffer_size(slots: list[dict]) -> int:
+    """Bytes of a launch's parameter buffer: its slots' end, rounded to the widest alignment."""
+    end = max(s["offset"] + s["size"] for s in slots)
+    align = max(s["align"] for s in slots)
+    return -(-end // align) * align
+
+
 def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     """The parameter buffer (a ctypes uint8 array over a bytearray) and the array of
-    per-slot pointers (ctypes uint64) cuLaunchKernelEx takes. Filled with
-    struct.pack_into: a launch packs some 30 slots (host time per call,
+    per-slot pointers (ctypes uint64) cuLaunchKernelEx takes. Each slot names what fills it
+    (fa4_aot/src/common/params.py writes them): "tensormap" a tensor's CUtensorMap,
+    "extents" its int32 sizes over ``axes``, "ptr" its address, "stride" its element stride
+    on ``axis`` (``tensors``: {"ptr", "shape", "strides", "itemsize"} of (b, s, h, d)
+    tensors by name); "i32", "i64", "f32" a run-time value by name (``values``). Filled
+    with struct.pack_into: a launch packs some 30 slots (host time per call,
     benchmarks/launch_overhead.py)."""
     slots = launch["params"]
-    raw = bytearray(abi.buffer_size(slots))
+    raw = bytearray(buffer_size(slots))
+    try:
+        _fill(raw, row, slots, values, tensors)
+    except KeyError:
+        raise AbiMismatchError(
+            f"{row['name']}: {launch['symbol'][:40]}... takes {missing_sources(launch, values, tensors)}, which "
+            "this fa4_aot does not provide: the manifest is from another version; rebuild or reinstall") from None
+    buffer = (ctypes.c_uint8 * len(raw)).from_buffer(raw)  # keeps `raw` alive, fixes its size
+    base = ctypes.addressof(buffer)
+    pointers = (ctypes.c_uint64 * len(slots))(*[base + s["offset"] for s in slots])
+    return buffer, pointers
+
+
+def missing_sources(launch: dict, values: dict, tensors: dict) -> list[str]:
+    """The tensors and values ``launch``'s slots name that a call does not give."""
+    return [s.get("tensor", s.get("value")) for s in launch["params"]
+            if ("tensor" in s and s["tensor"] not in tensors) or ("value" in s and s["value"] not in values)]
+
+
+def _fill(raw: bytearray, row: dict, slots: list, values: dict, tensors: dict) -> None:
     for slot in slots:
         at, kind = slot["offset"], slot["kind"]
         if kind == "tensormap":
             t = tensors[slot["tensor"]]
             raw[at:at + 128] = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"],
                                           t["itemsize"])
-        elif kind == "i32":
-            fields = slot["fields"]
-            struct.pack_into(f"<{len(fields)}i", raw, at, *[values[f] for f in fields])
-        elif kind == "i64":
-            fields = slot["fields"]
-            struct.pack_into(f"<{len(fields)}q", raw, at, *[values[f] for f in fields])
+        elif kind == "extents":
+            shape = tensors[slot["tensor"]]["shape"]
+            struct.pack_into(f"<{len(slot['axes'])}i", raw, at, *[shape[AXIS[a]] for a in slot["axes"]])
         elif kind == "ptr":
             struct.pack_into("<Q", raw, at, tensors[slot["tensor"]]["ptr"])
-        elif kind == "f32":
-            struct.pack_into("<f", raw, at, values[slot["value"]])
+        elif kind == "stride":
+            struct.pack_into("<q", raw, at, tensors[slot["tensor"]]["strides"][AXIS[slot["axis"]]])
+        elif kind in _SCALARS:
+            struct.pack_into(_SCALARS[kind], raw, at, values[slot["value"]])
         else:
             raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
-    buffer = (ctypes.c_uint8 * len(raw)).from_buffer(raw)  # keeps `raw` alive, fixes its size
-    base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_uint64 * len(slots))(*[base + s["offset"] for s in slots])
-    return buffer, pointers
+
+
+_SCALARS = {"i32": "<i", "i64": "<q", "f32": "<f"}

@@ -34,12 +34,28 @@ OOB_FILL = {"NONE": cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 AXIS = {"b": 0, "s": 1, "h": 2, "d": 3}
 
 
+def _descriptor_strides(shape: tuple, strides: tuple, itemsize: int) -> list[int]:
+    """The element strides of s, h, b (the descriptor's dims after d), each axis of size 1
+    given the smallest 16-byte multiple past the extent of the axes before it."""
+    out, inner = [], shape[3]
+    for axis in (1, 2, 0):
+        stride = strides[axis]
+        if shape[axis] == 1:
+            stride = -(-inner * itemsize // 16) * 16 // itemsize
+        out.append(stride)
+        inner = stride * shape[axis]
+    return out
+
+
 def encode(recipe: dict, ptr: int, shape: tuple, strides: tuple, itemsize: int) -> bytes:
     """128 descriptor bytes for a (b, s, h, d) tensor with element ``strides``.
 
-    The bytes are a pure function of these arguments, so they are kept (ENCODED_CACHE
-    entries, least recently used out): an encode costs about 15 us of host time, and a
-    training loop passes the same tensors call after call."""
+    An axis of size 1 is never stepped, so its stride may be anything (frameworks give
+    such axes any stride); a descriptor still needs a valid one (a multiple of 16 bytes):
+    it gets the smallest past the axes inside it. The bytes are a pure function of these
+    arguments, so they are kept (ENCODED_CACHE entries, least recently used out): an
+    encode costs about 15 us of host time, and a training loop passes the same tensors
+    call after call."""
     return _encode(recipe["dtype"], tuple(recipe["dims"]), tuple(recipe["box"]), tuple(recipe["element_strides"]),
                    recipe["interleave"], recipe["swizzle"], recipe["l2_promotion"], recipe["oob_fill"],
                    ptr, tuple(shape), tuple(strides), itemsize)
@@ -53,7 +69,7 @@ def _encode(dtype, dims_order, box, element_strides, interleave, swizzle, l2_pro
             ptr, shape, strides, itemsize) -> bytes:
     axes = [AXIS[a] for a in dims_order]
     dims = [shape[a] for a in axes]
-    byte_strides = [strides[a] * itemsize for a in axes[1:]]
+    byte_strides = [stride * itemsize for stride in _descriptor_strides(shape, strides, itemsize)]
     tmap = call(
         cu.cuTensorMapEncodeTiled,
         DATA_TYPES[dtype],

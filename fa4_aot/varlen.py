@@ -20,7 +20,7 @@ import math
 
 from . import checks, policy
 from . import workspace as ws
-from .api import LOG2E, _check_built, _tma_tensor, backward_rows, default_library
+from .api import LOG2E, _check_built, backward_rows, default_library
 from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
 from .checks import check_backward as _check_dense_backward
@@ -80,7 +80,7 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
         raise ShapeError(f"batch={batch} must be at most {GRID_YZ_MAX} (grid limits)")
     total_k = problem.seqlen_k
     return {"total_q": total_q, "total_k": total_k, "heads_q": heads_q, "heads_kv": problem.heads_kv,
-            "one": 1, "batch": batch, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
+            "batch": batch, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
             "head_dim": problem.head_dim, "dtype": problem.dtype, "packed": packed}
 
 
@@ -153,23 +153,27 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     packed = sizes.pop("packed")
-    tensors = {name: _tma_tensor(packed[name]) for name in ("q", "k", "v")}
-    for name in ("out", "lse", "cu_seqlens_q", "cu_seqlens_k"):
-        tensors["o" if name == "out" else name] = arrays[name].as_launch_tensor()
-    for name in ("seqused_q", "seqused_k"):
-        # not given: any int32 vector of at least batch entries (the kernel reads it, but
-        # does not use it): cu_seqlens
-        tensors[name] = arrays.get(name, arrays["cu_seqlens_" + name[-1]]).as_launch_tensor()
+    tensors = _sequence_tensors(arrays, packed)
     walk = _walk_order(order, sizes["batch"], "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
                        policy.varlen_order(sizes["batch"]), sizes["total_q"], row["tiling"]["tile_m"],
                        sizes["heads_q"], ("total_q", "heads_q"))
     # plain: the kernel reads no order (cu_seqlens_q stands in for the pointer)
     tensors["order"] = arrays["workspace" if walk == "lpt" else "cu_seqlens_q"].as_launch_tensor()
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
-              "stride.o.s": arrays["out"].strides[0], "stride.o.h": arrays["out"].strides[1],
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
               "lpt": int(walk == "lpt")}
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+
+
+def _sequence_tensors(arrays: dict, packed: dict) -> dict:
+    """A varlen call's launch tensors: the packed (total, h, d) arrays as (1, total, h, d),
+    LSE and the metadata as given; seqused not given: any int32 vector of at least batch
+    entries, which the kernels read but do not use (cu_seqlens)."""
+    tensors = {name: packed[name].as_launch_tensor() if name in packed else a.as_launch_tensor()
+               for name, a in arrays.items() if name != "workspace"}
+    for name in ("seqused_q", "seqused_k"):
+        tensors.setdefault(name, tensors["cu_seqlens_" + name[-1]])
+    return tensors
 
 
 def _check_order_workspace(space: DeviceArray, batch: int) -> None:
@@ -285,19 +289,10 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     values = _varlen_workspace_values(rule, problem, walk == "lpt")
     tensors = ws.carve(rule, values, space.ptr, have)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
-    tensors.update({name: _tma_tensor(packed[src]) for name, src in (("q", "q"), ("k", "k"), ("v", "v"),
-                                                                     ("do", "dout"))})
-    for name, src in (("o", "out"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv"), ("lse", "lse"),
-                      ("cu_seqlens_q", "cu_seqlens_q"), ("cu_seqlens_k", "cu_seqlens_k")):
-        tensors[name] = arrays[src].as_launch_tensor()
-    for name in ("seqused_q", "seqused_k"):
-        # not given: any int32 vector of at least batch entries, read but not used (as forward_varlen)
-        tensors[name] = arrays.get(name, arrays["cu_seqlens_" + name[-1]]).as_launch_tensor()
+    tensors.update(_sequence_tensors(arrays, packed))
     turn_tiles = policy.deterministic_turn_tiles(causal, sizes["head_dim"], sizes["max_seqlen_k"]) if deterministic else 1
     values.update({"scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
                    "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
                    "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
                    "lpt": int(walk == "lpt")})
-    for name, src in (("o", "out"), ("do", "dout"), ("dq", "dq"), ("dk", "dk"), ("dv", "dv")):
-        values[f"stride.{name}.s"], values[f"stride.{name}.h"] = arrays[src].strides[:2]
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)

@@ -17,10 +17,10 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from .. import abi
 from ..cubin_info import kernel_info
 from ..variants import Variant
 from .common import heaviest_first
+from .common.params import Input, check_against_ptx
 from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
 from .sm90.bwd.kernel import FlashBwdSm90
 from .sm90.decode import config as decode_config
@@ -28,6 +28,9 @@ from .sm90.decode.combine import CombineSm90
 from .sm90.decode.kernel import DecodeSm90
 from .sm90.fwd.config import FwdConfig
 from .sm90.fwd.kernel import FlashFwdSm90
+from .interfaces import (
+    BWD_INPUTS, BWD_MAIN, BWD_ORDER, BWD_POSTPROCESS, BWD_PREPROCESS, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_ORDER,
+)
 from .sm90.primitives import DTYPES
 
 SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
@@ -104,7 +107,7 @@ def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid
     ``programmatic``: launched with programmatic stream serialization, so it may start
     before the launch before it on the stream ends (the kernel then calls
     griddepcontrol.wait before it reads what that launch writes)."""
-    abi.check_against_ptx(params, ptx, symbol)
+    check_against_ptx(params, ptx, symbol)
     info = kernel_info(cubin, symbol)
     check_against_cubin(params, info)
     return {
@@ -137,99 +140,81 @@ def _fake_rows(dtype, rank: int, static_last: int | None = None):
     )
 
 
+def _fake(spec: Input, cfg):
+    """What the build compiles input ``spec`` against (common/params.Input)."""
+    if spec.fake == "io":
+        return _fake_bshd(DTYPES[cfg.dtype], cfg.head_dim)
+    if spec.fake == "Int32":
+        return cutlass.Int32(0)
+    if spec.fake == "Float32":
+        return Float32(1.0)
+    dtype = {"f32": Float32, "i32": cutlass.Int32, "i64": cutlass.Int64}[spec.fake]
+    return _fake_rows(dtype, spec.rank_for(cfg), static_last=cfg.head_dim if spec.head_dim_last else None)
+
+
+def _symbols(variant: Variant, symbols: list, roles: list[str]) -> None:
+    """Raise unless the cubin's kernels are ``roles``, in launch order."""
+    if len(symbols) != len(roles) or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(roles, symbols)):
+        raise RuntimeError(f"{variant.name}: expected kernels {roles} in order, got {symbols}")
+
+
 def compile_fwd(variant: Variant) -> dict:
-    """Build one forward variant; returns the cubin, its PTX and its manifest fields."""
-    dtype = DTYPES[variant.dtype]
+    """Build one forward variant (interfaces.FWD): dense, the attention kernel, one CTA
+    per (query tile(s), head, batch); varlen, the heaviest-first sort (launched only where
+    the run-time value ``lpt`` is not 0), then one CTA per (query tile, head), every
+    sequence's tiles back to back."""
     cfg = FwdConfig.of(variant)
     kernel = FlashFwdSm90(cfg)
+    cubin, ptx, symbols = _compile(kernel, [FWD_INPUTS.fake_tuple(cfg, _fake)], variant)
+    block = [cfg.threads, 1, 1]
+    launches = []
     if cfg.varlen:
-        return _compile_fwd_varlen(variant, cfg, kernel)
-    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), Float32(1.0)]
-    cubin, ptx, symbols = _compile(kernel, args, variant)
-    if len(symbols) != 1:
-        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
-    grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], ["size", "heads_q"], ["size", "batch"]]
-    launch = _launch(cubin, ptx, symbols[0], abi.fwd_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+        _symbols(variant, symbols, ["order_varlen", "kernel_varlen"])
+        sort = _launch(cubin, ptx, symbols[0], FWD_ORDER.plan(cfg), [heaviest_first.THREADS, 1, 1],
+                       [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES)
+        sort["when"] = "lpt"
+        # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
+        grid = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
+        launches = [sort, _launch(cubin, ptx, symbols[1], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
+    else:
+        _symbols(variant, symbols, ["kernel"])
+        grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], ["size", "heads_q"], ["size", "batch"]]
+        launches = [_launch(cubin, ptx, symbols[0], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
-    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [launch],
-            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
-
-
-def _compile_fwd_varlen(variant: Variant, cfg: FwdConfig, kernel: FlashFwdSm90) -> dict:
-    """The varlen forward: packed (1, total, h, d) tensors, LSE (h_q, total_q), cu_seqlens
-    and seqused int32 vectors, the order workspace; the heaviest-first sort (launched only
-    where the run-time value ``lpt`` is not 0), then one CTA per (query tile, head), every
-    sequence's tiles back to back."""
-    dtype = DTYPES[variant.dtype]
-    lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
-    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 2), Float32(1.0),
-            *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1), cutlass.Int32(0)]
-    cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
-    order = ["order_varlen", "kernel_varlen"]
-    if len(symbols) != 2 or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
-        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
-    sort = _launch(cubin, ptx, symbols[0], abi.varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
-                   [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES)
-    sort["when"] = "lpt"
-    # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
-    grid = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
-    launch = _launch(cubin, ptx, symbols[1], abi.fwd_varlen_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
-    tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
-    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": [sort, launch],
+    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches,
             "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
 
 
 def compile_bwd(variant: Variant) -> dict:
-    """Build one backward variant: preprocess, main kernel and postprocess in one cubin."""
-    dtype = DTYPES[variant.dtype]
+    """Build one backward variant (interfaces.BWD_*): preprocess, main kernel and
+    postprocess in one cubin; varlen, first the heaviest-first sort (launched only where
+    the run-time value ``lpt`` is not 0), the row kernels' grids ceil(total / tile) + batch
+    blocks by heads (common/seqlen.packed_tile_of_cta), the workspace by
+    config.varlen_workspace_rule."""
     cfg = BwdConfig.of(variant)
     kernel = FlashBwdSm90(cfg)
+    cubin, ptx, symbols = _compile(kernel, [BWD_INPUTS.fake_tuple(cfg, _fake)], variant)
+    rows_block, main_block = [kernel.rows.threads, 1, 1], [cfg.threads, 1, 1]
+    post_smem = kernel.rows.post_smem_bytes
+    # the first launch waits for everything before it; the main kernel and the postprocess
+    # are programmatic (each may start once every block of the one before has)
     if cfg.varlen:
-        return _compile_bwd_varlen(variant, cfg, kernel)
-    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
-            _fake_rows(Float32, 3), _fake_rows(Float32, 3), _fake_rows(Float32, 3),
-            _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            _fake_rows(cutlass.Int32, 2), Float32(1.0), Float32(1.0), cutlass.Int32(1), cutlass.Int32(1),
-            _fake_rows(cutlass.Int32, 1), _fake_rows(Float32, 1), cutlass.Int32(0), cutlass.Int32(1)]
-    cubin, ptx, symbols = _compile(kernel, args, variant)
-    rows = [["ceil_div", "seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
-    plans = {
-        # the first launch waits for everything before it; the other two are programmatic
-        "preprocess": (abi.bwd_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
-        "kernel": (abi.bwd_main_plan(dq_tensor_map=not cfg.dq_fragment_order), [cfg.threads, 1, 1],
-                   _bwd_main_grid(cfg), kernel.smem_bytes, True),
-        "postprocess": (abi.bwd_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
-                        kernel.rows.post_smem_bytes, True),
-    }
-    return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
-
-
-def _compile_bwd_varlen(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90) -> dict:
-    """The varlen backward: packed (1, total, h, d) tensors, LSE (h_q, total_q), the
-    workspace by config.varlen_workspace_rule, cu_seqlens and seqused int32 vectors, the
-    order (a workspace region); the heaviest-first sort (launched only where the run-time
-    value ``lpt`` is not 0), then the three kernels, each grid ceil(total / tile) + batch
-    blocks by heads (common/seqlen.packed_tile_of_cta)."""
-    dtype = DTYPES[variant.dtype]
-    lengths = [_fake_rows(cutlass.Int32, 1) for _ in range(4)]  # cu_seqlens_q, _k, seqused_q, _k
-    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(8)),
-            _fake_rows(Float32, 2), _fake_rows(Float32, 2), _fake_rows(Float32, 2),
-            _fake_rows(Float32, 3, static_last=variant.head_dim), _fake_rows(cutlass.Int32, 3),
-            _fake_rows(cutlass.Int32, 2), _fake_rows(cutlass.Int64, 1), Float32(1.0), Float32(1.0), cutlass.Int32(1),
-            cutlass.Int32(1), *lengths, cutlass.Int32(0), cutlass.Int32(0), _fake_rows(cutlass.Int32, 1),
-            cutlass.Int32(0)]
-    cubin, ptx, symbols = _compile(kernel.varlen_call, args, variant)
-    rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
-    main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]
-    plans = {
-        "order_varlen": (abi.varlen_order_plan(), [heaviest_first.THREADS, 1, 1],
-                         [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES, False, "lpt"),
-        "preprocess_varlen": (abi.bwd_varlen_preprocess_plan(), [kernel.rows.threads, 1, 1], rows, 0, False),
-        "kernel_varlen": (abi.bwd_varlen_main_plan(dq_tensor_map=not cfg.dq_fragment_order), [cfg.threads, 1, 1],
-                          main, kernel.smem_bytes, True),
-        "postprocess_varlen": (abi.bwd_varlen_postprocess_plan(), [kernel.rows.threads, 1, 1], rows,
-                               kernel.rows.post_smem_bytes, True),
-    }
+        rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
+        main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]
+        plans = {
+            "order_varlen": (BWD_ORDER, [heaviest_first.THREADS, 1, 1], [["const", 1]] * 3,
+                             heaviest_first.SMEM_BYTES, False, "lpt"),
+            "preprocess_varlen": (BWD_PREPROCESS, rows_block, rows, 0, False),
+            "kernel_varlen": (BWD_MAIN, main_block, main, kernel.smem_bytes, True),
+            "postprocess_varlen": (BWD_POSTPROCESS, rows_block, rows, post_smem, True),
+        }
+    else:
+        rows = [["ceil_div", "seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
+        plans = {
+            "preprocess": (BWD_PREPROCESS, rows_block, rows, 0, False),
+            "kernel": (BWD_MAIN, main_block, _bwd_main_grid(cfg), kernel.smem_bytes, True),
+            "postprocess": (BWD_POSTPROCESS, rows_block, rows, post_smem, True),
+        }
     return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
 
 
@@ -239,13 +224,11 @@ def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: b
     launch order: varlen, the sort; preprocess, main kernel, postprocess; each role's name
     in its symbol). A plan of six entries ends with its launch's ``when`` (a run-time value
     that leaves the launch out where it is 0)."""
-    order = list(plans)
-    if len(symbols) != len(order) or not all(f"kernel_cutlass_{role}_" in sym for role, sym in zip(order, symbols)):
-        raise RuntimeError(f"{variant.name}: expected kernels {order} in order, got {symbols}")
+    _symbols(variant, symbols, list(plans))
     launches = []
-    for role, sym in zip(order, symbols):
-        plan, when = plans[role][:5], plans[role][5:]
-        launches.append(_launch(cubin, ptx, sym, *plan))
+    for role, sym in zip(plans, symbols):
+        (params, *plan), when = plans[role][:5], plans[role][5:]
+        launches.append(_launch(cubin, ptx, sym, params.plan(cfg), *plan))
         if when:
             launches[-1]["when"] = when[0]
     recipes = _recipes(kernel, variant)
@@ -272,36 +255,28 @@ def _bwd_main_grid(cfg: BwdConfig) -> list:
 
 
 def compile_decode(variant: Variant) -> dict:
-    """The decode kernel: K/V cache tensor maps, Q/O by address, the split workspace; one
-    CTA per (row tile x split, KV head, batch), the grid's x the launch's ``decode_ctas``."""
-    dtype = DTYPES[variant.dtype]
+    """The decode kernel (interfaces.DECODE): one CTA per (row tile x split, KV head,
+    batch), the grid's x the launch's ``decode_ctas``."""
     cfg = decode_config.DecodeConfig.of(variant)
     kernel = DecodeSm90(cfg)
-    args = [*(_fake_bshd(dtype, variant.head_dim) for _ in range(4)), _fake_rows(Float32, 3), _fake_rows(Float32, 5),
-            _fake_rows(Float32, 4), _fake_rows(cutlass.Int32, 1), _fake_rows(cutlass.Int32, 2), Float32(1.0),
-            *(cutlass.Int32(1) for _ in range(8))]
-    cubin, ptx, symbols = _compile(kernel, args, variant)
-    if len(symbols) != 1:
-        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
+    cubin, ptx, symbols = _compile(kernel, [DECODE_INPUTS.fake_tuple(cfg, _fake)], variant)
+    _symbols(variant, symbols, ["kernel"])
     grid = [["size", "decode_ctas"], ["size", "heads_kv"], ["size", "batch"]]
-    launch = _launch(cubin, ptx, symbols[0], abi.decode_plan(), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    launch = _launch(cubin, ptx, symbols[0], DECODE.plan(cfg), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     return {"cubin": cubin, "ptx": ptx, "tiling": {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages},
             "launches": [launch], "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(),
             "workspace": decode_config.workspace_rule(cfg)}
 
 
 def compile_combine(variant: Variant) -> dict:
-    """The split-KV combine: one warp per (batch, query token, query head) row."""
-    dtype = DTYPES[variant.dtype]
+    """The split-KV combine (interfaces.COMBINE): one warp per (batch, query token, query
+    head) row."""
     cfg = decode_config.CombineConfig.of(variant)
     kernel = CombineSm90(cfg)
-    args = [_fake_rows(Float32, 5), _fake_rows(Float32, 4), _fake_bshd(dtype, variant.head_dim), _fake_rows(Float32, 3),
-            *(cutlass.Int32(1) for _ in range(4))]
-    cubin, ptx, symbols = _compile(kernel, args, variant)
-    if len(symbols) != 1:
-        raise RuntimeError(f"{variant.name}: expected one kernel, got {symbols}")
+    cubin, ptx, symbols = _compile(kernel, [COMBINE_INPUTS.fake_tuple(cfg, _fake)], variant)
+    _symbols(variant, symbols, ["kernel"])
     grid = [["ceil_div", "combine_rows", cfg.rows], ["const", 1], ["const", 1]]
-    launch = _launch(cubin, ptx, symbols[0], abi.combine_plan(), [cfg.threads, 1, 1], grid, 0)
+    launch = _launch(cubin, ptx, symbols[0], COMBINE.plan(cfg), [cfg.threads, 1, 1], grid, 0)
     return {"cubin": cubin, "ptx": ptx, "tiling": {}, "launches": [launch], "tensormaps": {},
             "config": cfg.to_dict()}
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fa4_aot import abi
+from fa4_aot.src.common.params import check_against_ptx
 from fa4_aot.cubin_info import kernel_info
 from fa4_aot.manifest import Manifest
 from fa4_aot.variants import Variant
@@ -61,7 +61,7 @@ def test_parameter_plan_matches_ptx_and_cubin(built, name):
     row = row_of(folder, name)
     ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
     for launch in row["launches"]:
-        abi.check_against_ptx(launch["params"], ptx, launch["symbol"])
+        check_against_ptx(launch["params"], ptx, launch["symbol"])
         info = kernel_info((folder / row["file"]).read_bytes(), launch["symbol"])
         base = info.params[0][1]
         assert [(o - base, s) for _, o, s in info.params] == [(p["offset"], p["size"]) for p in launch["params"]]
@@ -81,12 +81,12 @@ def test_launch_contract_is_complete(built, name):
     assert main["smem_bytes"] <= H100_DYNAMIC_SMEM_LIMIT
     assert main["smem_bytes"] + main["static_smem_bytes"] <= H100_SM_SMEM
     tensors = {p["tensor"] for launch in row["launches"] for p in launch["params"] if p["kind"] == "tensormap"}
-    expected = {"q", "k", "v", "o"} if v.kind == "fwd" else {"q", "do", "k", "v", "dk", "dv", "dq_accum"}
+    expected = {"q", "k", "v", "out"} if v.kind == "fwd" else {"q", "dout", "k", "v", "dk", "dv", "dq_accum"}
     if v.kind == "bwd" and row["config"]["dq_fragment_order"]:
         expected.discard("dq_accum")  # 1D bulk reduces at the address, no tensor map
     if v.varlen:
         # written row by row: a tile's last rows belong to the next sequence
-        expected -= {"o", "dk", "dv"}
+        expected -= {"out", "dk", "dv"}
     assert tensors == set(row["tensormaps"]) == expected
     for recipe in row["tensormaps"].values():
         assert recipe["dims"] == ["d", "s", "h", "b"]
@@ -115,7 +115,7 @@ def test_decode_and_combine_contracts(built):
     (main,), (merge,) = decode["launches"], combine["launches"]
     assert main["block"] == [256, 1, 1] and main["grid"][0] == ["size", "decode_ctas"]
     assert main["smem_bytes"] <= H100_DYNAMIC_SMEM_LIMIT and main["local_bytes"] == 0
-    assert set(decode["tensormaps"]) == {"k", "v"}
+    assert set(decode["tensormaps"]) == {"k_cache", "v_cache"}
     assert all(r["box"][1] == decode["config"]["tile_n"] for r in decode["tensormaps"].values())
     assert [r["name"] for r in decode["workspace"]["regions"]] == ["o_partial", "lse_partial"]
     assert combine["tensormaps"] == {} and merge["block"] == [combine["config"]["threads"], 1, 1]

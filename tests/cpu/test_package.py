@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import fa4_aot
-from fa4_aot import abi, driver
+from fa4_aot import driver
 from fa4_aot.cli import main
 from fa4_aot.errors import NoDeviceError
 from fa4_aot.variants import AXES, MATRIX, NOT_BUILT_REASONS, Variant, built_values, matches, select
@@ -54,32 +54,6 @@ def test_names_round_trip_and_read_well():
     assert Variant.from_name("fwd.sm90a.bf16.d128.causal.q2").q_tiles == 2
     with pytest.raises(ValueError, match="head_dim=80"):
         Variant("fwd", "sm90a", "bf16", 80, False)
-
-
-PTX = """
-.visible .entry kern(
-\t.param .align 64 .b8 kern_param_0[128],
-\t.param .align 4 .b8 kern_param_1[12],
-\t.param .u64 .ptr .global .align 16 kern_param_2,
-\t.param .f32 kern_param_3
-)
-"""
-
-
-def test_ptx_parameter_parser_and_layout():
-    assert abi.ptx_entries(PTX) == {"kern": [(128, 64), (12, 4), (8, 8), (4, 4)]}
-    slots = abi.with_offsets([abi._slot("a", "tensormap", tensor="q"), abi._slot("b", "i32", fields=["x", "y", "z"]),
-                              abi._slot("c", "ptr", tensor="lse"), abi._slot("d", "f32", value="s")])
-    assert [s["offset"] for s in slots] == [0, 128, 144, 152]
-    abi.check_against_ptx(slots, PTX, "kern")
-    with pytest.raises(ValueError, match="flattening changed"):
-        abi.check_against_ptx(slots[:3], PTX, "kern")
-
-
-def test_fwd_plan_offsets_are_aligned():
-    plan = abi.fwd_plan()
-    assert all(s["offset"] % s["align"] == 0 for s in plan)
-    assert [s["name"] for s in plan][:2] == ["tma_q", "q_coords"]
 
 
 def test_cli_list_info_verify(built):

@@ -4,6 +4,7 @@ before any launch, and a good call packs the launches the varlen kernels' plans 
 import pytest
 
 from fa4_aot.arrays import DeviceArray
+from fa4_aot.loader import missing_sources
 from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
 from fa4_aot.varlen import (backward_varlen, backward_varlen_workspace_bytes, check_backward_varlen,
                             check_forward_varlen, forward_varlen, forward_varlen_workspace_bytes)
@@ -86,13 +87,10 @@ def test_a_call_packs_the_varlen_plan(built):
     (row, values, tensors), = library.launches
     assert row["name"] == "fwd.sm90a.bf16.d128.causal.varlen"
     assert [launch.get("when") for launch in row["launches"]] == ["lpt", None]  # the sort, then attention
-    for launch in row["launches"]:
-        for slot in launch["params"]:  # every slot's values and tensors are there
-            for name in slot.get("fields", []):
-                assert name in values, (slot, name)
-            if "tensor" in slot:
-                assert slot["tensor"] in tensors, slot
-    assert (values["use_seqused_q"], values["use_seqused_k"], values["batch"], values["one"]) == (0, 1, 3, 1)
+    for launch in row["launches"]:  # every slot's values and tensors are there
+        assert not missing_sources(launch, values, tensors), launch["symbol"]
+    assert (values["use_seqused_q"], values["use_seqused_k"], values["batch"]) == (0, 1, 3)
+    assert tensors["q"]["shape"] == (1, 100, 8, 128)  # packed (total, h, d) as (1, total, h, d)
     assert tensors["seqused_q"]["ptr"] == a["cu_seqlens_q"].ptr  # not given: any int32 vector of b entries
     assert values["lpt"] == 0 and tensors["order"]["ptr"] == a["cu_seqlens_q"].ptr  # no workspace: plain
 
@@ -230,18 +228,12 @@ def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
     assert [launch["symbol"].split("_")[2] for launch in row["launches"]] == ["order", "preprocess", "kernel",
                                                                               "postprocess"]
     for launch in row["launches"]:
-        for slot in launch["params"]:
-            for name in slot.get("fields", []):
-                assert name in values, (slot, name)
-            if "value" in slot:
-                assert slot["value"] in values, slot
-            if "tensor" in slot:
-                assert slot["tensor"] in tensors, slot
+        assert not missing_sources(launch, values, tensors), launch["symbol"]
     tile = row["workspace"]["constants"]["query_tile"]
     assert values["ws_tiles"] == -(-100 // tile) + 3 and values["ws_rows"] == values["ws_tiles"] * tile
-    assert (values["use_seqused_q"], values["use_seqused_k"], values["one"]) == (1, 0, 1)
+    assert (values["use_seqused_q"], values["use_seqused_k"]) == (1, 0)
     assert tensors["seqused_k"]["ptr"] == a["cu_seqlens_k"].ptr
-    assert values["stride.dk.s"] == 256 and values["stride.dq.h"] == 128
+    assert tensors["dk"]["strides"][1] == 256 and tensors["dq"]["strides"][2] == 128
     need = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
     call_backward(bwd_arrays(workspace=DeviceArray(BASE, (need,), (1,), "u8", 0)), library=library, causal=True,
                   deterministic=True)

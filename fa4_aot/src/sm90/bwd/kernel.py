@@ -36,6 +36,8 @@ from cutlass.cute.nvgpu import cpasync
 
 from ...common import heaviest_first, symbols
 from ..primitives import DTYPES, WARPGROUP, sdhb, smem_buffer, smem_layout, tma_pipeline
+from ...common.params import Tma
+from ...interfaces import BWD_INPUTS, BWD_MAIN, BWD_ORDER, BWD_POSTPROCESS, BWD_PREPROCESS
 from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Start, Stats, Tiles
 from .config import PRODUCER_REGS, BwdConfig
 from .dq_writer import DQ_WRITER_WARP, DqBuffers, DqWriter
@@ -107,154 +109,60 @@ class FlashBwdSm90:
         return Storage
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h_q, d)
-        mK: cute.Tensor,  # (b, s_k, h_kv, d)
-        mV: cute.Tensor,  # (b, s_k, h_kv, d)
-        mO: cute.Tensor,  # (b, s_q, h_q, d)
-        mdO: cute.Tensor,  # (b, s_q, h_q, d)
-        mdQ: cute.Tensor,  # (b, s_q, h_q, d)
-        mdK: cute.Tensor,  # (b, s_k, h_kv, d)
-        mdV: cute.Tensor,  # (b, s_k, h_kv, d)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous, from the forward
-        mLSE2: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: LSE * log2(e)
-        mDsum: cute.Tensor,  # (b, h_q, s_q padded to tile_m) float32 workspace: rowsum(dO * O)
-        mdQacc: cute.Tensor,  # (b * chains, s_q, h_q, d) float32 workspace
-        mSem: cute.Tensor,  # (b, h_q, ceil(s_q / tile_m) * chains) int32 workspace
-        mDone: cute.Tensor,  # (b, h_q) int32 workspace: key tiles done adding into each head's dQ
-        scale: Float32,  # softmax_scale
-        scale_log2: Float32,  # softmax_scale * log2(e)
-        turn_tiles: Int32,  # deterministic: query tiles per ordered turn (see dq_writer)
-        first_write: Int32,  # 1: no accumulator clear, each tile's first share stored
-        mTail: cute.Tensor,  # (TAIL_MAX_TILES * TAIL_COUNTERS,) int32 workspace: the split tiles' counters
-        mPartial: cute.Tensor,  # (TAIL_MAX_TILES * 2 * tile_n * d,) float32 workspace: their dK, dV sums
-        tail_tiles: Int32,  # key tiles split (the last ones in launch order; 0: none)
-        tail_pieces: Int32,  # pieces per split tile
-    ):
-        b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
-        rows_grid = (cute.ceil_div(s_q, self.cfg.tile_m), h_q, b)
-        self.rows.preprocess(
-            mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
-            mdO.iterator, mdO.stride[0], mdO.stride[1], mdO.stride[2],
-            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
-            mTail.iterator, s_q, h_q, first_write,
-        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
+    def __call__(self, x: BWD_INPUTS.tuple_type):
+        """The launches of one backward (interfaces.BWD_INPUTS): the preprocess, the main
+        kernel, the postprocess; varlen, first the heaviest-first sort (one CTA; the run
+        time leaves it out where lpt is 0). Varlen, the row kernels take one block per
+        (query tile of a sequence, head), the main kernel one CTA per (key tile of a
+        sequence, KV head), the sequences' tiles back to back (grids of ceil(total / tile)
+        + b, which bound every sequence's tiles while the sequences do not overlap); every
+        main-kernel CTA counts itself in ``ctas_done`` as it ends, so a postprocess block
+        waiting for key tiles that lying metadata left past the grid stops once the grid
+        has ended."""
+        cfg = self.cfg
+        q, k, v, do, dq_acc = [sdhb(t) for t in (x.q, x.k, x.v, x.dout, x.dq_accum)]
+        dk, dv = (None, None) if const_expr(cfg.varlen) else (sdhb(x.dk), sdhb(x.dv))
+        if const_expr(cfg.varlen):
+            rows_grid = (cute.ceil_div(x.total_q, cfg.tile_m) + x.batch, x.heads_q, 1)
+            self.order_varlen(BWD_ORDER.bind(cfg, x)).launch(
+                grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+            )
+            self.rows.preprocess_varlen(BWD_PREPROCESS.bind(cfg, x)).launch(
+                grid=rows_grid, block=[self.rows.threads, 1, 1])
+        else:
+            rows_grid = (cute.ceil_div(x.seqlen_q, cfg.tile_m), x.heads_q, q.shape[3])
+            self.rows.preprocess(BWD_PREPROCESS.bind(cfg, x)).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
 
-        q, k, v, do, dk, dv, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQacc)]
-        (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
-         s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, dk, dv, dq_acc)
-        grid = (cute.ceil_div(k.shape[0], self.cfg.tile_n), k.shape[2], k.shape[3])
-        self.kernel(
-            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, scale, scale_log2,
-            turn_tiles, first_write, mTail.iterator, mPartial.iterator, tail_tiles, tail_pieces,
-            s_q_tile, s_kv_all, s_ds, s_dq,
-        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
-
-        self.rows.postprocess(
-            mdQacc.iterator, mSem.iterator, mDone.iterator, mdQ.iterator, mdQ.stride[0], mdQ.stride[1], mdQ.stride[2],
-            s_q,
-            mK.shape[1], h_q, scale, first_write,
-        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
-
-    @cute.jit
-    def varlen_call(
-        self,
-        mQ: cute.Tensor,  # (1, total_q, h_q, d): packed sequences
-        mK: cute.Tensor,  # (1, total_k, h_kv, d)
-        mV: cute.Tensor,  # (1, total_k, h_kv, d)
-        mO: cute.Tensor,  # (1, total_q, h_q, d)
-        mdO: cute.Tensor,  # (1, total_q, h_q, d)
-        mdQ: cute.Tensor,  # (1, total_q, h_q, d)
-        mdK: cute.Tensor,  # (1, total_k, h_kv, d)
-        mdV: cute.Tensor,  # (1, total_k, h_kv, d)
-        mLSE: cute.Tensor,  # (h_q, total_q) float32, contiguous, from the forward
-        mLSE2: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace (config.varlen_workspace_rule)
-        mDsum: cute.Tensor,  # (h_q, ws_tiles * tile_m) float32 workspace
-        mdQacc: cute.Tensor,  # (chains, ws_tiles * tile_m, h_q, d) float32 workspace
-        mSem: cute.Tensor,  # (chains, h_q, ws_tiles) int32 workspace
-        mDone: cute.Tensor,  # (b, h_q) int32 workspace
-        mEnded: cute.Tensor,  # (1,) int64 workspace: main-kernel CTAs ended
-        scale: Float32,
-        scale_log2: Float32,
-        turn_tiles: Int32,
-        first_write: Int32,
-        mCuQ: cute.Tensor,  # (b + 1,) int32: each sequence's first query row, then total_q
-        mCuK: cute.Tensor,  # (b + 1,) int32
-        mUsedQ: cute.Tensor,  # (b,) int32: query rows used (read where use_used_q)
-        mUsedK: cute.Tensor,  # (b,) int32
-        use_used_q: Int32,
-        use_used_k: Int32,
-        mOrder: cute.Tensor,  # (b,) int32 workspace: the sequences heaviest first (where lpt)
-        lpt: Int32,  # 0: the caller's order; else order_varlen sorts, kernel_varlen walks mOrder
-    ):
-        """The varlen backward: as ``__call__``, sequences located by cu_seqlens (and
-        seqused): the row kernels one block per (query tile of a sequence, head), the main
-        kernel one CTA per (key tile of a sequence, KV head), the sequences' tiles back to
-        back (grids of ceil(total / tile) + b, which bound every sequence's tiles while the
-        sequences do not overlap). Four launches: the heaviest-first sort (one CTA; the run
-        time skips it where lpt is 0), then the three of ``__call__``. Every main-kernel CTA
-        counts itself in ``mEnded`` as it ends, so a postprocess block waiting for key tiles
-        that lying metadata left past the grid stops once the grid has ended."""
-        total_q, h_q, batches = mQ.shape[1], mQ.shape[2], mCuQ.shape[0] - 1
-        rows_grid = (cute.ceil_div(total_q, self.cfg.tile_m) + batches, h_q, 1)
-        self.order_varlen(mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k,
-                          batches, total_q, mK.shape[1], mOrder.iterator).launch(
-            grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
-        )
-        self.rows.preprocess_varlen(
-            mO.iterator, mO.stride[1], mO.stride[2], mdO.iterator, mdO.stride[1], mdO.stride[2],
-            mLSE.iterator, mLSE2.iterator, mDsum.iterator, mdQacc.iterator, mSem.iterator, mDone.iterator,
-            mEnded.iterator, total_q, h_q, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q, batches,
-        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
-
-        q, k, v, do, dq_acc = [sdhb(t) for t in (mQ, mK, mV, mdO, mdQacc)]
-        (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, _, _, _, _, tma_dq, gdq, tma_dq_store,
-         s_q_tile, s_kv_all, s_ds, s_dq) = self._main_atoms(q, k, v, do, None, None, dq_acc)
-        grid = (varlen_grid_x(k.shape[0], batches, self.cfg.tile_n), k.shape[2], 1)
-        self.kernel_varlen(
-            tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, mdK.iterator, mdK.stride[1], mdK.stride[2],
-            mdV.iterator, mdV.stride[1], mdV.stride[2], tma_dq, gdq, tma_dq_store,
-            mLSE2.iterator, mDsum.iterator, mSem.iterator, mdQacc.iterator, mDone.iterator, mEnded.iterator,
-            scale, scale_log2,
-            turn_tiles, first_write, mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator,
-            use_used_q, use_used_k, batches, mOrder.iterator, lpt, s_q_tile, s_kv_all, s_ds, s_dq,
-        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
-
-        self.rows.postprocess_varlen(
-            mdQacc.iterator, mSem.iterator, mDone.iterator, mEnded.iterator, mdQ.iterator, mdQ.stride[1],
-            mdQ.stride[2], total_q, h_q, scale, first_write, mCuQ.iterator, mUsedQ.iterator, use_used_q,
-            mCuK.iterator, mUsedK.iterator, use_used_k, batches, mK.shape[1], mK.shape[2],
-        ).launch(grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+        tma, layouts = self._main_atoms(q, k, v, do, dk, dv, dq_acc)
+        params = BWD_MAIN.bind(cfg, x, tma)
+        if const_expr(cfg.varlen):
+            grid = (varlen_grid_x(k.shape[0], x.batch, cfg.tile_n), k.shape[2], 1)
+            self.kernel_varlen(params, *layouts).launch(
+                grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+            self.rows.postprocess_varlen(BWD_POSTPROCESS.bind(cfg, x)).launch(
+                grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+        else:
+            grid = (cute.ceil_div(k.shape[0], cfg.tile_n), k.shape[2], k.shape[3])
+            self.kernel(params, *layouts).launch(
+                grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+            self.rows.postprocess(BWD_POSTPROCESS.bind(cfg, x)).launch(
+                grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
 
     @cute.kernel
-    def order_varlen(
-        self,
-        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
-        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
-        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
-        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
-        use_used_q: Int32,
-        use_used_k: Int32,
-        batch_count: Int32,
-        total_q: Int32,
-        total_k: Int32,
-        order_ptr: cute.Pointer,  # int32 (b,) out: the sequences heaviest first
-    ):
+    def order_varlen(self, p: BWD_ORDER.tuple_type):
         """The sequences sorted by cost, heaviest first (common/heaviest_first.py: the
         (key tile, query tile) pairs of their key tiles, causal-aware), for kernel_varlen's
         walk. Launched before the preprocess, not programmatically: the main kernel reads
         the order before its griddepcontrol.wait, as it reads the metadata."""
-        meta = heaviest_first.Metadata(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
-                                       total_q, total_k)
-        heaviest_first.sort_sequences(meta, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
+        meta = heaviest_first.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
+                                       p.use_seqused_k, p.batch, p.total_q, p.total_k)
+        heaviest_first.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
 
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
-        """The main kernel's TMA atoms and coordinate tensors (q, do, k, v, dk, dv (None
-        varlen), the dQ accumulator's reduce and store (None in fragment order)), its shared
-        layouts, storage and shared bytes; the boxes for the manifest's tensor maps.
-        Tensors (s, d, h, b)."""
+        """The main kernel's TMA atoms and coordinate tensors as {name: Tma} (q, do, k, v;
+        dk, dv but varlen; the dQ accumulator's reduce and store but in fragment order), and
+        its shared layouts (q, kv, ds, dq); sets the storage, shared bytes and the boxes for
+        the manifest's tensor maps. Tensors (s, d, h, b)."""
         s_q_tile = smem_layout(self.dtype, self.cfg.step_rows, self.cfg.head_dim, self.cfg.stages, self.cfg.col_parts)
         # one query tile: the TMA box (wide: each stage holds two, loaded apart)
         s_q_one = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, col_parts=self.cfg.col_parts)
@@ -269,65 +177,46 @@ class FlashBwdSm90:
         s_dq = smem_layout(Float32, *self.cfg.dq_tile, self.cfg.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, s_q_one, (self.cfg.tile_m, self.cfg.head_dim))
-        tma_do, gdo = cpasync.make_tiled_tma_atom(load, do, s_q_one, (self.cfg.tile_m, self.cfg.head_dim))
-        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-        boxes = [("q", tma_q, s_q_one), ("do", tma_do, s_q_one), ("k", tma_k, s_kv), ("v", tma_v, s_kv)]
-        tma_dk, gdk, tma_dv, gdv = None, None, None, None
+        m, n, d = self.cfg.tile_m, self.cfg.tile_n, self.cfg.head_dim
+        loads = (("q", q, s_q_one, m), ("dout", do, s_q_one, m), ("k", k, s_kv, n), ("v", v, s_kv, n))
+        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, box, (rows, d))) for name, t, box, rows in loads}
+        boxes = {name: box for name, _, box, _ in loads}
         if const_expr(dk is not None):  # varlen: dK and dV written row by row (packed_rows.py)
-            tma_dk, gdk = cpasync.make_tiled_tma_atom(store, dk, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-            tma_dv, gdv = cpasync.make_tiled_tma_atom(store, dv, s_kv, (self.cfg.tile_n, self.cfg.head_dim))
-            boxes += [("dk", tma_dk, s_kv), ("dv", tma_dv, s_kv)]
+            for name, t in (("dk", dk), ("dv", dv)):
+                tma[name] = Tma(*cpasync.make_tiled_tma_atom(store, t, s_kv, (n, d)))
+                boxes[name] = s_kv
         # fragment order: 1D bulk reduces (and stores) at dq_accum's address instead
-        tma_dq, gdq, tma_dq_store = None, None, None
         if const_expr(not self.cfg.dq_fragment_order):
-            tma_dq, gdq = cpasync.make_tiled_tma_atom(
-                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.cfg.dq_tile)
-            boxes.append(("dq_accum", tma_dq, s_dq_one))
+            tma["dq_accum"] = Tma(*cpasync.make_tiled_tma_atom(
+                cpasync.CopyReduceBulkTensorTileS2GOp(), dq_acc, s_dq_one, self.cfg.dq_tile))
+            boxes["dq_accum"] = s_dq_one
             # a tile's first dQ share is stored (first_write); same tensor map (the
             # operation is the instruction's, not the map's): the manifest encodes it
             # from dq_accum's recipe, and compile checks that the two atoms agree
-            tma_dq_store, _ = cpasync.make_tiled_tma_atom(store, dq_acc, s_dq_one, self.cfg.dq_tile)
-            self.dq_store_box = (str(tma_dq_store.type), str(s_dq_one.inner))
-        self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
+            tma["dq_accum_store"] = Tma(*cpasync.make_tiled_tma_atom(store, dq_acc, s_dq_one, self.cfg.dq_tile))
+            self.dq_store_box = (str(tma["dq_accum_store"].atom.type), str(s_dq_one.inner))
+        self.tma_boxes = {name: (str(tma[name].atom.type), str(box.inner)) for name, box in boxes.items()}
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
         self.storage = self._storage(s_q_tile, s_kv_all, s_ds, s_dq)
         self.smem_bytes = self.storage.size_in_bytes() + 1024
-        return (tma_q, gq, tma_do, gdo, tma_k, gk, tma_v, gv, tma_dk, gdk, tma_dv, gdv, tma_dq, gdq, tma_dq_store,
-                s_q_tile, s_kv_all, s_ds, s_dq)
+        return tma, (s_q_tile, s_kv_all, s_ds, s_dq)
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom, gQ: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
-        tma_do: cute.CopyAtom, gdO: cute.Tensor,  # (s_q, d, h_q, b)
-        tma_k: cute.CopyAtom, gK: cute.Tensor,  # (s_k, d, h_kv, b)
-        tma_v: cute.CopyAtom, gV: cute.Tensor,  # (s_k, d, h_kv, b)
-        tma_dk: cute.CopyAtom, gdK: cute.Tensor,  # (s_k, d, h_kv, b)
-        tma_dv: cute.CopyAtom, gdV: cute.Tensor,  # (s_k, d, h_kv, b)
-        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (s_q, d, h_q, b); None in fragment order
-        tma_dq_store: cute.CopyAtom,  # store into the same (a tile's first share); None in fragment order
-        lse2_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
-        dsum_ptr: cute.Pointer,  # float32 (b, h_q, s_q padded to tile_m), 256-byte aligned
-        sem_ptr: cute.Pointer,  # int32 (b, h_q, ceil(s_q / tile_m) * chains): turns (deterministic) or tickets
-        dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
-        done_ptr: cute.Pointer,  # int32 (b, h_q): key tiles whose dQ adds are complete
-        scale: Float32,
-        scale_log2: Float32,
-        turn_tiles: Int32,
-        first_write: Int32,
-        tail_ptr: cute.Pointer,  # int32 (TAIL_MAX_TILES, TAIL_COUNTERS): the split tiles' counters
-        partial_ptr: cute.Pointer,  # float32: the split tiles' dK, dV sums (split_last_wave.py)
-        tail_tiles: Int32,  # the last tail_tiles key tiles in launch order are split (0: none)
-        tail_pieces: Int32,  # into this many pieces each
-        sq_layout: cute.ComposedLayout,
-        skv_layout: cute.ComposedLayout,
-        sds_layout: cute.ComposedLayout,
-        sdq_layout: cute.ComposedLayout,
-    ):
+    def kernel(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
+               sds_layout: cute.ComposedLayout, sdq_layout: cute.ComposedLayout):
+        """One CTA of the dense main kernel (interfaces.BWD_MAIN): TMA coordinates (s, d, h, b);
+        the dQ accumulator reduced into by TMA, or in fragment order by address; the
+        statistics (b, h_q, s_q padded to tile_m); the semaphores, per-head counts and the
+        split last wave's counters and partial sums (split_last_wave.py)."""
+        (tma_q, gQ), (tma_do, gdO), (tma_k, gK), (tma_v, gV), (tma_dk, gdK), (tma_dv, gdV) = (
+            p.q, p.dout, p.k, p.v, p.dk, p.dv)
+        tma_dq, gdQacc = (None, None) if p.dq_accum is None else p.dq_accum  # None in fragment order
+        tma_dq_store, dqacc_ptr = p.dq_accum_store, p.dq_accum_ptr
+        lse2_ptr, dsum_ptr, sem_ptr, done_ptr = p.lse2, p.dsum, p.dq_semaphore, p.dq_done
+        scale, scale_log2, turn_tiles, first_write = p.scale, p.scale_log2, p.turn_tiles, p.first_write
+        tail_ptr, partial_ptr, tail_tiles, tail_pieces = p.tail_counters, p.dkv_partial, p.tail_tiles, p.tail_pieces
         # Launched programmatically after the preprocess (manifest: "programmatic"): the
         # CTAs may start while the preprocess's last ones run. Until griddepcontrol.wait
         # returns, only its inputs, written before the preprocess started, are read (K, V,
@@ -349,47 +238,25 @@ class FlashBwdSm90:
                         sds_layout)
 
     @cute.kernel
-    def kernel_varlen(
-        self,
-        tma_q: cute.CopyAtom, gQ: cute.Tensor,  # TMA coordinates (total_q, d, h_q, 1): packed sequences
-        tma_do: cute.CopyAtom, gdO: cute.Tensor,  # (total_q, d, h_q, 1)
-        tma_k: cute.CopyAtom, gK: cute.Tensor,  # (total_k, d, h_kv, 1)
-        tma_v: cute.CopyAtom, gV: cute.Tensor,  # (total_k, d, h_kv, 1)
-        dk_ptr: cute.Pointer, dk_ss: Int64, dk_sh: Int64,  # dK (total_k, h_kv, d): address, row and head strides
-        dv_ptr: cute.Pointer, dv_ss: Int64, dv_sh: Int64,  # dV (total_k, h_kv, d)
-        tma_dq: cute.CopyAtom, gdQacc: cute.Tensor,  # reduce-add into float32 (ws rows, d, h_q, chains); None in fragment order
-        tma_dq_store: cute.CopyAtom,  # None in fragment order
-        lse2_ptr: cute.Pointer,  # float32 (h_q, ws_tiles * tile_m): config.varlen_workspace_rule
-        dsum_ptr: cute.Pointer,  # float32 (h_q, ws_tiles * tile_m)
-        sem_ptr: cute.Pointer,  # int32 (h_q, ws_tiles, chains)
-        dqacc_ptr: cute.Pointer,  # float32: the accumulator, for the fragment-order reduces
-        done_ptr: cute.Pointer,  # int32 (b, h_q): key tiles whose dQ adds are complete
-        ended_ptr: cute.Pointer,  # int64 (1,): CTAs of this grid that have ended
-        scale: Float32,
-        scale_log2: Float32,
-        turn_tiles: Int32,
-        first_write: Int32,
-        cu_q_ptr: cute.Pointer,  # int32 (b + 1,): each sequence's first query row, then total_q
-        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
-        used_q_ptr: cute.Pointer,  # int32 (b,): query rows used (read where use_used_q)
-        used_k_ptr: cute.Pointer,  # int32 (b,)
-        use_used_q: Int32,
-        use_used_k: Int32,
-        batch_count: Int32,  # sequences
-        order_ptr: cute.Pointer,  # int32 (b,): the sequences heaviest first, read where lpt
-        lpt: Int32,
-        sq_layout: cute.ComposedLayout,
-        skv_layout: cute.ComposedLayout,
-        sds_layout: cute.ComposedLayout,
-        sdq_layout: cute.ComposedLayout,
-    ):
+    def kernel_varlen(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout,
+                      skv_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
+                      sdq_layout: cute.ComposedLayout):
         """The varlen main kernel: ``kernel``'s roles on one (key tile of a sequence, KV
-        head) item (scheduler.TileWalk.cta_work_varlen); dK and dV written row by row
-        (packed_rows.py). Launched programmatically, as ``kernel``."""
+        head) item (scheduler.TileWalk.cta_work_varlen); TMA coordinates (total, d, h, 1);
+        dK and dV (total_k, h_kv, d) written row by row (packed_rows.py); the workspace by
+        config.varlen_workspace_rule. Launched programmatically, as ``kernel``."""
+        (tma_q, gQ), (tma_do, gdO), (tma_k, gK), (tma_v, gV) = p.q, p.dout, p.k, p.v
+        (dk_ptr, (dk_ss, dk_sh)), (dv_ptr, (dv_ss, dv_sh)) = p.dk_rows, p.dv_rows
+        tma_dq, gdQacc = (None, None) if p.dq_accum is None else p.dq_accum  # None in fragment order
+        tma_dq_store, dqacc_ptr = p.dq_accum_store, p.dq_accum_ptr
+        lse2_ptr, dsum_ptr, sem_ptr, done_ptr, ended_ptr = p.lse2, p.dsum, p.dq_semaphore, p.dq_done, p.ctas_done
+        scale, scale_log2, turn_tiles, first_write = p.scale, p.scale_log2, p.turn_tiles, p.first_write
+        cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr = p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k
+        use_used_q, use_used_k, batch_count, order_ptr, lpt = p.use_seqused_q, p.use_seqused_k, p.batch, p.order, p.lpt
         warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v), tma_dq, tma_dq_store,
                                         sq_layout, skv_layout, sds_layout, sdq_layout)
         batches = batch_count
-        seqs = Sequences(*(cute.make_tensor(p, cute.make_layout(batches + extra)) for p, extra in
+        seqs = Sequences(*(cute.make_tensor(at, cute.make_layout(batches + extra)) for at, extra in
                            ((cu_q_ptr, 1), (cu_k_ptr, 1), (used_q_ptr, 0), (used_k_ptr, 0))),
                          use_used_q, use_used_k, batches)
         prob, work = self.walk.cta_work_varlen(gQ, gK, seqs, cute.make_tensor(order_ptr, cute.make_layout(batches)),

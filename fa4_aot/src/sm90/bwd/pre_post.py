@@ -29,6 +29,7 @@ from cutlass import Float32, Int32, Int64, const_expr
 from ...common import symbols
 from ...common.bwd_order import first_dq_key_tile, semaphore_word
 from ...common.seqlen import packed_tile, sequence
+from ...interfaces import BWD_POSTPROCESS, BWD_PREPROCESS
 from ..primitives import DTYPES, WARPGROUP
 from .config import TAIL_COUNTERS, TAIL_MAX_TILES
 from .scheduler import varlen_grid_x
@@ -127,19 +128,17 @@ class PrePostSm90:
 
     # ------------------------------------------------------------------ preprocess
     @cute.kernel
-    def preprocess(
-        self, o_ptr: cute.Pointer, o_sb: Int64, o_ss: Int64, o_sh: Int64,
-        do_ptr: cute.Pointer, do_sb: Int64, do_ss: Int64, do_sh: Int64,
-        lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, tail_ptr: cute.Pointer,
-        seqlen_q: Int32, heads_q: Int32, first_write: Int32,
-    ):
+    def preprocess(self, p: BWD_PREPROCESS.tuple_type):
         """D = rowsum(dO * O), LSE2, zeroed dQ accumulator rows and semaphores, for one
         query tile; THREADS_PER_ROW threads per row, 16-byte accesses. The first tile of
         the first head also clears the split tiles' counters (split_last_wave.py).
 
         Launched as usual (after all earlier work on the stream), so the main kernel may be
         placed as soon as every block here has started: see FlashBwdSm90.kernel."""
+        (o_ptr, (o_sb, o_ss, o_sh)), (do_ptr, (do_sb, do_ss, do_sh)) = p.out, p.dout
+        lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr = p.lse, p.lse2, p.dsum, p.dq_accum
+        sem_ptr, done_ptr, tail_ptr = p.dq_semaphore, p.dq_done, p.tail_counters
+        seqlen_q, heads_q, first_write = p.seqlen_q, p.heads_q, p.first_write
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         # Blocks in launch order take the heads of a query tile first, then the next tile:
@@ -155,13 +154,7 @@ class PrePostSm90:
                                (tail_ptr, linear))
 
     @cute.kernel
-    def preprocess_varlen(
-        self, o_ptr: cute.Pointer, o_ss: Int64, o_sh: Int64, do_ptr: cute.Pointer, do_ss: Int64, do_sh: Int64,
-        lse_ptr: cute.Pointer, lse2_ptr: cute.Pointer, dsum_ptr: cute.Pointer,
-        dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, ended_ptr: cute.Pointer,
-        total_q: Int32, heads_q: Int32, first_write: Int32,
-        cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32, batches: Int32,
-    ):
+    def preprocess_varlen(self, p: BWD_PREPROCESS.tuple_type):
         """``preprocess`` of packed sequences: block (x, head) takes the x-th query tile
         of all sequences in order (common/seqlen.packed_tile); blocks past the last one
         do nothing more. O, dO (total_q, h_q, d), LSE (h_q, total_q); the workspace's rows
@@ -173,6 +166,11 @@ class PrePostSm90:
         this grid, whose tiles no block takes, and a word left as the caller's workspace
         held it could stall a turn or a ticket's wait forever. Block (0, 0) clears the
         count of main-kernel CTAs ended (``ended_ptr``, int64)."""
+        (o_ptr, (o_ss, o_sh)), (do_ptr, (do_ss, do_sh)) = p.out_rows, p.dout_rows
+        lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr = p.lse, p.lse2, p.dsum, p.dq_accum
+        sem_ptr, done_ptr, ended_ptr = p.dq_semaphore, p.dq_done, p.ctas_done
+        total_q, heads_q, first_write = p.total_q, p.heads_q, p.first_write
+        cu_q_ptr, used_q_ptr, use_used_q, batches = p.cu_seqlens_q, p.seqused_q, p.use_seqused_q, p.batch
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         x, head, _ = cute.arch.block_idx()
@@ -295,15 +293,13 @@ class PrePostSm90:
 
     # ------------------------------------------------------------------ postprocess
     @cute.kernel
-    def postprocess(
-        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, dq_ptr: cute.Pointer,
-        dq_sb: Int64, dq_ss: Int64, dq_sh: Int64, seqlen_q: Int32, seqlen_k: Int32, heads_q: Int32, scale: Float32,
-        first_write: Int32,
-    ):
+    def postprocess(self, p: BWD_POSTPROCESS.tuple_type):
         """dQ = accumulator * scale in the input dtype; THREADS_PER_ROW threads per row.
         Launched programmatically after the main kernel (placed once all its CTAs have
         started): waits for its head's key tiles only, which each count themselves in
         ``done_ptr`` once their adds are complete (dq_writer.DqWriter)."""
+        dqacc_ptr, sem_ptr, done_ptr, (dq_ptr, (dq_sb, dq_ss, dq_sh)) = p.dq_accum, p.dq_semaphore, p.dq_done, p.dq
+        seqlen_q, seqlen_k, heads_q, scale, first_write = p.seqlen_q, p.seqlen_k, p.heads_q, p.scale, p.first_write
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
@@ -315,17 +311,17 @@ class PrePostSm90:
             cute.arch.griddepcontrol_wait()
 
     @cute.kernel
-    def postprocess_varlen(
-        self, dqacc_ptr: cute.Pointer, sem_ptr: cute.Pointer, done_ptr: cute.Pointer, ended_ptr: cute.Pointer,
-        dq_ptr: cute.Pointer, dq_ss: Int64, dq_sh: Int64, total_q: Int32, heads_q: Int32, scale: Float32,
-        first_write: Int32, cu_q_ptr: cute.Pointer, used_q_ptr: cute.Pointer, use_used_q: Int32,
-        cu_k_ptr: cute.Pointer, used_k_ptr: cute.Pointer, use_used_k: Int32, batches: Int32, total_k: Int32,
-        heads_kv: Int32,
-    ):
+    def postprocess_varlen(self, p: BWD_POSTPROCESS.tuple_type):
         """``postprocess`` of packed sequences, blocks as ``preprocess_varlen``'s; a
         sequence's head waits for its own key tiles (dq_done is (b, h_q)), or until every
         CTA of the main grid ((varlen_grid_x, heads_kv)) has ended (``ended_ptr``: lying
         metadata can leave key tiles past that grid, which nothing counts)."""
+        dqacc_ptr, sem_ptr, done_ptr, ended_ptr = p.dq_accum, p.dq_semaphore, p.dq_done, p.ctas_done
+        (dq_ptr, (dq_ss, dq_sh)), total_q, heads_q, scale, first_write = p.dq_rows, p.total_q, p.heads_q, p.scale, \
+            p.first_write
+        cu_q_ptr, used_q_ptr, use_used_q = p.cu_seqlens_q, p.seqused_q, p.use_seqused_q
+        cu_k_ptr, used_k_ptr, use_used_k = p.cu_seqlens_k, p.seqused_k, p.use_seqused_k
+        batches, total_k, heads_kv = p.batch, p.total_k, p.heads_kv
         tidx, _, _ = cute.arch.thread_idx()
         where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
         if where.batch >= 0:

@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ...interfaces import COMBINE, COMBINE_INPUTS
 from ..primitives import DTYPES
 from ..softmax import exp2_mufu
 from .config import CombineConfig
@@ -35,37 +36,18 @@ class CombineSm90:
         self.dtype = DTYPES[cfg.dtype]
 
     @cute.jit
-    def __call__(
-        self,
-        mOPart: cute.Tensor,  # (splits, b, s_q, h_q, d) float32, contiguous
-        mLSEPart: cute.Tensor,  # (splits, b, h_q, s_q) float32, contiguous
-        mO: cute.Tensor,  # (b, s_q, h_q, d)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
-        batch: Int32,
-        seqlen_q: Int32,
-        heads_q: Int32,
-        splits: Int32,
-    ):
-        rows = batch * seqlen_q * heads_q
-        self.kernel(mOPart.iterator, mLSEPart.iterator, mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
-                    mLSE.iterator, batch, seqlen_q, heads_q, splits).launch(
+    def __call__(self, x: COMBINE_INPUTS.tuple_type):
+        """One launch (interfaces.COMBINE): a warp per (batch, query token, query head) row."""
+        rows = x.batch * x.seqlen_q * x.heads_q
+        self.kernel(COMBINE.bind(self.cfg, x)).launch(
             grid=(cute.ceil_div(rows, self.cfg.rows), 1, 1), block=[self.cfg.threads, 1, 1])
 
     @cute.kernel
-    def kernel(
-        self,
-        o_part_ptr: cute.Pointer,
-        lse_part_ptr: cute.Pointer,
-        o_ptr: cute.Pointer,  # O (b, s_q, h_q, d)
-        o_sb: Int64,
-        o_ss: Int64,
-        o_sh: Int64,
-        lse_ptr: cute.Pointer,  # float32 (b, h_q, s_q)
-        batch: Int32,
-        seqlen_q: Int32,
-        heads_q: Int32,
-        splits: Int32,
-    ):
+    def kernel(self, p: COMBINE.tuple_type):
+        """The split workspace (splits, b, s_q, h_q, d) and (splits, b, h_q, s_q) fp32 in; O
+        (b, s_q, h_q, d) by address and strides and LSE (b, h_q, s_q) out."""
+        o_part_ptr, lse_part_ptr, (o_ptr, (o_sb, o_ss, o_sh)), lse_ptr = p.o_partial, p.lse_partial, p.out, p.lse
+        batch, seqlen_q, heads_q, splits = p.batch, p.seqlen_q, p.heads_q, p.splits
         d = self.cfg.head_dim
         per_lane = d // 32
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

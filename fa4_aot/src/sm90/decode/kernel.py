@@ -39,6 +39,8 @@ from ..primitives import (
     DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, tiled_mma, tma_pipeline, wgmma,
 )
 from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ...common.params import Tma
+from ...interfaces import DECODE, DECODE_INPUTS
 from .config import DecodeConfig
 
 Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory
@@ -77,82 +79,37 @@ class DecodeSm90:
         return Storage
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h_q, d)
-        mK: cute.Tensor,  # (pages, page rows, h_kv, d): (b, max_cache, h_kv, d) when not paged
-        mV: cute.Tensor,  # like mK
-        mO: cute.Tensor,  # (b, s_q, h_q, d)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
-        mOPart: cute.Tensor,  # (splits, b, s_q, h_q, d) float32, contiguous: workspace
-        mLSEPart: cute.Tensor,  # (splits, b, h_q, s_q) float32, contiguous: workspace
-        mSeqlens: cute.Tensor,  # (b,) int32: keys in each sequence's cache
-        mPageTable: cute.Tensor,  # (b, max_pages) int32, read where paged
-        scale_log2: Float32,  # softmax_scale * log2(e)
-        batch: Int32,
-        seqlen_q: Int32,
-        heads_q: Int32,
-        splits: Int32,
-        max_pages: Int32,  # page table columns (paged); 1 otherwise
-        piece_rows: Int32,  # keys per TMA piece: tile_n, or a divisor of it (small pages)
-        paged: Int32,  # 1: K/V pages from the page table; 0: page = batch entry
-        turn_stride: Int32,  # key tiles between consecutive (sequence, split) CTAs' starts
-    ):
-        k, v = sdhb(mK), sdhb(mV)
+    def __call__(self, x: DECODE_INPUTS.tuple_type):
+        """One launch (interfaces.DECODE): a CTA per (row tile x split, KV head, batch)."""
+        k, v = sdhb(x.k_cache), sdhb(x.v_cache)
         sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim)
         skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
         skv_one = cute.select(skv, mode=[0, 1])
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
-        self.tma_boxes = {name: (str(atom.type), str(skv_one.inner)) for name, atom in (("k", tma_k), ("v", tma_v))}
+        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, skv_one, (self.cfg.tile_n, self.cfg.head_dim)))
+               for name, t in (("k_cache", k), ("v_cache", v))}
+        self.tma_boxes = {name: (str(t.atom.type), str(skv_one.inner)) for name, t in tma.items()}
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        heads_kv = mK.shape[2]
-        group = heads_q // heads_kv
-        m_tiles = cute.ceil_div(group * seqlen_q, self.cfg.tile_m)
-        grid = (m_tiles * splits, heads_kv, batch)
-        self.kernel(
-            tma_k, gk, tma_v, gv,
-            mQ.iterator, mQ.stride[0], mQ.stride[1], mQ.stride[2],
-            mO.iterator, mO.stride[0], mO.stride[1], mO.stride[2],
-            mLSE.iterator, mOPart.iterator, mLSEPart.iterator, mSeqlens.iterator, mPageTable.iterator,
-            scale_log2, batch, seqlen_q, heads_q, splits, max_pages, piece_rows, paged, turn_stride, sq, skv,
-        ).launch(grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
+        m_tiles = cute.ceil_div(x.heads_q // k.shape[2] * x.seqlen_q, self.cfg.tile_m)
+        grid = (m_tiles * x.splits, k.shape[2], x.batch)
+        self.kernel(DECODE.bind(self.cfg, x, tma), sq, skv).launch(
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+        )
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_k: cute.CopyAtom,
-        gK: cute.Tensor,  # TMA coordinates (page rows, d, h_kv, pages)
-        tma_v: cute.CopyAtom,
-        gV: cute.Tensor,  # TMA coordinates (page rows, d, h_kv, pages)
-        q_ptr: cute.Pointer,  # Q (b, s_q, h_q, d), 16-byte aligned rows
-        q_sb: Int64,  # Q's strides (elements)
-        q_ss: Int64,
-        q_sh: Int64,
-        o_ptr: cute.Pointer,  # O (b, s_q, h_q, d)
-        o_sb: Int64,
-        o_ss: Int64,
-        o_sh: Int64,
-        lse_ptr: cute.Pointer,  # float32 (b, h_q, s_q), contiguous
-        o_part_ptr: cute.Pointer,  # float32 (splits, b, s_q, h_q, d), contiguous
-        lse_part_ptr: cute.Pointer,  # float32 (splits, b, h_q, s_q), contiguous
-        seqlens_ptr: cute.Pointer,  # int32 (b,)
-        page_table_ptr: cute.Pointer,  # int32 (b, max_pages)
-        scale_log2: Float32,
-        batch: Int32,
-        seqlen_q: Int32,
-        heads_q: Int32,
-        splits: Int32,
-        max_pages: Int32,
-        piece_rows: Int32,
-        paged: Int32,
-        turn_stride: Int32,
-        sq_layout: cute.ComposedLayout,
-        skv_layout: cute.ComposedLayout,
-    ):
+    def kernel(self, p: DECODE.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+        """One (row tile x split, KV head, sequence). ``p``: interfaces.DECODE; the cache's
+        TMA coordinates (page rows, d, h_kv, pages); Q, O (b, s_q, h_q, d) by address and
+        strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
+        (splits, b, h_q, s_q) fp32, contiguous; cache_seqlens (b,), page_table (b, max_pages)."""
+        (tma_k, gK), (tma_v, gV) = p.k_cache, p.v_cache
+        (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
+        lse_ptr, o_part_ptr, lse_part_ptr, seqlens_ptr, page_table_ptr = (p.lse, p.o_partial, p.lse_partial,
+                                                                          p.cache_seqlens, p.page_table)
+        scale_log2, batch, seqlen_q, heads_q, splits = p.scale_log2, p.batch, p.seqlen_q, p.heads_q, p.splits
+        max_pages, piece_rows, paged, turn_stride = p.max_pages, p.piece_rows, p.paged, p.turn_stride
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()

@@ -33,8 +33,8 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ...common import symbols
-from ...common import heaviest_first
+from ...common import heaviest_first, symbols
+from ...common.params import Tma
 from ...common.seqlen import packed_tile_of_cta, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
@@ -44,6 +44,7 @@ from ..primitives import (
     wgmma,
 )
 from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ...interfaces import FWD, FWD_INPUTS, FWD_ORDER
 from .config import FwdConfig
 
 EPILOGUE_BARRIER = 1
@@ -86,118 +87,67 @@ class FlashFwdSm90:
         return Storage
 
     @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, s_q, h_q, d)
-        mK: cute.Tensor,  # (b, s_k, h_kv, d)
-        mV: cute.Tensor,  # (b, s_k, h_kv, d)
-        mO: cute.Tensor,  # (b, s_q, h_q, d)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) float32, contiguous
-        scale_log2: Float32,  # softmax_scale * log2(e)
-    ):
-        q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
-        tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv = self._atoms(q, k, v, o)
-        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m * self.cfg.q_tiles), q.shape[2], q.shape[3])
-        self.kernel(tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, mLSE.iterator, scale_log2, sq, skv).launch(
-            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
-        )
-
-    @cute.jit
-    def varlen_call(
-        self,
-        mQ: cute.Tensor,  # (1, total_q, h_q, d): packed sequences
-        mK: cute.Tensor,  # (1, total_k, h_kv, d)
-        mV: cute.Tensor,  # (1, total_k, h_kv, d)
-        mO: cute.Tensor,  # (1, total_q, h_q, d)
-        mLSE: cute.Tensor,  # (h_q, total_q) float32, contiguous
-        scale_log2: Float32,  # softmax_scale * log2(e)
-        mCuQ: cute.Tensor,  # (b + 1,) int32: each sequence's first query row, then total_q
-        mCuK: cute.Tensor,  # (b + 1,) int32
-        mUsedQ: cute.Tensor,  # (b,) int32: query rows used (read where use_used_q)
-        mUsedK: cute.Tensor,  # (b,) int32
-        use_used_q: Int32,
-        use_used_k: Int32,
-        mOrder: cute.Tensor,  # (b,) int32 workspace: the sequences heaviest first (where lpt)
-        lpt: Int32,  # 0: the caller's order; else order_varlen sorts, kernel_varlen walks mOrder
-    ):
-        """The varlen forward: as ``__call__``, sequences located by cu_seqlens (and
-        seqused); one CTA per (query tile, head), the sequences' tiles back to back, O
-        written row by row (a tile's rows past its sequence belong to the next one).
-        Two launches: the heaviest-first sort (one CTA; the run time skips it where lpt
-        is 0), then the attention kernel."""
-        q, k, v, o = [sdhb(t) for t in (mQ, mK, mV, mO)]
-        tma_q, gq, tma_k, gk, tma_v, gv, _, _, sq, skv = self._atoms(q, k, v, None)
-        batches = mCuQ.shape[0] - 1
-        grid = (cute.ceil_div(q.shape[0], self.cfg.tile_m) + batches, q.shape[2], 1)
-        seqs = (mCuQ.iterator, mCuK.iterator, mUsedQ.iterator, mUsedK.iterator, use_used_q, use_used_k, batches)
-        self.order_varlen(*seqs, q.shape[0], k.shape[0], mOrder.iterator).launch(
-            grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
-        )
-        self.kernel_varlen(tma_q, gq, tma_k, gk, tma_v, gv, mO.iterator, mO.stride[1], mO.stride[2], mLSE.iterator,
-                           scale_log2, *seqs, mOrder.iterator, lpt, sq, skv).launch(
-            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
-        )
+    def __call__(self, x: FWD_INPUTS.tuple_type):
+        """The launches of one forward (interfaces.FWD_INPUTS): dense, the attention
+        kernel; varlen, the heaviest-first sort (one CTA; the run time leaves it out where
+        lpt is 0), then ``kernel_varlen`` over the packed sequences (one CTA per (query
+        tile, head), the sequences' tiles back to back, O written row by row: a tile's rows
+        past its sequence belong to the next one)."""
+        cfg = self.cfg
+        q, k, v = [sdhb(t) for t in (x.q, x.k, x.v)]
+        o = None if const_expr(cfg.varlen) else sdhb(x.out)
+        tma, sq, skv = self._atoms(q, k, v, o)
+        params = FWD.bind(cfg, x, tma)
+        if const_expr(cfg.varlen):
+            self.order_varlen(FWD_ORDER.bind(cfg, x)).launch(
+                grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+            )
+            grid = (cute.ceil_div(q.shape[0], cfg.tile_m) + x.batch, q.shape[2], 1)
+            self.kernel_varlen(params, sq, skv).launch(
+                grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+            )
+        else:
+            grid = (cute.ceil_div(q.shape[0], cfg.tile_m * cfg.q_tiles), q.shape[2], q.shape[3])
+            self.kernel(params, sq, skv).launch(
+                grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
+            )
 
     @cute.kernel
-    def order_varlen(
-        self,
-        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
-        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
-        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
-        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
-        use_used_q: Int32,
-        use_used_k: Int32,
-        batch_count: Int32,
-        total_q: Int32,
-        total_k: Int32,
-        order_ptr: cute.Pointer,  # int32 (b,) out: the sequences heaviest first
-    ):
+    def order_varlen(self, p: FWD_ORDER.tuple_type):
         """The sequences sorted by cost, heaviest first (common/heaviest_first.py), for
         kernel_varlen's walk."""
-        meta = heaviest_first.Metadata(cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr, use_used_q, use_used_k, batch_count,
-                                       total_q, total_k)
-        heaviest_first.sort_sequences(meta, order_ptr, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        meta = heaviest_first.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
+                                       p.use_seqused_k, p.batch, p.total_q, p.total_k)
+        heaviest_first.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
-        """TMA atoms and coordinates of Q, K, V (and O, if given), shared layouts, storage:
-        (tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv)."""
+        """TMA atoms and coordinates of Q, K, V (and O, if given) as {name: Tma}, and the
+        shared layouts (sq, skv); sets the storage and the manifest's boxes."""
         sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, self.cfg.q_tiles)
         sq_one = cute.select(sq, mode=[0, 1])
         skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
         skv_one = cute.select(skv, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma_q, gq = cpasync.make_tiled_tma_atom(load, q, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
-        tma_k, gk = cpasync.make_tiled_tma_atom(load, k, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
-        tma_v, gv = cpasync.make_tiled_tma_atom(load, v, skv_one, (self.cfg.tile_n, self.cfg.head_dim))
-        boxes = [("q", tma_q, sq_one), ("k", tma_k, skv_one), ("v", tma_v, skv_one)]
-        tma_o, go = None, None
+        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, box, (rows, self.cfg.head_dim)))
+               for name, t, box, rows in (("q", q, sq_one, self.cfg.tile_m), ("k", k, skv_one, self.cfg.tile_n),
+                                           ("v", v, skv_one, self.cfg.tile_n))}
         if const_expr(o is not None):
-            tma_o, go = cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim))
-            boxes.append(("o", tma_o, sq_one))
+            tma["out"] = Tma(*cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim)))
         # name -> (atom type, smem swizzle), read by the build for the manifest
-        self.tma_boxes = {name: (str(atom.type), str(layout.inner)) for name, atom, layout in boxes}
+        boxes = {"q": sq_one, "k": skv_one, "v": skv_one, "out": sq_one}
+        self.tma_boxes = {name: (str(t.atom.type), str(boxes[name].inner)) for name, t in tma.items()}
         self.q_bytes = cute.size_in_bytes(self.dtype, sq_one)
         self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
         self.storage = self._storage(sq, skv, skv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        return tma_q, gq, tma_k, gk, tma_v, gv, tma_o, go, sq, skv
+        return tma, sq, skv
 
     @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom,
-        gQ: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
-        tma_k: cute.CopyAtom,
-        gK: cute.Tensor,  # TMA coordinates (s_k, d, h_kv, b)
-        tma_v: cute.CopyAtom,
-        gV: cute.Tensor,  # TMA coordinates (s_k, d, h_kv, b)
-        tma_o: cute.CopyAtom,
-        gO: cute.Tensor,  # TMA coordinates (s_q, d, h_q, b)
-        lse_ptr: cute.Pointer,  # float32 LSE, contiguous (b, h_q, s_q)
-        scale_log2: Float32,
-        sq_layout: cute.ComposedLayout,
-        skv_layout: cute.ComposedLayout,
-    ):
+    def kernel(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+        """One CTA of the dense forward: (query tile(s), head, batch). ``p``: interfaces.FWD,
+        its TMA coordinates (s, d, h, b), LSE contiguous (b, h_q, s_q)."""
+        (tma_q, gQ), (tma_k, gK), (tma_v, gV), (tma_o, gO) = p.q, p.k, p.v, p.out
+        lse_ptr, scale_log2 = p.lse, p.scale_log2
         warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v, tma_o), sq_layout,
                                                                       skv_layout)
         bidx, head, batch = cute.arch.block_idx()
@@ -238,39 +188,20 @@ class FlashFwdSm90:
             )
 
     @cute.kernel
-    def kernel_varlen(
-        self,
-        tma_q: cute.CopyAtom,
-        gQ: cute.Tensor,  # TMA coordinates (total_q, d, h_q, 1)
-        tma_k: cute.CopyAtom,
-        gK: cute.Tensor,  # TMA coordinates (total_k, d, h_kv, 1)
-        tma_v: cute.CopyAtom,
-        gV: cute.Tensor,  # TMA coordinates (total_k, d, h_kv, 1)
-        o_ptr: cute.Pointer,  # O (total_q, h_q, d), 16-byte aligned rows
-        o_ss: Int64,  # O's row stride (elements)
-        o_sh: Int64,  # O's head stride
-        lse_ptr: cute.Pointer,  # float32 LSE, contiguous (h_q, total_q)
-        scale_log2: Float32,
-        cu_q_ptr: cute.Pointer,  # int32 (b + 1,)
-        cu_k_ptr: cute.Pointer,  # int32 (b + 1,)
-        used_q_ptr: cute.Pointer,  # int32 (b,), read where use_used_q
-        used_k_ptr: cute.Pointer,  # int32 (b,), read where use_used_k
-        use_used_q: Int32,
-        use_used_k: Int32,
-        batch_count: Int32,  # sequences: cu_seqlens has batch_count + 1 entries
-        order_ptr: cute.Pointer,  # int32 (b,): the sequences heaviest first, read where lpt
-        lpt: Int32,
-        sq_layout: cute.ComposedLayout,
-        skv_layout: cute.ComposedLayout,
-    ):
-        """One (query tile, head) of packed sequences: as ``kernel``, with the
-        sequence's rows from cu_seqlens (common/seqlen.py); CTAs past the last tile
-        compute an empty tile and write nothing."""
+    def kernel_varlen(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+        """One (query tile, head) of packed sequences: as ``kernel``, with the sequence's
+        rows from cu_seqlens (common/seqlen.py); CTAs past the last tile compute an empty
+        tile and write nothing. TMA coordinates (total, d, h, 1); O (total_q, h_q, d) by
+        address and (row, head) strides; LSE (h_q, total_q)."""
+        (tma_q, gQ), (tma_k, gK), (tma_v, gV) = p.q, p.k, p.v
+        (o_ptr, (o_ss, o_sh)), lse_ptr, scale_log2 = p.out_rows, p.lse, p.scale_log2
+        cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr = p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k
+        use_used_q, use_used_k, batch_count, order_ptr, lpt = p.use_seqused_q, p.use_seqused_k, p.batch, p.order, p.lpt
         warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v), sq_layout, skv_layout)
         total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
         batches = batch_count
-        cu_q, used_q = (cute.make_tensor(p, cute.make_layout(batches + extra))
-                        for p, extra in ((cu_q_ptr, 1), (used_q_ptr, 0)))
+        cu_q, used_q = (cute.make_tensor(at, cute.make_layout(batches + extra))
+                        for at, extra in ((cu_q_ptr, 1), (used_q_ptr, 0)))
         found, tile, head = self._varlen_item(cu_q, used_q, use_used_q, batches, total_q, heads_q,
                                               cute.make_tensor(order_ptr, cute.make_layout(batches)), lpt)
         live = found >= 0

@@ -1,0 +1,159 @@
+"""Every kernel's run-time interface, in one place (the machinery: common/params.py).
+
+Per family, ``*_INPUTS`` lists what the run time passes its host entry (tensors by their
+run-time names, scalars by the run-time values that fill them), and each kernel's
+``Params`` the parameters it takes, in order: the kernel reads them by field name, the
+manifest's slots name their sources, so an order written here is the order everywhere.
+
+To add a run-time argument to a family: declare its input (and where it is optional, the
+config flag), add it to the kernels' ``Params`` that take it, read ``p.<field>`` in the
+kernel, and give the run time a value or tensor of that name.
+
+Names: a tensor input is named as the public API's argument (``out``, ``dout``,
+``k_cache``), a workspace region as the workspace rule's. Shapes: (b, s, h, d) tensors as
+the user's; varlen forms pass packed (total, h, d) as (1, total, h, d), LSE (h_q, total_q).
+"""
+
+from .common.params import Input, Inputs, Params, f32, i32, ptr, rows, tma, tma_map
+
+# ------------------------------------------------------------------ shared pieces
+# The sequences' metadata of a varlen call (cu_seqlens (b + 1,), seqused (b,) read where
+# use_seqused; batch: b) and the heaviest-first order (b,) with its switch.
+SEQUENCE_INPUTS = (
+    Input("cu_seqlens_q", "i32", 1, when="varlen"), Input("cu_seqlens_k", "i32", 1, when="varlen"),
+    Input("seqused_q", "i32", 1, when="varlen"), Input("seqused_k", "i32", 1, when="varlen"),
+    Input("use_seqused_q", "Int32", when="varlen"), Input("use_seqused_k", "Int32", when="varlen"),
+    Input("order", "i32", 1, when="varlen"), Input("lpt", "Int32", when="varlen"),
+    Input("batch", "Int32", when="varlen"), Input("total_q", "Int32", when="varlen"),
+    Input("total_k", "Int32", when="varlen"),
+)
+SEQUENCE_PARAMS = (
+    ptr("cu_seqlens_q", when="varlen"), ptr("cu_seqlens_k", when="varlen"), ptr("seqused_q", when="varlen"),
+    ptr("seqused_k", when="varlen"), i32("use_seqused_q", when="varlen"), i32("use_seqused_k", when="varlen"),
+    i32("batch", when="varlen"),
+)
+ORDER_PARAMS = (ptr("order", when="varlen"), i32("lpt", when="varlen"))
+
+
+def order_params(inputs: Inputs) -> Params:
+    """The heaviest-first sort (common/heaviest_first.py), launched where lpt: the
+    sequences' metadata in, the order out."""
+    return Params("OrderParams", *SEQUENCE_PARAMS, i32("total_q"), i32("total_k"), ptr("order"), inputs=inputs)
+
+
+# ------------------------------------------------------------------ forward
+FWD_INPUTS = Inputs(
+    "FwdInputs",
+    Input("q", "io"), Input("k", "io"), Input("v", "io"), Input("out", "io"),
+    Input("lse", "f32", 3, varlen_rank=2),  # (b, h_q, s_q); varlen (h_q, total_q)
+    Input("scale_log2", "Float32"),  # softmax_scale * log2(e)
+    *SEQUENCE_INPUTS,
+)
+FWD_ORDER = order_params(FWD_INPUTS)
+# kernel (dense) and kernel_varlen: O by TMA, or row by row where packed
+FWD = Params(
+    "FwdParams",
+    tma("q"), tma("k"), tma("v"), tma("out", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
+    ptr("lse"), f32("scale_log2"), *SEQUENCE_PARAMS, *ORDER_PARAMS,
+    inputs=FWD_INPUTS,
+)
+
+# ------------------------------------------------------------------ backward
+BWD_INPUTS = Inputs(
+    "BwdInputs",
+    *(Input(n, "io") for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")),
+    Input("lse", "f32", 3, varlen_rank=2),  # from the forward
+    Input("lse2", "f32", 3, varlen_rank=2),  # workspace: LSE * log2(e), rows padded to tile_m
+    Input("dsum", "f32", 3, varlen_rank=2),  # workspace: rowsum(dO * O)
+    Input("dq_accum", "f32", 3, head_dim_last=True),  # workspace: fp32 dQ, (copies, rows, h_q, d)
+    Input("dq_semaphore", "i32", 3),  # workspace: ordered turns or tickets per query tile
+    Input("dq_done", "i32", 2),  # workspace (b, h_q): key tiles done adding into each head's dQ
+    Input("ctas_done", "i64", 1, when="varlen"),  # workspace: main-kernel CTAs ended
+    Input("scale", "Float32"), Input("scale_log2", "Float32"),
+    Input("turn_tiles", "Int32"),  # deterministic: query tiles per ordered turn
+    Input("first_write", "Int32"),  # 1: the accumulator uncleared, each tile's first share stored
+    Input("tail_counters", "i32", 1, when="not varlen"),  # the split last wave (split_last_wave.py)
+    Input("dkv_partial", "f32", 1, when="not varlen"),
+    Input("tail_tiles", "Int32", when="not varlen"), Input("tail_pieces", "Int32", when="not varlen"),
+    *SEQUENCE_INPUTS,
+    Input("seqlen_q", "Int32", when="not varlen"), Input("seqlen_k", "Int32", when="not varlen"),
+    Input("heads_q", "Int32"), Input("heads_kv", "Int32", when="varlen"),
+)
+BWD_ORDER = order_params(BWD_INPUTS)
+BWD_PREPROCESS = Params(
+    "BwdPreParams",
+    rows("out", "bsh", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
+    rows("dout", "bsh", when="not varlen"), rows("dout_rows", "sh", "dout", when="varlen"),
+    ptr("lse"), ptr("lse2"), ptr("dsum"), ptr("dq_accum"), ptr("dq_semaphore"), ptr("dq_done"),
+    ptr("tail_counters", when="not varlen"), ptr("ctas_done", when="varlen"),
+    i32("seqlen_q", when="not varlen"), i32("total_q", when="varlen"), i32("heads_q"), i32("first_write"),
+    ptr("cu_seqlens_q", when="varlen"), ptr("seqused_q", when="varlen"), i32("use_seqused_q", when="varlen"),
+    i32("batch", when="varlen"),
+    inputs=BWD_INPUTS,
+)
+# kernel (dense) and kernel_varlen: dK, dV by TMA, or row by row where packed; the dQ
+# accumulator by a TMA reduce (and a store for a tile's first share) into its rows, or
+# in fragment order by 1D bulk reduces at its address
+BWD_MAIN = Params(
+    "BwdParams",
+    tma("q"), tma("dout"), tma("k"), tma("v"),
+    tma("dk", when="not varlen"), rows("dk_rows", "sh", "dk", when="varlen"),
+    tma("dv", when="not varlen"), rows("dv_rows", "sh", "dv", when="varlen"),
+    tma("dq_accum", when="not dq_fragment_order"), tma_map("dq_accum_store", "dq_accum", when="not dq_fragment_order"),
+    ptr("lse2"), ptr("dsum"), ptr("dq_semaphore"), ptr("dq_accum_ptr", "dq_accum"), ptr("dq_done"),
+    ptr("ctas_done", when="varlen"),
+    f32("scale"), f32("scale_log2"), i32("turn_tiles"), i32("first_write"),
+    ptr("tail_counters", when="not varlen"), ptr("dkv_partial", when="not varlen"),
+    i32("tail_tiles", when="not varlen"), i32("tail_pieces", when="not varlen"),
+    *SEQUENCE_PARAMS, *ORDER_PARAMS,
+    inputs=BWD_INPUTS,
+)
+BWD_POSTPROCESS = Params(
+    "BwdPostParams",
+    ptr("dq_accum"), ptr("dq_semaphore"), ptr("dq_done"), ptr("ctas_done", when="varlen"),
+    rows("dq", "bsh", when="not varlen"), rows("dq_rows", "sh", "dq", when="varlen"),
+    i32("seqlen_q", when="not varlen"), i32("seqlen_k", when="not varlen"), i32("total_q", when="varlen"),
+    i32("heads_q"), f32("scale"), i32("first_write"),
+    ptr("cu_seqlens_q", when="varlen"), ptr("seqused_q", when="varlen"), i32("use_seqused_q", when="varlen"),
+    ptr("cu_seqlens_k", when="varlen"), ptr("seqused_k", when="varlen"), i32("use_seqused_k", when="varlen"),
+    i32("batch", when="varlen"), i32("total_k", when="varlen"), i32("heads_kv", when="varlen"),
+    inputs=BWD_INPUTS,
+)
+
+# ------------------------------------------------------------------ decode and combine
+DECODE_INPUTS = Inputs(
+    "DecodeInputs",
+    Input("q", "io"),  # (b, s_q, h_q, d)
+    Input("k_cache", "io"), Input("v_cache", "io"),  # (pages, page rows, h_kv, d); (b, max_cache, ...) unpaged
+    Input("out", "io"),
+    Input("lse", "f32", 3),  # (b, h_q, s_q)
+    Input("o_partial", "f32", 5),  # workspace (splits, b, s_q, h_q, d)
+    Input("lse_partial", "f32", 4),  # workspace (splits, b, h_q, s_q)
+    Input("cache_seqlens", "i32", 1),  # (b,): keys in each sequence's cache
+    Input("page_table", "i32", 2),  # (b, max_pages), read where paged
+    Input("scale_log2", "Float32"),
+    *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "max_pages", "piece_rows", "paged",
+                                 "turn_stride")),
+)
+DECODE = Params(
+    "DecodeParams",
+    tma("k_cache"), tma("v_cache"), rows("q", "bsh"), rows("out", "bsh"),
+    ptr("lse"), ptr("o_partial"), ptr("lse_partial"), ptr("cache_seqlens"), ptr("page_table"), f32("scale_log2"),
+    i32("batch"), i32("seqlen_q"), i32("heads_q"), i32("splits"),
+    i32("max_pages"),  # page table columns (paged); 1 otherwise
+    i32("piece_rows"),  # keys per TMA piece: tile_n, or a divisor of it (small pages)
+    i32("paged"),  # 1: K/V pages from the page table; 0: page = batch entry
+    i32("turn_stride"),  # key tiles between consecutive (sequence, split) CTAs' starts
+    inputs=DECODE_INPUTS,
+)
+COMBINE_INPUTS = Inputs(
+    "CombineInputs",
+    Input("o_partial", "f32", 5), Input("lse_partial", "f32", 4), Input("out", "io"), Input("lse", "f32", 3),
+    *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits")),
+)
+COMBINE = Params(
+    "CombineParams",
+    ptr("o_partial"), ptr("lse_partial"), rows("out", "bsh"), ptr("lse"),
+    i32("batch"), i32("seqlen_q"), i32("heads_q"), i32("splits"),
+    inputs=COMBINE_INPUTS,
+)
