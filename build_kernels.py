@@ -5,13 +5,14 @@
     python build_kernels.py --only 'fwd.*.d128*' --jobs 2
     python build_kernels.py --out /tmp/kernels  # elsewhere (tests); default: the package
 
-A variant is recompiled only when its build key changed: the kernel sources, the
-toolchain, or the variant itself. The manifest lists exactly the variants of this build;
+A variant is recompiled only when its build key changed: any fa4_aot module the compiler
+imports (``kernel_sources``), the toolchain, or the variant itself. The manifest lists exactly the variants of this build;
 cubins of other variants in the output folder are removed.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures as futures
 import contextlib
 import datetime
@@ -34,23 +35,73 @@ from fa4_aot import manifest as mf  # noqa: E402
 from fa4_aot.variants import ARCHS, AXES, MATRIX, NOT_BUILT_REASONS, Variant, select  # noqa: E402
 
 PACKAGE = ROOT / "fa4_aot"
-SOURCES = sorted((PACKAGE / "src").rglob("*.py")) + [PACKAGE / "variants.py"]
+COMPILER = PACKAGE / "src" / "compile.py"  # what a worker imports to compile a variant
 # The DSL's cu13 libraries carry ptxas 13.x; cubins from it load on CUDA 13.0 drivers
 # (seen on 580.159.04) and are not promised to load on older ones.
 DRIVER_FLOOR = {"cuda_version": 13000, "driver": "580", "why": "cubins from ptxas 13.x (cu13 DSL libraries)"}
 
 
-def build_key(variant: Variant) -> str:
+def kernel_sources(start: Path = COMPILER) -> list[Path]:
+    """Every fa4_aot module the compiler imports, directly or through others, wherever the
+    import statement is (a function's too), with the packages' __init__ on the way: the
+    files a cubin and its manifest row are made from. Read from the source, not by
+    importing it (no DSL needed). The top package's __init__ is left out: it is the run
+    time's public face, which importing fa4_aot.src runs but no compile reads."""
+    top = (PACKAGE / "__init__.py").resolve()
+    seen, todo = {top}, [start.resolve()]
+    while todo:
+        path = todo.pop()
+        if path in seen or not path.exists():
+            continue
+        seen.add(path)
+        package = path.parent
+        while package != PACKAGE.parent and (package / "__init__.py").exists():
+            todo.append((package / "__init__.py").resolve())
+            package = package.parent
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for module in _imported(node, path):
+                if module[0] == "fa4_aot":
+                    target = PACKAGE.parent.joinpath(*module)
+                    todo += [target.with_suffix(".py"), target / "__init__.py"]
+    return sorted(seen - {top})
+
+
+def _imported(node, path: Path) -> list[tuple[str, ...]]:
+    """The dotted modules (as tuples) an import statement names, relative ones resolved
+    from ``path``; for ``from x import y`` both x and x.y (y may be a module)."""
+    if isinstance(node, ast.Import):
+        return [tuple(alias.name.split(".")) for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        base = parts[:len(parts) - node.level] + tuple((node.module or "").split(".") if node.module else ())
+    else:
+        base = tuple(node.module.split("."))
+    return [base] + [base + (alias.name,) for alias in node.names]
+
+
+def build_key(variant: Variant, sources: list[Path] | None = None) -> str:
+    """What a variant's cubin and row are made from: the compiler's modules
+    (``kernel_sources``), the DSL's version and the variant."""
     h = hashlib.sha256()
-    for path in SOURCES:
+    for path in sources if sources is not None else kernel_sources():
+        h.update(str(path.relative_to(ROOT)).encode())
         h.update(path.read_bytes())
     h.update(version("nvidia-cutlass-dsl").encode())
     h.update(json.dumps(variant.to_dict(), sort_keys=True).encode())
     return h.hexdigest()
 
 
+def _use_arch(gpu_arch: str) -> None:
+    """A worker's initializer: the DSL reads its target from CUTE_DSL_ARCH when first
+    imported, so each worker pool serves one architecture (and compiles pass it too)."""
+    os.environ["CUTE_DSL_ARCH"] = gpu_arch
+
+
 def _compile_one(variant: Variant) -> tuple[Variant, dict, float]:
-    os.environ.setdefault("CUTE_DSL_ARCH", variant.gpu_arch)
+    if os.environ.get("CUTE_DSL_ARCH") != variant.gpu_arch:
+        raise BuildError(f"{variant.name}: a worker for {os.environ.get('CUTE_DSL_ARCH')} was handed it")
     from fa4_aot.src.compile import compile_variant
 
     start = time.perf_counter()
@@ -119,8 +170,9 @@ def main(only, archs, jobs, out, force, base):
         except (ValueError, KeyError):
             previous = {}
     rows, todo = {}, []
+    sources = kernel_sources()
     for v in wanted:
-        key = build_key(v)
+        key = build_key(v, sources)
         old = previous.get(v.name)
         path = cubin_dir / v.cubin_file
         if (not force and old and old.get("build_key") == key and path.exists()
@@ -132,13 +184,17 @@ def main(only, archs, jobs, out, force, base):
     start = time.perf_counter()
     toolchain = None
     if todo:
-        with futures.ProcessPoolExecutor(max_workers=max(1, jobs)) as pool, _progress(len(todo), len(wanted)) as done:
-            keys = dict((v.name, k) for v, k in todo)
-            for variant, result, seconds in pool.map(_compile_one, [v for v, _ in todo]):
-                (ROOT / "build" / "ptx" / f"{variant.name}.ptx").write_text(result["ptx"])
-                toolchain = toolchain or _toolchain(result["ptx"])
-                rows[variant.name] = _row(variant, result, keys[variant.name], cubin_dir)
-                done(variant, seconds)
+        keys = dict((v.name, k) for v, k in todo)
+        with _progress(len(todo), len(wanted)) as done:
+            for arch in sorted({v.gpu_arch for v, _ in todo}):
+                batch = [v for v, _ in todo if v.gpu_arch == arch]
+                with futures.ProcessPoolExecutor(max_workers=max(1, jobs), initializer=_use_arch,
+                                                 initargs=(arch,)) as pool:
+                    for variant, result, seconds in pool.map(_compile_one, batch):
+                        (ROOT / "build" / "ptx" / f"{variant.name}.ptx").write_text(result["ptx"])
+                        toolchain = toolchain or _toolchain(result["ptx"])
+                        rows[variant.name] = _row(variant, result, keys[variant.name], cubin_dir)
+                        done(variant, seconds)
     names = [v.name for v in wanted]
     if base is not None:
         for row in json.loads((base / "manifest.json").read_text())["kernels"]:

@@ -2,10 +2,12 @@
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -274,6 +276,7 @@ def test_a_variant_that_fails_to_compile_fails_the_build_with_its_traceback(tmp_
     pytest.importorskip("cutlass", reason="the CuTe DSL is needed to compile")
     script = f"""
 import sys
+from pathlib import Path
 sys.path.insert(0, {str(ROOT)!r})
 import build_kernels
 import fa4_aot.src.compile as compile_module
@@ -292,3 +295,80 @@ build_kernels.main(["--out", {str(tmp_path)!r}, "--only", {SUBSET[0]!r}, "--jobs
     assert proc.returncode != 0
     assert "BuildError" in proc.stderr and "DSLLikeError" in proc.stderr and "E42" in proc.stderr
     assert not (tmp_path / "manifest.json").exists()
+
+
+_IMPORT_TRACE = r"""
+import builtins, importlib.util, json, sys
+edges = set()
+real_import = builtins.__import__
+
+def traced(name, globals=None, locals=None, fromlist=(), level=0):
+    importer = (globals or {}).get("__name__", "")
+    target = importlib.util.resolve_name("." * level + name, (globals or {}).get("__package__") or importer) \
+        if level else name
+    edges.add((importer, target))
+    for item in fromlist or ():
+        edges.add((importer, f"{target}.{item}"))
+    return real_import(name, globals, locals, fromlist, level)
+
+builtins.__import__ = traced
+from fa4_aot.src.compile import compile_variant
+from fa4_aot.variants import Variant
+for name in sys.argv[1:]:
+    compile_variant(Variant.from_name(name))
+files = {m: getattr(sys.modules[m], "__file__", None) for m in list(sys.modules) if m.startswith("fa4_aot")}
+print(json.dumps({"edges": sorted(edges), "files": files}))
+"""
+
+
+def _compiler_imports() -> set:
+    """The fa4_aot modules the compiler reaches through import statements as they ran while
+    it compiled a varlen forward and a decode (traced in a fresh process)."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to compile kernels")
+    proc = subprocess.run([sys.executable, "-c", _IMPORT_TRACE, "fwd.sm90a.bf16.d64.varlen", "combine.sm90a.bf16.d64"],
+                          capture_output=True, text=True, cwd=ROOT, env={**os.environ, "CUTE_DSL_ARCH": "sm_90a"})
+    assert proc.returncode == 0, proc.stderr
+    trace = json.loads(proc.stdout.splitlines()[-1])
+    graph = {}
+    for importer, target in trace["edges"]:
+        graph.setdefault(importer, set()).add(target)
+    reached, todo = set(), ["fa4_aot.src.compile"]
+    while todo:
+        module = todo.pop()
+        if module in reached:
+            continue
+        reached.add(module)
+        todo += [t for t in graph.get(module, ()) if t.startswith("fa4_aot")]
+    return {Path(trace["files"][m]).resolve() for m in reached if trace["files"].get(m)}
+
+
+def test_the_build_key_covers_every_module_the_compiler_imports(monkeypatch):
+    """Each fa4_aot module the compiler imports (traced while it compiles) is hashed into
+    the build key, and a change to any of them changes every variant's key: no cubin
+    outlives a change to what made it. (The key once hashed src/, abi.py and variants.py
+    only: cubin_info.py and policy.py, which the compiler imports, were left out.)"""
+    import build_kernels
+
+    sources = build_kernels.kernel_sources()
+    imported = _compiler_imports()
+    assert imported - set(sources) == set()
+    assert {p.name for p in imported} >= {"compile.py", "interfaces.py", "variants.py", "cubin_info.py"}
+    variant = Variant.from_name("fwd.sm90a.bf16.d64")
+    key = build_kernels.build_key(variant, sources)
+    real = Path.read_bytes
+    for changed in sources:
+        monkeypatch.setattr(Path, "read_bytes", lambda self: real(self) + b"#" if self == changed else real(self))
+        assert build_kernels.build_key(variant, sources) != key, changed
+    monkeypatch.setattr(Path, "read_bytes", real)
+
+
+def test_each_worker_pool_serves_one_architecture(monkeypatch):
+    """The DSL reads CUTE_DSL_ARCH once, when first imported: a worker compiles only for
+    the architecture its pool was started with, and says so if handed another."""
+    import build_kernels
+
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    build_kernels._use_arch("sm_100a")
+    assert os.environ["CUTE_DSL_ARCH"] == "sm_100a"  # set, not set by default
+    with pytest.raises(build_kernels.BuildError, match="a worker for sm_100a"):
+        build_kernels._compile_one(Variant.from_name("fwd.sm90a.bf16.d64"))
