@@ -55,8 +55,13 @@ def _row(manifest, axes: dict, q_tiles: int | None, two_tiles: bool) -> dict:
 def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
     """The backward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal,
     deterministic): with ``q_tiles`` query tiles per step, or when None two where
-    policy.backward_two_tiles and they are built, else one."""
-    return _row(manifest, axes, q_tiles, policy.backward_two_tiles(seqlen_k))
+    policy.backward_two_tiles (by the one-tile row's persistent keys) and they are built,
+    else one."""
+    two = False
+    if q_tiles is None and manifest.built(**axes, q_tiles=2) and manifest.built(**axes, q_tiles=1):
+        one = manifest.find(**axes, q_tiles=1)
+        two = policy.backward_two_tiles(seqlen_k, one["limits"]["persistent_max_keys"])
+    return _row(manifest, axes, q_tiles, two)
 
 
 def _check_built(manifest, axes: dict, q_tiles: int | None) -> None:
@@ -154,8 +159,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
         sizes["seqlen_k"] = seqlen_k
     if heads_kv is not None:
         sizes["heads_kv"] = heads_kv
-    return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _workspace_names(r, sizes)))
-               for r in rows)
+    return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _workspace_names(r, sizes))) for r in rows)
 
 
 def backward_rows(manifest, head_dim: int, causal, deterministic, dtype: str | None, varlen: bool) -> list:
@@ -178,7 +182,7 @@ def _workspace_names(row: dict, sizes: dict) -> dict:
     rule = row["workspace"]
     most = rule["constants"]["tail_max_tiles"]
     tiles = policy.partial_tiles(sizes, row["config"], most) if "seqlen_k" in sizes and "heads_kv" in sizes else most
-    return ws.names(rule, sizes, tiles)
+    return ws.names(rule, {**sizes, "partial_tiles": tiles})
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: float | None = None,

@@ -34,10 +34,6 @@ from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_o
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
 from .loader import KernelLibrary
 
-MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
-PAGE_ALIGN = 16  # page sizes are multiples of this many keys
-
-
 def _check_vector(name: str, t: DeviceArray, shape: tuple) -> None:
     if t.dtype != "i32":
         raise DTypeError(f"{name} must be int32; got {t.dtype}")
@@ -71,9 +67,6 @@ def check_forward_kvcache(arrays: dict) -> dict:
         raise ShapeError(f"k_cache head_dim {dk} must be q's {d}")
     if hq % hkv:
         raise ShapeError(f"heads_q={hq} must be a multiple of heads_kv={hkv} (MQA/GQA)")
-    if sq > MAX_SEQLEN_Q:
-        raise ShapeError(f"seqlen_q={sq} is past the decode kernels' {MAX_SEQLEN_Q} query tokens per sequence; "
-                         "use fa4_aot.forward (or forward_varlen) for prefill")
     if lse.dtype != "fp32":
         raise DTypeError(f"lse must be fp32; got {lse.dtype}")
     if tuple(lse.shape) != (b, hq, sq) or tuple(lse.strides) != (hq * sq, sq, 1):
@@ -88,8 +81,6 @@ def check_forward_kvcache(arrays: dict) -> dict:
         if len(table.shape) != 2 or table.shape[0] != b:
             raise ShapeError(f"page_table must have shape (batch={b}, max_pages); got {table.shape}")
         _check_vector("page_table", table, tuple(table.shape))
-        if rows % PAGE_ALIGN:
-            raise ShapeError(f"page size {rows} (k_cache.shape[1]) must be a multiple of {PAGE_ALIGN}")
         max_pages = table.shape[1]
         reach = max_pages * rows
     else:
@@ -106,17 +97,32 @@ def check_forward_kvcache(arrays: dict) -> dict:
             "max_seqlen_k": reach}
 
 
-def _check_splits(value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                              or not 1 <= value <= policy.DECODE_MAX_SPLITS):
-        raise OptionError(f"num_splits must be an int in 1..{policy.DECODE_MAX_SPLITS} or None; got {value!r}")
+def check_limits(sizes: dict, limits: dict) -> None:
+    """What the decode kernels take (their rows' ``limits``): query tokens per sequence
+    and page sizes."""
+    if sizes["seqlen_q"] > limits["max_seqlen_q"]:
+        raise ShapeError(f"seqlen_q={sizes['seqlen_q']} is past the decode kernels' {limits['max_seqlen_q']} query "
+                         "tokens per sequence; use fa4_aot.forward (or forward_varlen) for prefill")
+    if sizes["paged"] and sizes["cache_rows"] % limits["page_align"]:
+        raise ShapeError(f"page size {sizes['cache_rows']} (k_cache.shape[1]) must be a multiple of "
+                         f"{limits['page_align']}")
 
 
-def _splits(value, sizes: dict, tile_m: int, tile_n: int, sm_count: int) -> int:
-    _check_splits(value)
+def _check_splits(value, most: int | None = None) -> None:
+    """num_splits: None, or an int from 1 (to ``most``, the rows' max_splits, where known)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                              or (most is not None and value > most)):
+        raise OptionError(f"num_splits must be an int in 1..{most or 'the kernels’ most'} or None; got {value!r}")
+
+
+def _splits(value, sizes: dict, row: dict, sm_count: int) -> int:
+    most = row["limits"]["max_splits"]
+    _check_splits(value, most)
     if value is not None:
         return value
-    return policy.decode_splits(_ctas(sizes, tile_m), -(-sizes["max_seqlen_k"] // tile_n), sm_count)
+    cfg = row["config"]
+    return policy.decode_splits(_ctas(sizes, cfg["tile_m"]), -(-sizes["max_seqlen_k"] // cfg["tile_n"]), sm_count,
+                                most)
 
 
 def _ctas(sizes: dict, tile_m: int) -> int:
@@ -143,11 +149,11 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
              "max_seqlen_k": max_seqlen_k}
     if sm_count is None and num_splits is None:
         sm_count = library.sm_count(0)
-    splits = _splits(num_splits, sizes, row["config"]["tile_m"], row["config"]["tile_n"], sm_count or 1)
+    splits = _splits(num_splits, sizes, row, sm_count or 1)
     if splits == 1:
         return 0
     rule = row["workspace"]
-    return ws.total_bytes(rule, ws.regions(rule, {**sizes, "splits": splits}))
+    return ws.total_bytes(rule, ws.regions(rule, ws.names(rule, {**sizes, "splits": splits})))
 
 
 def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
@@ -184,51 +190,31 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     sizes = check_forward_kvcache(arrays)
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
     _check_built(library.manifest, axes, 1)
+    check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
     arch = library.arch(device)
     row = library.manifest.find(**axes, arch=arch, q_tiles=1)
-    cfg = row["config"]
-    splits = _splits(num_splits, sizes, cfg["tile_m"], cfg["tile_n"], library.sm_count(device))
+    splits = _splits(num_splits, sizes, row, library.sm_count(device))
     tensors = {}
     if splits > 1:
         if "workspace" not in arrays:
             raise ShapeError(f"{splits} splits need a workspace (fa4_aot.forward_kvcache_workspace_bytes)")
         space = arrays["workspace"]
         checks.check_workspace(space)
-        tensors.update(ws.carve(row["workspace"], {**sizes, "splits": splits}, space.ptr,
+        tensors.update(ws.carve(row["workspace"], ws.names(row["workspace"], {**sizes, "splits": splits}), space.ptr,
                                 math.prod(space.shape) * space.itemsize))
     else:
         dummy = arrays["lse"].as_launch_tensor()  # never read or written with one split
         tensors.update(o_partial=dummy, lse_partial=dummy)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
-    piece = math.gcd(sizes["cache_rows"], cfg["tile_n"]) if sizes["paged"] else cfg["tile_n"]
-    launch_row = _with_piece(row, piece)
     tensors.update(launch_tensors(arrays))
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
-    group = sizes["heads_q"] // sizes["heads_kv"]
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
-              "piece_rows": piece, "turn_stride": policy.DECODE_TURN_STRIDE,
-              "decode_ctas": -(-group * sizes["seqlen_q"] // cfg["tile_m"]) * splits,
-              "combine_rows": sizes["batch"] * sizes["seqlen_q"] * sizes["heads_q"]}
-    library.launch(launch_row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
-    if splits > 1:
-        combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
-                                        causal=False, arch=arch, q_tiles=1)
+              "turn_stride": policy.DECODE_TURN_STRIDE}
+    # the combine found before anything is launched: a call refused after the decode ran
+    # would leave a kept plan of the decode alone for its repeats
+    combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=False,
+                                    arch=arch, q_tiles=1) if splits > 1 else None
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
+    if combine is not None:
         library.launch(combine, device, stream, values, tensors, key=key, aliases=aliases, append=True)
-
-
-_PIECE_ROWS: dict = {}
-
-
-def _with_piece(row: dict, piece: int) -> dict:
-    """``row`` with its K/V tensor maps' key box ``piece`` rows (a paged cache whose page
-    size the key tile does not divide is loaded in pieces of the pages' common rows)."""
-    if piece == row["config"]["tile_n"]:
-        return row
-    key = (row["name"], row["sha256"], piece)
-    found = _PIECE_ROWS.get(key)
-    if found is None:
-        maps = {name: {**recipe, "box": [recipe["box"][0], piece, *recipe["box"][2:]]}
-                for name, recipe in row["tensormaps"].items()}
-        found = _PIECE_ROWS[key] = {**row, "tensormaps": maps}
-    return found

@@ -26,6 +26,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 from . import tma
+from .rules import bind, evaluate
 from .driver import SUCCESS, call, compute_capability, cu, device_name, failed, init, multiprocessor_count
 from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
@@ -206,6 +207,7 @@ class KernelLibrary:
         names by id, so that no other object takes their ids while it is kept. ``append``: this row's
         launches are kept after those already under ``key`` (a call of two rows, such as
         decode and its combine, repeated as one)."""
+        values = launch_values(row, values)
         with _Context(device) as context:
             fns = self.functions(row, device, int(context.handle))
             self._wait(int(context.handle), stream, waits)
@@ -318,36 +320,19 @@ def launch_attributes(launch: dict) -> list:
     return attrs
 
 
-def grid_of(launch: dict, sizes: dict, sm_count: int | None = None) -> tuple[int, int, int]:
-    """The launch's grid from its manifest rules and the problem's sizes: ["ceil_div",
-    size, n], ["size", size], ["const", n], ["add", rule, rule, ...], ["persistent", [rules], [size, bound]]: the
-    product of the rules (the kernel's work items), and while ``size`` is at most ``bound``
-    at most ``sm_count`` (the device's multiprocessors) of them: the kernel walks its items
-    in steps of the grid; or ["split_tail", [rules], tiles, pieces]: the product, with the
-    last ``tiles`` items in ``pieces`` blocks each (the run-time values of those names;
-    fa4_aot.policy.tail_split)."""
-    def rule(op, *args):
-        if op == "ceil_div":
-            return -(-sizes[args[0]] // args[1])
-        if op == "size":
-            return sizes[args[0]]
-        if op == "const":
-            return args[0]
-        if op == "add":
-            return sum(rule(*r) for r in args)
-        if op == "persistent":
-            if not sm_count:
-                raise AbiMismatchError(f"the persistent grid of {launch['symbol'][:40]}... needs the device's "
-                                       "multiprocessor count")
-            items = math.prod(rule(*r) for r in args[0])
-            (size, bound), = args[1:]
-            return min(items, sm_count) if sizes[size] <= bound else items
-        if op == "split_tail":
-            tiles, pieces = sizes[args[1]], sizes[args[2]]
-            return math.prod(rule(*r) for r in args[0]) + tiles * (pieces - 1)
-        raise AbiMismatchError(f"unknown grid rule {op} in {launch['symbol']}")
+def launch_values(row: dict, values: dict) -> dict:
+    """A call's run-time values with those the row derives from them (its ``values``:
+    fa4_aot.rules expressions, such as decode's piece_rows)."""
+    return bind(row["values"], values) if "values" in row else values
 
-    return tuple(rule(*r) for r in launch["grid"])
+
+def grid_of(launch: dict, values: dict, sm_count: int | None = None) -> tuple[int, int, int]:
+    """The launch's grid: its manifest rules (fa4_aot.rules expressions) over the call's
+    sizes and run-time values, and ``sm_count``, the device's multiprocessors (a persistent
+    kernel's grid takes at most that many CTAs: the kernel walks its items in steps of the
+    grid)."""
+    names = values if sm_count is None else {**values, "sm_count": sm_count}
+    return tuple(evaluate(rule, names) for rule in launch["grid"])
 
 
 AXIS = {"b": 0, "s": 1, "h": 2}  # of a (b, s, h, d) launch tensor
@@ -393,9 +378,10 @@ def _fill(raw: bytearray, row: dict, slots: list, values: dict, tensors: dict) -
     for slot in slots:
         at, kind = slot["offset"], slot["kind"]
         if kind == "tensormap":
-            t = tensors[slot["tensor"]]
-            raw[at:at + 128] = tma.encode(row["tensormaps"][slot["tensor"]], t["ptr"], t["shape"], t["strides"],
-                                          t["itemsize"])
+            t, recipe = tensors[slot["tensor"]], row["tensormaps"][slot["tensor"]]
+            if any(type(n) is not int for n in recipe["box"]):  # a box the call's values size
+                recipe = {**recipe, "box": [evaluate(n, values) for n in recipe["box"]]}
+            raw[at:at + 128] = tma.encode(recipe, t["ptr"], t["shape"], t["strides"], t["itemsize"])
         elif kind == "extents":
             shape = tensors[slot["tensor"]]["shape"]
             struct.pack_into(f"<{len(slot['axes'])}i", raw, at, *[shape[AXIS[a]] for a in slot["axes"]])

@@ -17,7 +17,7 @@ from pathlib import Path
 from .errors import ChecksumError, ManifestError, UnsupportedVariantError
 from .variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 14  # 14: launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 14  # 14: rows' "limits" (what a launch may ask), "values" (launch values derived by fa4_aot.rules expressions, also in grids, workspace counts and tensor-map boxes), launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
@@ -26,7 +26,7 @@ SCHEMA = 14  # 14: launch slots name their sources (kinds "extents" and "stride"
 # backward rows carry their "config" and "workspace" rule (the run time reads them); 12:
 # the "index" (each row's variant and text span), "kernels" last (11: another branch's)
 ROW_FIELDS = (
-    "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps",
+    "name", "variant", "file", "sha256", "size", "arch", "compute_capability", "launches", "tensormaps", "limits",
 )
 KIND_FIELDS = {"bwd": ("config", "workspace"), "decode": ("config", "workspace")}  # row fields a kind needs besides ROW_FIELDS
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")

@@ -18,21 +18,17 @@ import functools
 # measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k.
 TWO_TILES_MAX_SEQLEN_K = 4096
 
-# Keys above which the backward takes two query tiles per step where a variant has both
-# kernels (``q_tiles`` 2: head_dim 64 causal, not deterministic): the one-tile kernel's
-# CTAs are persistent up to these keys (the build's PERSISTENT_MAX_KEYS), where the
-# two-tile one measured 5% slower (1k), and it 2% faster at 4k and 16k.
-BWD_ONE_TILE_MAX_SEQLEN_K = 2048
-
-
 def forward_two_tiles(seqlen_k: int) -> bool:
     """Whether the forward takes its two-query-tile kernel, where built."""
     return seqlen_k <= TWO_TILES_MAX_SEQLEN_K
 
 
-def backward_two_tiles(seqlen_k: int) -> bool:
-    """Whether the backward takes its two-query-tile kernel, where built."""
-    return seqlen_k > BWD_ONE_TILE_MAX_SEQLEN_K
+def backward_two_tiles(seqlen_k: int, one_tile_persistent_keys: int) -> bool:
+    """Whether the backward takes its two-query-tile kernel, where a variant has both
+    (``q_tiles`` 2: head_dim 64 causal, not deterministic): past the keys up to which the
+    one-tile kernel's CTAs are persistent (its row's ``limits``: 2048), where the two-tile
+    one measured 5% slower (1k keys), and 2% faster at 4k and 16k."""
+    return seqlen_k > one_tile_persistent_keys
 
 
 def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
@@ -112,10 +108,8 @@ def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count
     return tail_split(items, sm_count, -(-sizes["seqlen_q"] // config["step_rows"]), tail_max_tiles)
 
 
-# Decode (fa4_aot.kvcache): the most key-range splits a launch takes (the workspace rule's
-# max_splits), and what a split costs beyond its key tiles: its start, its partial O
-# write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
-DECODE_MAX_SPLITS = 128
+# Decode (fa4_aot.kvcache): what a split costs beyond its key tiles: its start, its partial
+# O write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
 SPLIT_COST_TILES = 1
 # Key tiles between the starting points of consecutive (sequence, split) CTAs in their key
 # ranges (the KV heads of one start together: they read the same cache rows).
@@ -123,14 +117,15 @@ DECODE_TURN_STRIDE = 11
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
+def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> int:
     """Splits of each (row tile, KV head, sequence)'s ``key_tiles`` key tiles over CTAs,
-    one CTA per SM at a time: the fewest that minimize waves x (tiles per split +
-    SPLIT_COST_TILES), e.g. 8 sequences x 8 KV heads x 256 tiles on 132 SMs: 2 splits (one
-    wave of 128 CTAs of 128 tiles); 1 x 8 x 1024: 16; 64 x 8 x 32: 1 (512 CTAs already
-    fill the SMs). From the shapes only, so the same launch serves a CUDA graph's replays."""
+    one CTA per SM at a time, at most ``max_splits`` (the row's ``limits``): the fewest
+    that minimize waves x (tiles per split + SPLIT_COST_TILES), e.g. 8 sequences x 8 KV
+    heads x 256 tiles on 132 SMs: 2 splits (one wave of 128 CTAs of 128 tiles); 1 x 8 x
+    1024: 16; 64 x 8 x 32: 1 (512 CTAs already fill the SMs). From the shapes only, so the
+    same launch serves a CUDA graph's replays."""
     best, cost = 1, -(-ctas // sm_count) * key_tiles
-    for splits in range(2, min(DECODE_MAX_SPLITS, max(key_tiles, 1)) + 1):
+    for splits in range(2, min(max_splits, max(key_tiles, 1)) + 1):
         waves = -(-ctas * splits // sm_count)
         split_cost = waves * (-(-key_tiles // splits) + SPLIT_COST_TILES)
         if split_cost < cost:
@@ -139,21 +134,21 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int) -> int:
 
 
 # The varlen forward's sequence order (docs/design.md, "Variable length"): "lpt" sorts the
-# sequences heaviest first in a one-CTA launch before the attention kernel (up to
-# LPT_MAX_BATCH sequences, the sort's width in shared memory, built into the kernels: a
-# power of two); "plain" takes them in the caller's order. VARLEN_LPT: the default where the
+# sequences heaviest first in a one-CTA launch before the attention kernel (up to the
+# row's ``limits.order_max_batch`` sequences, the sort's width in shared memory);
+# "plain" takes them in the caller's order. VARLEN_LPT: the default where the
 # caller gives a workspace (forward_varlen) or lets the adapter allocate one: LPT, which
 # measured faster on every mix (benchmarks/bench_varlen.py --order plain,lpt, H200, same
 # rounds): +0.8-2.1% with the long sequence first or last at 16 heads, +1.6-3.3% on 256
 # GQA prompts, +7.6% long-last causal at 4 heads.
-LPT_MAX_BATCH = 8192
 VARLEN_LPT = True
 VARLEN_ORDERS = ("plain", "lpt")
 
 
-def varlen_order(batch: int) -> str:
-    """The varlen forward's default order for ``batch`` sequences: "lpt" or "plain"."""
-    return "lpt" if VARLEN_LPT and 2 <= batch <= LPT_MAX_BATCH else "plain"
+def varlen_order(batch: int, max_batch: int) -> str:
+    """The varlen forward's default order for ``batch`` sequences (the sort takes at most
+    ``max_batch``): "lpt" or "plain"."""
+    return "lpt" if VARLEN_LPT and 2 <= batch <= max_batch else "plain"
 
 
 # The varlen backward's default order (backward_varlen with order None, where its workspace
@@ -168,8 +163,8 @@ def varlen_order(batch: int) -> str:
 VARLEN_BWD_LPT_KEY_SHARE = 0.5
 
 
-def varlen_backward_order(batch: int, causal: bool, max_seqlen_k: int, total_k: int) -> str:
+def varlen_backward_order(batch: int, causal: bool, max_seqlen_k: int, total_k: int, max_batch: int) -> str:
     """The varlen backward's default order for ``batch`` sequences of ``total_k`` keys, the
-    longest ``max_seqlen_k``: "lpt" or "plain"."""
+    longest ``max_seqlen_k`` (the sort takes at most ``max_batch``): "lpt" or "plain"."""
     one_long = max_seqlen_k >= VARLEN_BWD_LPT_KEY_SHARE * total_k
-    return "lpt" if causal and one_long and 2 <= batch <= LPT_MAX_BATCH else "plain"
+    return "lpt" if causal and one_long and 2 <= batch <= max_batch else "plain"

@@ -16,8 +16,9 @@ import torch
 
 from .arrays import DeviceArray
 from .errors import DeviceError, DTypeError
-from . import policy
-from .varlen import backward_varlen, backward_varlen_workspace_bytes, forward_varlen, forward_varlen_workspace_bytes
+from .varlen import (
+    backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
+)
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.uint8: "u8"}
@@ -42,7 +43,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
-    if workspace is None and (order == "lpt" or (order is None and policy.varlen_order(batch) == "lpt")):
+    if workspace is None and (order == "lpt" or (order is None and default_forward_order(batch) == "lpt")):
         workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
     extra = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("workspace", workspace))
              if t is not None}

@@ -25,8 +25,8 @@ from .arrays import DeviceArray, as_device_arrays
 from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
 from .checks import check_backward as _check_dense_backward
 from .checks import check_forward as _check_dense
-from .errors import DTypeError, LayoutError, OptionError, ShapeError
-from .loader import KernelLibrary
+from .errors import DTypeError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
+from .loader import KernelLibrary, grid_of
 
 
 def _as_packed(t: DeviceArray) -> DeviceArray:
@@ -84,34 +84,48 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
             "head_dim": problem.head_dim, "dtype": problem.dtype, "packed": packed}
 
 
-def forward_varlen_workspace_bytes(batch: int) -> int:
+def forward_varlen_workspace_bytes(batch: int, *, library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``forward_varlen`` needs as its ``workspace`` for ``batch``
-    sequences (the heaviest-first order: batch int32, in 256-byte units); no GPU needed."""
+    sequences (the heaviest-first order: the varlen forward rows' workspace rule, batch
+    int32 in 256-byte units); no GPU needed."""
     checks.check_sizes(batch=batch)
-    return -(-4 * batch // 256) * 256
+    library = library or default_library()
+    rows = library.manifest.matching(kind="fwd", varlen=True)
+    if not rows:
+        raise UnsupportedVariantError("no varlen forward kernel is built")
+    return max(_workspace_bytes(r["workspace"], ws.names(r["workspace"], {"batch": batch})) for r in rows)
 
 
-def _walk_order(order, batch: int, room: bool, needs: str, default: str, total: int, tile: int, heads: int,
-                names: tuple[str, str]) -> str:
+def default_forward_order(batch: int, *, library: KernelLibrary | None = None) -> str:
+    """The order ``forward_varlen`` takes for ``batch`` sequences where given a workspace
+    and no ``order`` (policy.varlen_order, up to the sort's bound in the manifest)."""
+    library = library or default_library()
+    rows = library.manifest.matching(kind="fwd", varlen=True)
+    return policy.varlen_order(batch, min((r["limits"]["order_max_batch"] for r in rows), default=0))
+
+
+def _walk_order(order, row: dict, values: dict, room: bool, needs: str, default: str) -> str:
     """A varlen call's sequence order: ``order`` as given ("plain" or "lpt"), or where None
-    ``default`` (the policy's) if the workspace has ``room`` for the order and the walk's
-    (ceil(total / tile) + batch) * heads CTAs count in int32, else "plain". ``needs``: the
-    workspace the order needs, ``names``: (total's, heads') names, for the errors."""
-    fits = (-(-total // tile) + batch) * heads <= INT32_MAX
+    ``default`` (the policy's) if the workspace has ``room`` for the order and the CTAs of
+    the launch that walks it (the row's, by its grid rule, for the call's ``values``)
+    count in int32, else "plain". ``needs``: the workspace the order needs, for the errors."""
+    walker = next(launch for launch in row["launches"]
+                  if "when" not in launch and any(s.get("value") == "lpt" for s in launch["params"]))
+    ctas = math.prod(grid_of(walker, values))
     if order is None:
-        return default if room and fits else "plain"
+        return default if room and ctas <= INT32_MAX else "plain"
     if order not in policy.VARLEN_ORDERS:
         raise OptionError(f"order must be one of {policy.VARLEN_ORDERS} or None; got {order!r}")
     if order == "lpt":
         if not room:
             raise OptionError(f"order='lpt' needs a workspace of {needs} bytes")
-        if batch > policy.LPT_MAX_BATCH:
-            raise ShapeError(f"order='lpt' sorts up to {policy.LPT_MAX_BATCH} sequences; got batch={batch} "
+        most = row["limits"]["order_max_batch"]
+        if values["batch"] > most:
+            raise ShapeError(f"order='lpt' sorts up to {most} sequences; got batch={values['batch']} "
                              "(order=None takes the plain order there)")
-        if not fits:
-            total_name, heads_name = names
-            raise ShapeError(f"order='lpt' walks (ceil({total_name} / {tile}) + batch) * {heads_name} CTAs in int32; "
-                             f"{total_name}={total}, batch={batch}, {heads_name}={heads} pass it")
+        if ctas > INT32_MAX:
+            raise ShapeError(f"order='lpt' walks {ctas} CTAs ({walker['grid']}), past int32 indices, for "
+                             f"{ {n: values[n] for n in ('batch', 'total_q', 'total_k', 'heads_q', 'heads_kv')} }")
     return order
 
 
@@ -129,7 +143,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     ``workspace``: contiguous device memory of ``forward_varlen_workspace_bytes(batch)``
     bytes, 4-byte aligned, any contents, for the heaviest-first order; ``order``: "lpt"
     (sequences heaviest first, a one-CTA sort launched before the kernel; up to
-    policy.LPT_MAX_BATCH sequences), "plain" (the caller's order), or None: the policy's
+    the row's limits.order_max_batch sequences), "plain" (the caller's order), or None: the policy's
     choice where a workspace is given (policy.varlen_order), else "plain". The order
     changes which CTA computes a tile, not what it computes: the results are the same bits.
     Asynchronous and allocation-free.
@@ -146,7 +160,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
         return
     sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
     if "workspace" in arrays:
-        _check_order_workspace(arrays["workspace"], sizes["batch"])
+        _check_order_workspace(arrays["workspace"], sizes["batch"], library)
     axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal, varlen=True)
     _check_built(library.manifest, axes, 1)
     device = device_of(arrays)
@@ -154,11 +168,14 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     packed = sizes.pop("packed")
     tensors = _sequence_tensors(arrays, packed)
-    walk = _walk_order(order, sizes["batch"], "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
-                       policy.varlen_order(sizes["batch"]), sizes["total_q"], row["tiling"]["tile_m"],
-                       sizes["heads_q"], ("total_q", "heads_q"))
-    # plain: the kernel reads no order (cu_seqlens_q stands in for the pointer)
-    tensors["order"] = arrays["workspace" if walk == "lpt" else "cu_seqlens_q"].as_launch_tensor()
+    walk = _walk_order(order, row, sizes, "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
+                       policy.varlen_order(sizes["batch"], row["limits"]["order_max_batch"]))
+    if walk == "lpt":
+        space = arrays["workspace"]
+        tensors.update(ws.carve(row["workspace"], ws.names(row["workspace"], sizes), space.ptr,
+                                math.prod(space.shape) * space.itemsize))
+    else:  # the kernel reads no order (cu_seqlens_q stands in for the pointer)
+        tensors["order"] = tensors["cu_seqlens_q"]
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
               "lpt": int(walk == "lpt")}
@@ -176,27 +193,22 @@ def _sequence_tensors(arrays: dict, packed: dict) -> dict:
     return tensors
 
 
-def _check_order_workspace(space: DeviceArray, batch: int) -> None:
+def _check_order_workspace(space: DeviceArray, batch: int, library: KernelLibrary) -> None:
     """The forward's workspace: contiguous, 4-byte aligned, at least
     forward_varlen_workspace_bytes(batch) bytes."""
     checks.check_workspace(space)
     if space.ptr % 4:
         raise LayoutError(f"workspace's data pointer {space.ptr:#x} is not 4-byte aligned")
-    have, need = math.prod(space.shape) * space.itemsize, forward_varlen_workspace_bytes(batch)
+    have, need = math.prod(space.shape) * space.itemsize, forward_varlen_workspace_bytes(batch, library=library)
     if have < need:
         raise ShapeError(f"workspace has {have} bytes; forward_varlen needs {need} "
                          f"(forward_varlen_workspace_bytes({batch}))")
 
 
 def _varlen_workspace_values(rule: dict, sizes: dict, lpt: bool) -> dict:
-    """The varlen workspace rule's names (config.varlen_workspace_rule) for a problem:
-    ws_tiles = ceil(total_q / query_tile) + batch query tiles per head (sequence b's from
-    cu_seqlens_q[b] // query_tile + b), ws_rows their rows, order_entries the heaviest-first
-    order's (batch where ``lpt``, else 0)."""
-    tile = rule["constants"]["query_tile"]
-    ws_tiles = -(-sizes["total_q"] // tile) + sizes["batch"]
-    return {**sizes, **rule["constants"], "ws_tiles": ws_tiles, "ws_rows": ws_tiles * tile,
-            "order_entries": sizes["batch"] if lpt else 0}
+    """The varlen backward workspace rule's names for a problem whose order is heaviest
+    first where ``lpt`` (the rule's derived ws_tiles, ws_rows, order_entries)."""
+    return ws.names(rule, {**sizes, "lpt": int(lpt)})
 
 
 def _workspace_bytes(rule: dict, values: dict) -> int:
@@ -282,10 +294,10 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
         raise ShapeError(f"heads_q * (total_q + batch * {rule['constants']['query_tile']}) rows must be below 2**31 "
                          "(the workspace's int32 indices)")
     have = math.prod(space.shape) * space.itemsize
-    walk = _walk_order(order, sizes["batch"], have >= _workspace_bytes(rule, values),
+    walk = _walk_order(order, row, values, have >= _workspace_bytes(rule, values),
                        "backward_varlen_workspace_bytes(total_q, batch, heads_q, head_dim, causal=, deterministic=)",
-                       policy.varlen_backward_order(sizes["batch"], causal, sizes["max_seqlen_k"], sizes["total_k"]),
-                       sizes["total_k"], row["tiling"]["tile_n"], sizes["heads_kv"], ("total_k", "heads_kv"))
+                       policy.varlen_backward_order(sizes["batch"], causal, sizes["max_seqlen_k"], sizes["total_k"],
+                                                    row["limits"]["order_max_batch"]))
     values = _varlen_workspace_values(rule, problem, walk == "lpt")
     tensors = ws.carve(rule, values, space.ptr, have)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale

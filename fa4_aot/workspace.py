@@ -1,39 +1,35 @@
-"""The backward's workspace, laid out by its manifest row's rule (``row["workspace"]``).
+"""A kernel's workspace, laid out by its manifest row's rule (``row["workspace"]``): the
+backward's statistics and dQ accumulator, decode's split partials, the varlen forward's
+sequence order.
 
 A rule lists regions in order, each ``itemsize`` bytes times the product of its ``count``
-factors: numbers, or names of the problem's sizes (batch, seqlen_q, seqlen_k, heads_q,
-heads_kv, head_dim), ``m_blocks`` (ceil(seqlen_q / query_tile)), ``partial_tiles`` (the
-split last wave's bound: fa4_aot.policy.partial_tiles) and the rule's ``constants``. Every
-region starts ``align``-byte aligned; the last one is not padded. ``views`` give a region
-the contiguous tensor shape a launch takes it as (each dim a product of factors).
+factors (fa4_aot.rules expressions over the problem's sizes and run-time values, the
+rule's ``constants`` and its ``derived`` names, evaluated in order). Every region starts
+``align``-byte aligned; the last one is not padded. ``views`` give a region the contiguous
+tensor shape a launch takes it as (each dim a product of factors).
 
-The build writes the rule (fa4_aot/src/sm90/bwd/config.py, workspace_rule); this module
-only evaluates it. Standard library only.
+The build writes the rules (fa4_aot/src: the kernels' configs); this module only
+evaluates them. Standard library only.
 """
 
 from __future__ import annotations
 
 import math
 
-from .errors import LayoutError, ManifestError, ShapeError
+from .errors import LayoutError, ShapeError
+from .rules import bind, evaluate
 
 
-def names(rule: dict, sizes: dict, partial_tiles: int) -> dict:
-    """The values a rule's factors may name, for a problem's ``sizes``."""
-    constants = rule["constants"]
-    return {**sizes, **constants, "m_blocks": -(-sizes["seqlen_q"] // constants["query_tile"]),
-            "partial_tiles": partial_tiles}
+def names(rule: dict, values: dict) -> dict:
+    """The values a rule's factors may name: a problem's sizes and run-time values
+    (``values``), the rule's constants and its derived names."""
+    return bind(rule.get("derived", {}), {**values, **rule["constants"]})
 
 
 def _product(factors, values: dict) -> int:
     out = 1
     for f in factors:
-        if isinstance(f, str):
-            if f not in values:
-                raise ManifestError(f"workspace rule names {f!r}, which this fa4_aot does not know: "
-                                    "rebuild the kernels with this version")
-            f = values[f]
-        out *= int(f)
+        out *= evaluate(f, values)
     return out
 
 

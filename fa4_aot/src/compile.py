@@ -87,6 +87,12 @@ def check_against_cubin(params: list[dict], info) -> None:
         raise RuntimeError(f"cubin parameters {got} differ from the plan {want}")
 
 
+def packed_tiles(total: str, tile: int) -> list:
+    """The tiles of packed sequences: every sequence's tiles fit ceil(total / tile) + batch
+    (common/seqlen.packed_tile), the x of the varlen grids (fa4_aot.rules expression)."""
+    return ["add", ["ceil_div", total, tile], "batch"]
+
+
 def _compile(kernel, args, variant: Variant):
     """cute.compile with fake arguments; returns (cubin bytes, PTX text, kernel symbols in launch order)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -171,18 +177,20 @@ def compile_fwd(variant: Variant) -> dict:
     if cfg.varlen:
         _symbols(variant, symbols, ["order_varlen", "kernel_varlen"])
         sort = _launch(cubin, ptx, symbols[0], FWD_ORDER.plan(cfg), [heaviest_first.THREADS, 1, 1],
-                       [["const", 1], ["const", 1], ["const", 1]], heaviest_first.SMEM_BYTES)
+                       [1, 1, 1], heaviest_first.SMEM_BYTES)
         sort["when"] = "lpt"
-        # every sequence's tiles fit ceil(total_q / tile_m) + batch CTAs (common/seqlen.packed_tile)
-        grid = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
+        grid = [packed_tiles("total_q", cfg.tile_m), "heads_q", 1]
         launches = [sort, _launch(cubin, ptx, symbols[1], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
     else:
         _symbols(variant, symbols, ["kernel"])
-        grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], ["size", "heads_q"], ["size", "batch"]]
+        grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], "heads_q", "batch"]
         launches = [_launch(cubin, ptx, symbols[0], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
-    return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches,
-            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict()}
+    out = {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches,
+           "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(), "limits": {}}
+    if cfg.varlen:
+        out.update(workspace=heaviest_first.workspace_rule(), limits={"order_max_batch": heaviest_first.MAX_BATCH})
+    return out
 
 
 def compile_bwd(variant: Variant) -> dict:
@@ -199,17 +207,17 @@ def compile_bwd(variant: Variant) -> dict:
     # the first launch waits for everything before it; the main kernel and the postprocess
     # are programmatic (each may start once every block of the one before has)
     if cfg.varlen:
-        rows = [["add", ["ceil_div", "total_q", cfg.tile_m], ["size", "batch"]], ["size", "heads_q"], ["const", 1]]
-        main = [["add", ["ceil_div", "total_k", cfg.tile_n], ["size", "batch"]], ["size", "heads_kv"], ["const", 1]]
+        rows = [packed_tiles("total_q", cfg.tile_m), "heads_q", 1]
+        main = [packed_tiles("total_k", cfg.tile_n), "heads_kv", 1]
         plans = {
-            "order_varlen": (BWD_ORDER, [heaviest_first.THREADS, 1, 1], [["const", 1]] * 3,
+            "order_varlen": (BWD_ORDER, [heaviest_first.THREADS, 1, 1], [1, 1, 1],
                              heaviest_first.SMEM_BYTES, False, "lpt"),
             "preprocess_varlen": (BWD_PREPROCESS, rows_block, rows, 0, False),
             "kernel_varlen": (BWD_MAIN, main_block, main, kernel.smem_bytes, True),
             "postprocess_varlen": (BWD_POSTPROCESS, rows_block, rows, post_smem, True),
         }
     else:
-        rows = [["ceil_div", "seqlen_q", cfg.tile_m], ["size", "heads_q"], ["size", "batch"]]
+        rows = [["ceil_div", "seqlen_q", cfg.tile_m], "heads_q", "batch"]
         plans = {
             "preprocess": (BWD_PREPROCESS, rows_block, rows, 0, False),
             "kernel": (BWD_MAIN, main_block, _bwd_main_grid(cfg), kernel.smem_bytes, True),
@@ -238,34 +246,44 @@ def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: b
         if store != recipes["dq_accum"]:
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
+    # varlen, the sort's bound; dense, the keys up to which the main kernel's CTAs are persistent
+    limits = {"order_max_batch": heaviest_first.MAX_BATCH} if cfg.varlen else {
+        "persistent_max_keys": PERSISTENT_MAX_KEYS if cfg.persistent else 0}
     return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches, "tensormaps": recipes,
-            "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg)}
+            "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg), "limits": limits}
 
 
 def _bwd_main_grid(cfg: BwdConfig) -> list:
     """One CTA per (key tile, KV head, batch), or (persistent, up to PERSISTENT_MAX_KEYS
     keys) one per SM, at most one per item: the CTAs walk the items in launch order; or
     (tail split) one per item but the last partial wave's, split into pieces."""
-    items = [["ceil_div", "seqlen_k", cfg.tile_n], ["size", "heads_kv"], ["size", "batch"]]
+    items = [["ceil_div", "seqlen_k", cfg.tile_n], "heads_kv", "batch"]
     if cfg.persistent:
-        return [["persistent", items, ["seqlen_k", PERSISTENT_MAX_KEYS]], ["const", 1], ["const", 1]]
+        every = ["mul", *items]
+        return [["if", ["le", "seqlen_k", PERSISTENT_MAX_KEYS], ["min", every, "sm_count"], every], 1, 1]
     if cfg.tail_split:
-        return [["split_tail", items, "tail_tiles", "tail_pieces"], ["const", 1], ["const", 1]]
+        return [["add", ["mul", *items], ["mul", "tail_tiles", ["sub", "tail_pieces", 1]]], 1, 1]
     return items
 
 
 def compile_decode(variant: Variant) -> dict:
     """The decode kernel (interfaces.DECODE): one CTA per (row tile x split, KV head,
-    batch), the grid's x the launch's ``decode_ctas``."""
+    batch)."""
     cfg = decode_config.DecodeConfig.of(variant)
     kernel = DecodeSm90(cfg)
     cubin, ptx, symbols = _compile(kernel, [DECODE_INPUTS.fake_tuple(cfg, _fake)], variant)
     _symbols(variant, symbols, ["kernel"])
-    grid = [["size", "decode_ctas"], ["size", "heads_kv"], ["size", "batch"]]
+    rows = ["mul", ["div", "heads_q", "heads_kv"], "seqlen_q"]  # packed rows of a KV head
+    grid = [["mul", ["ceil_div", rows, cfg.tile_m], "splits"], "heads_kv", "batch"]
     launch = _launch(cubin, ptx, symbols[0], DECODE.plan(cfg), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    recipes = _recipes(kernel, variant)
+    for recipe in recipes.values():  # the cache is loaded in pieces of piece_rows keys
+        assert recipe["box"][1] == cfg.tile_n, recipe
+        recipe["box"][1] = "piece_rows"
     return {"cubin": cubin, "ptx": ptx, "tiling": {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages},
-            "launches": [launch], "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(),
-            "workspace": decode_config.workspace_rule(cfg)}
+            "launches": [launch], "tensormaps": recipes, "config": cfg.to_dict(),
+            "workspace": decode_config.workspace_rule(cfg), "limits": decode_config.limits(),
+            "values": decode_config.launch_values(cfg)}
 
 
 def compile_combine(variant: Variant) -> dict:
@@ -275,10 +293,10 @@ def compile_combine(variant: Variant) -> dict:
     kernel = CombineSm90(cfg)
     cubin, ptx, symbols = _compile(kernel, [COMBINE_INPUTS.fake_tuple(cfg, _fake)], variant)
     _symbols(variant, symbols, ["kernel"])
-    grid = [["ceil_div", "combine_rows", cfg.rows], ["const", 1], ["const", 1]]
+    grid = [["ceil_div", ["mul", "batch", "seqlen_q", "heads_q"], cfg.rows], 1, 1]
     launch = _launch(cubin, ptx, symbols[0], COMBINE.plan(cfg), [cfg.threads, 1, 1], grid, 0)
     return {"cubin": cubin, "ptx": ptx, "tiling": {}, "launches": [launch], "tensormaps": {},
-            "config": cfg.to_dict()}
+            "config": cfg.to_dict(), "limits": {}}
 
 
 def compile_variant(variant: Variant) -> dict:

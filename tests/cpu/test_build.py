@@ -13,6 +13,7 @@ import pytest
 
 from fa4_aot.src.common.params import check_against_ptx
 from fa4_aot.cubin_info import kernel_info
+from fa4_aot.loader import grid_of
 from fa4_aot.manifest import Manifest
 from fa4_aot.variants import Variant
 
@@ -115,13 +116,15 @@ def test_decode_and_combine_contracts(built):
     folder, _ = built
     decode, combine = row_of(folder, "decode.sm90a.bf16.d128"), row_of(folder, "combine.sm90a.bf16.d128")
     (main,), (merge,) = decode["launches"], combine["launches"]
-    assert main["block"] == [256, 1, 1] and main["grid"][0] == ["size", "decode_ctas"]
+    assert main["block"] == [256, 1, 1]
+    assert grid_of(main, {"heads_q": 32, "heads_kv": 8, "seqlen_q": 17, "splits": 3, "batch": 5}) == (6, 8, 5)
     assert main["smem_bytes"] <= H100_DYNAMIC_SMEM_LIMIT and main["local_bytes"] == 0
     assert set(decode["tensormaps"]) == {"k_cache", "v_cache"}
-    assert all(r["box"][1] == decode["config"]["tile_n"] for r in decode["tensormaps"].values())
+    assert all(r["box"][1] == "piece_rows" for r in decode["tensormaps"].values())  # the call's (row "values")
+    assert decode["values"]["piece_rows"][3] == decode["config"]["tile_n"]  # not paged: the key tile
     assert [r["name"] for r in decode["workspace"]["regions"]] == ["o_partial", "lse_partial"]
     assert combine["tensormaps"] == {} and merge["block"] == [combine["config"]["threads"], 1, 1]
-    assert merge["grid"][0] == ["ceil_div", "combine_rows", combine["config"]["rows"]]
+    assert grid_of(merge, {"batch": 3, "seqlen_q": 2, "heads_q": 5}) == (-(-30 // combine["config"]["rows"]), 1, 1)
 
 
 def test_rebuild_is_incremental(built):

@@ -7,7 +7,11 @@ import pytest
 from fa4_aot import policy
 from fa4_aot.arrays import DeviceArray
 from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError
-from fa4_aot.kvcache import MAX_SEQLEN_Q, check_forward_kvcache, forward_kvcache, forward_kvcache_workspace_bytes
+from fa4_aot.kvcache import check_forward_kvcache, check_limits, forward_kvcache, forward_kvcache_workspace_bytes
+
+# the decode rows' limits (checked against the build in test_the_rows_limits_are_the_builds)
+LIMITS = {"max_splits": 128, "max_seqlen_q": 128, "page_align": 16}
+MAX_SEQLEN_Q = LIMITS["max_seqlen_q"]
 
 BASE = 0x7F0000000000
 
@@ -66,7 +70,13 @@ def test_good_problems_pass():
 ])
 def test_bad_inputs(over, paged, error, message):
     with pytest.raises(error, match=message):
-        check_forward_kvcache(arrays(paged, **over))
+        check_limits(check_forward_kvcache(arrays(paged, **over)), LIMITS)
+
+
+def test_the_rows_limits_are_the_builds(built):
+    from fa4_aot.manifest import Manifest
+
+    assert Manifest(built[0]).rows["decode.sm90a.bf16.d128"]["limits"] == LIMITS
 
 
 class _FakeLibrary:
@@ -91,9 +101,9 @@ class _FakeLibrary:
 
 
 def _every_slot_given(row, values, tensors):
-    from fa4_aot.loader import missing_sources
+    from fa4_aot.loader import launch_values, missing_sources
 
-    assert not missing_sources(row["launches"][0], values, tensors)
+    assert not missing_sources(row["launches"][0], launch_values(row, values), tensors)
 
 
 def _call(a, library, **options):
@@ -110,7 +120,10 @@ def test_one_split_launches_the_decode_alone(built):
     (row, values, tensors), = library.launches
     assert row["name"] == "decode.sm90a.bf16.d128"
     _every_slot_given(row, values, tensors)
-    assert (values["splits"], values["paged"], values["decode_ctas"], values["piece_rows"]) == (1, 0, 1, 128)
+    from fa4_aot.loader import grid_of, launch_values
+
+    assert (values["splits"], values["paged"], launch_values(row, values)["piece_rows"]) == (1, 0, 128)
+    assert grid_of(row["launches"][0], values) == (1, 8, 4)  # 4 query heads x 1 token of a KV head: one tile
 
 
 def test_splits_launch_the_combine_on_a_carved_workspace(built):
@@ -125,8 +138,10 @@ def test_splits_launch_the_combine_on_a_carved_workspace(built):
     assert (decode["name"], combine["name"]) == ("decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128")
     _every_slot_given(decode, values, tensors)
     _every_slot_given(combine, values, tensors)
-    assert values["piece_rows"] == 64 and values["paged"] == 1 and values["splits"] == 3
-    assert decode["tensormaps"]["k_cache"]["box"][1] == 64  # pieces of the pages' 64 rows
+    from fa4_aot.loader import launch_values
+
+    assert launch_values(decode, values)["piece_rows"] == 64 and values["paged"] == 1 and values["splits"] == 3
+    assert decode["tensormaps"]["k_cache"]["box"][1] == "piece_rows"  # pieces of the pages' 64 rows
     assert tensors["lse_partial"]["ptr"] - tensors["o_partial"]["ptr"] >= 3 * 4 * 32 * 128 * 4
     with pytest.raises(ShapeError, match="workspace"):
         _call(arrays(paged=True), _FakeLibrary(Manifest(folder)), num_splits=3)
@@ -135,7 +150,7 @@ def test_splits_launch_the_combine_on_a_carved_workspace(built):
         _call(arrays(paged=True, workspace=small), _FakeLibrary(Manifest(folder)), num_splits=3)
 
 
-@pytest.mark.parametrize("splits", [0, -1, policy.DECODE_MAX_SPLITS + 1, 2.0, True, "2"])
+@pytest.mark.parametrize("splits", [0, -1, 129, 2.0, True, "2"])  # 129: past the rows' max_splits
 def test_bad_split_counts(built, splits):
     from fa4_aot.manifest import Manifest
 
@@ -160,8 +175,8 @@ def test_everything_is_a_typed_error(built):
     (1, 1, 1),  # one key tile cannot split
 ])
 def test_split_heuristic(ctas, tiles, want):
-    assert policy.decode_splits(ctas, tiles, 132) == want
-    assert policy.decode_splits(ctas, tiles, 132) <= max(tiles, 1)
+    assert policy.decode_splits(ctas, tiles, 132, LIMITS["max_splits"]) == want
+    assert policy.decode_splits(ctas, tiles, 132, LIMITS["max_splits"]) <= max(tiles, 1)
 
 
 def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):

@@ -14,7 +14,7 @@ from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, Manife
                             ShapeError, UnsupportedVariantError)
 from fa4_aot.loader import KernelLibrary, grid_of, pack_params
 from fa4_aot.manifest import Manifest
-from fa4_aot.policy import BWD_ONE_TILE_MAX_SEQLEN_K, TWO_TILES_MAX_SEQLEN_K
+from fa4_aot.policy import TWO_TILES_MAX_SEQLEN_K
 from fa4_aot.variants import Variant
 
 
@@ -119,15 +119,18 @@ def test_forward_takes_two_query_tiles_for_short_keys_where_built(built):
 
 def test_backward_takes_two_query_tiles_for_long_keys_where_built(built):
     """head_dim 64 causal (not deterministic) has both kernels: the one-tile persistent one
-    up to BWD_ONE_TILE_MAX_SEQLEN_K keys, the two-tile one above; other variants one."""
+    up to the keys its row's limits give (its CTAs persistent), the two-tile one above;
+    other variants one."""
     from fa4_aot.variants import MATRIX
 
     assert [v.name for v in MATRIX if v.kind == "bwd" and v.q_tiles == 2] == [
         "bwd.sm90a.bf16.d64.causal.q2", "bwd.sm90a.fp16.d64.causal.q2"]
     m = Manifest(built[0])
     d64 = dict(kind="bwd", arch="sm90a", dtype="bf16", head_dim=64, causal=True, deterministic=False)
-    assert backward_row(m, d64, BWD_ONE_TILE_MAX_SEQLEN_K)["name"] == "bwd.sm90a.bf16.d64.causal"
-    assert backward_row(m, d64, BWD_ONE_TILE_MAX_SEQLEN_K + 1)["name"] == "bwd.sm90a.bf16.d64.causal.q2"
+    bound = m.rows["bwd.sm90a.bf16.d64.causal"]["limits"]["persistent_max_keys"]
+    assert bound == 2048
+    assert backward_row(m, d64, bound)["name"] == "bwd.sm90a.bf16.d64.causal"
+    assert backward_row(m, d64, bound + 1)["name"] == "bwd.sm90a.bf16.d64.causal.q2"
     assert backward_row(m, d64, 100, q_tiles=2)["name"] == "bwd.sm90a.bf16.d64.causal.q2"
     d128 = dict(kind="bwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True, deterministic=True)
     assert backward_row(m, d128, 1 << 20)["name"] == "bwd.sm90a.bf16.d128.causal.det"  # no two-tile variant
@@ -196,7 +199,6 @@ def test_split_tail_backward_grid_adds_the_pieces(built):
     """Not causal, not deterministic: one CTA per key tile, the last ``tail_tiles`` of them
     in ``tail_pieces`` each (policy.tail_split decides both at run time)."""
     main = Manifest(built[0]).rows["bwd.sm90a.fp16.d64"]["launches"][1]
-    assert main["grid"][0][0] == "split_tail"
     sizes = {"seqlen_k": 16384, "heads_kv": 16, "batch": 1, "tail_tiles": 0, "tail_pieces": 1}
     assert grid_of(main, sizes) == (2048, 1, 1)
     assert grid_of(main, {**sizes, "tail_tiles": 68, "tail_pieces": 2}) == (2048 + 68, 1, 1)
@@ -204,16 +206,16 @@ def test_split_tail_backward_grid_adds_the_pieces(built):
 
 
 def test_persistent_backward_grid_is_one_cta_per_multiprocessor(built):
-    main = Manifest(built[0]).rows["bwd.sm90a.bf16.d64.causal"]["launches"][1]
-    assert main["grid"][0][0] == "persistent"
+    row = Manifest(built[0]).rows["bwd.sm90a.bf16.d64.causal"]
+    main = row["launches"][1]
     many = {"seqlen_k": 1000, "heads_kv": 32, "batch": 16}  # 8 * 32 * 16 key tiles
     assert grid_of(main, many, sm_count=132) == (132, 1, 1)
     assert grid_of(main, {"seqlen_k": 130, "heads_kv": 3, "batch": 1}, sm_count=132) == (6, 1, 1)  # fewer items
-    size, bound = main["grid"][0][2]
-    assert size == "seqlen_k"
+    bound = row["limits"]["persistent_max_keys"]
+    assert grid_of(main, {**many, "seqlen_k": bound}, sm_count=132) == (132, 1, 1)
     longer = {"seqlen_k": bound + 1, "heads_kv": 32, "batch": 4}  # long: one CTA per key tile
     assert grid_of(main, longer, sm_count=132) == (-(-longer["seqlen_k"] // 128) * 32 * 4, 1, 1)
-    with pytest.raises(AbiMismatchError, match="persistent"):  # the loader always passes the count
+    with pytest.raises(ManifestError, match="sm_count"):  # the loader always passes the count
         grid_of(main, many)
 
 

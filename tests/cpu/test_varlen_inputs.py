@@ -59,6 +59,13 @@ def test_bad_inputs(over, maxes, error, message):
         check_forward_varlen(arrays(**over), *maxes)
 
 
+def _sort_width(monkeypatch, library, width: int) -> None:
+    """The varlen rows' heaviest-first bound (their ``limits``) set to ``width``."""
+    for name in library.manifest.rows:
+        if ".varlen" in name:
+            monkeypatch.setitem(library.manifest.rows[name]["limits"], "order_max_batch", width)
+
+
 class _FakeLibrary:
     """Records the launch instead of making it (no driver, no GPU)."""
 
@@ -119,7 +126,7 @@ def test_the_order_flag_and_workspace(built, monkeypatch):
         monkeypatch.setattr(policy, "VARLEN_LPT", default)
         assert call_forward(library, workspace=ORDER_WS)[0]["lpt"] == int(default)
         assert call_forward(library)[0]["lpt"] == 0
-    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)  # past the sort's width: the plain order
+    _sort_width(monkeypatch, library, 2)  # past the sort's width: the plain order
     assert call_forward(library, workspace=ORDER_WS)[0]["lpt"] == 0
 
 
@@ -143,9 +150,10 @@ def test_lpt_past_the_sort_width_is_refused(built, monkeypatch):
     from fa4_aot import policy
     from fa4_aot.manifest import Manifest
 
-    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)
+    library = _FakeLibrary(Manifest(built[0]))
+    _sort_width(monkeypatch, library, 2)
     with pytest.raises(ShapeError, match="sorts up to 2 sequences"):
-        call_forward(_FakeLibrary(Manifest(built[0])), workspace=ORDER_WS, order="lpt")
+        call_forward(library, workspace=ORDER_WS, order="lpt")
 
 
 def test_a_non_finite_scale_is_refused(built):
@@ -241,7 +249,7 @@ def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
     from fa4_aot import policy
 
     plain = need - 256  # batch 3: one 256-byte unit of order
-    lpt_default = int(policy.varlen_backward_order(3, True, 200, 300) == "lpt")
+    lpt_default = int(policy.varlen_backward_order(3, True, 200, 300, 8192) == "lpt")
     for size, lpt in ((need, lpt_default), (need - 1, 0), (plain, 0)):
         call_backward(bwd_arrays(workspace=DeviceArray(BASE, (size,), (1,), "u8", 0)), library=library,
                       causal=True, deterministic=True)
@@ -318,7 +326,7 @@ def test_the_backward_order_flag(built, monkeypatch):
     monkeypatch.setattr(policy, "VARLEN_BWD_LPT_KEY_SHARE", 0.5)
     monkeypatch.setattr(policy, "VARLEN_LPT", False)  # the forward's default is not the backward's
     assert call_backward_order(library)[0]["lpt"] == 1
-    monkeypatch.setattr(policy, "LPT_MAX_BATCH", 2)  # past the sort's width: the plain order
+    _sort_width(monkeypatch, library, 2)  # past the sort's width: the plain order
     assert call_backward_order(library)[0]["lpt"] == 0
     with pytest.raises(ShapeError, match="sorts up to 2 sequences"):
         call_backward_order(library, order="lpt")
@@ -327,11 +335,12 @@ def test_the_backward_order_flag(built, monkeypatch):
 def test_the_backward_takes_heaviest_first_where_causal_and_one_sequence_holds_half_the_keys():
     from fa4_aot import policy
 
-    assert policy.varlen_backward_order(64, True, 16384, 32512) == "lpt"  # 1 x 16384 + 63 x 256
-    assert policy.varlen_backward_order(64, False, 16384, 32512) == "plain"  # even there not causal
-    assert policy.varlen_backward_order(16, True, 8000, 65000) == "plain"  # 16 x U(1, 8191)
-    assert policy.varlen_backward_order(1, True, 100, 100) == "plain"  # one sequence: nothing to sort
-    assert policy.varlen_backward_order(policy.LPT_MAX_BATCH + 1, True, 10**6, 10**6) == "plain"
+    most = 8192  # the sort's width
+    assert policy.varlen_backward_order(64, True, 16384, 32512, most) == "lpt"  # 1 x 16384 + 63 x 256
+    assert policy.varlen_backward_order(64, False, 16384, 32512, most) == "plain"  # even there not causal
+    assert policy.varlen_backward_order(16, True, 8000, 65000, most) == "plain"  # 16 x U(1, 8191)
+    assert policy.varlen_backward_order(1, True, 100, 100, most) == "plain"  # one sequence: nothing to sort
+    assert policy.varlen_backward_order(most + 1, True, 10**6, 10**6, most) == "plain"
 
 
 @pytest.mark.parametrize("options, error, message", [
@@ -364,5 +373,5 @@ def test_lpt_backward_past_int32_ctas_is_refused(built, monkeypatch):
 
     monkeypatch.setattr(varlen, "check_backward_varlen", huge)
     assert call_backward_order(library)[0]["lpt"] == 0
-    with pytest.raises(ShapeError, match=r"ceil\(total_k / 128\) \+ batch\) \* heads_kv CTAs in int32"):
+    with pytest.raises(ShapeError, match=r"walks 2147484032 CTAs .*past int32"):
         call_backward_order(library, order="lpt")

@@ -12,9 +12,7 @@ import random
 
 import pytest
 
-from fa4_aot import policy
-
-MAX_BATCH = policy.LPT_MAX_BATCH
+MAX_BATCH = 8192  # heaviest_first.MAX_BATCH, as the built rows' limits give it (checked below)
 INDEX_BITS = MAX_BATCH.bit_length() - 1
 COST_MAX = (1 << (62 - INDEX_BITS)) - 1
 
@@ -459,3 +457,10 @@ def test_backward_waits_end_on_honest_metadata_by_their_counts():
         lk = ([sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)], None, sum(lengths_k))
         for lpt, causal, det in itertools.product((False, True), repeat=3):
             assert bwd_waits_end(lq, lk, 2, 2, 64, 128, causal, det, lpt, fixed=False)
+
+
+def test_the_mirrors_width_is_the_built_sorts(built):
+    from fa4_aot.manifest import Manifest
+
+    rows = Manifest(built[0]).rows
+    assert {rows[n]["limits"]["order_max_batch"] for n in rows if ".varlen" in n} == {MAX_BATCH}

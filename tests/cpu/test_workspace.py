@@ -251,7 +251,7 @@ def test_a_rule_naming_an_unknown_size_is_a_manifest_error():
     rule = {"align": 256, "constants": {"query_tile": 64}, "regions": [{"name": "x", "itemsize": 4,
                                                                        "count": ["batch", "warp_count"]}]}
     with pytest.raises(ManifestError, match="warp_count"):
-        ws.regions(rule, ws.names(rule, {"batch": 1, "seqlen_q": 1}, 0))
+        ws.regions(rule, ws.names(rule, {"batch": 1, "seqlen_q": 1}))
 
 
 def test_partial_tiles_bound_follows_the_rows_key_tile():

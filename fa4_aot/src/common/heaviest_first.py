@@ -8,7 +8,8 @@ CTAs are its query tiles, the backward's (``keys_outer``) its key tiles. The CTA
 heaviest sequence start first, the short ones fill the last wave. Sorted by a bitonic sort
 of 64-bit keys (cost, then the caller's index: ties keep the caller's order) in shared
 memory, up to ``MAX_BATCH`` sequences; past that the kernel writes the caller's order
-(the run time does not launch it then: fa4_aot.policy.LPT_MAX_BATCH).
+(the run time, which reads the bound from the manifest row's ``limits``, does not launch
+it then).
 
 Lengths are clamped as ``seqlen.sequence`` clamps them, so lying metadata gives a
 permutation of [0, batch) all the same (docs/design.md, "Variable length").
@@ -20,10 +21,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
-from ...policy import LPT_MAX_BATCH
 from .seqlen import sequence
 
-MAX_BATCH = LPT_MAX_BATCH  # a power of two: the sort's width
+MAX_BATCH = 8192  # a power of two: the sort's width (its keys fill 64 KB of shared memory)
 INDEX_BITS = MAX_BATCH.bit_length() - 1
 THREADS = 1024
 SMEM_BYTES = MAX_BATCH * 8 + 128  # the keys, + alignment slack
@@ -151,3 +151,10 @@ def sort_sequences(meta: Metadata, order_ptr: cute.Pointer, tile_m: cutlass.Cons
     keys = cutlass.utils.SmemAllocator().allocate_tensor(Int64, cute.make_layout(MAX_BATCH), byte_alignment=16)
     heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
                    causal, keys_outer)
+
+
+def workspace_rule() -> dict:
+    """The varlen forward's workspace (fa4_aot.workspace's rule form): the order, batch
+    int32, in 256-byte units."""
+    return {"align": 4, "constants": {}, "regions": [
+        {"name": "order", "itemsize": 4, "count": [["mul", ["ceil_div", "batch", 64], 64]]}]}

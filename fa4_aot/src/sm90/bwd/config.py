@@ -140,11 +140,12 @@ class BwdConfig:
 def workspace_rule(cfg: BwdConfig) -> dict:
     """How the run time lays out the backward's workspace for a problem (varlen:
     ``varlen_workspace_rule``): the regions in
-    order, each ``itemsize`` bytes times the product of ``count`` (numbers, or names: the
-    problem's sizes, ``m_blocks`` = ceil(seqlen_q / query_tile), ``partial_tiles`` (the
-    split tiles the problem can have, at most ``tail_max_tiles``: fa4_aot.policy) and the
-    rule's own constants), each start ``align``-byte aligned; ``views`` give a region the
-    tensor shape a launch takes it as (dims as products of such factors, contiguous)."""
+    order, each ``itemsize`` bytes times the product of ``count`` (fa4_aot.rules
+    expressions over the problem's sizes, the rule's constants, its ``derived`` names
+    (evaluated in order: ``m_blocks`` = ceil(seqlen_q / query_tile)) and ``partial_tiles``
+    (the split tiles the problem can have, at most ``tail_max_tiles``: fa4_aot.policy)),
+    each start ``align``-byte aligned; ``views`` give a region the tensor shape a launch
+    takes it as (dims as products of such factors, contiguous)."""
     if cfg.varlen:
         return varlen_workspace_rule(cfg)
     rows = ["batch", "heads_q", "m_blocks", "query_tile"]
@@ -152,6 +153,7 @@ def workspace_rule(cfg: BwdConfig) -> dict:
         "align": 256,
         "constants": {"query_tile": cfg.tile_m, "key_tile": cfg.tile_n, "chains": cfg.chains,
                       "tail_max_tiles": TAIL_MAX_TILES, "tail_counters": TAIL_COUNTERS},
+        "derived": {"m_blocks": ["ceil_div", "seqlen_q", "query_tile"]},
         "regions": [
             {"name": "lse2", "itemsize": 4, "count": rows},  # LSE * log2(e), padded to whole tiles
             {"name": "dsum", "itemsize": 4, "count": rows},  # rowsum(dO * O)
@@ -185,6 +187,8 @@ def varlen_workspace_rule(cfg: BwdConfig) -> dict:
     return {
         "align": 256,
         "constants": {"query_tile": cfg.tile_m, "key_tile": cfg.tile_n, "chains": cfg.chains},
+        "derived": {"ws_tiles": ["add", ["ceil_div", "total_q", "query_tile"], "batch"],
+                    "ws_rows": ["mul", "ws_tiles", "query_tile"], "order_entries": ["mul", "batch", "lpt"]},
         "regions": [
             {"name": "order", "itemsize": 4, "count": ["order_entries"]},  # the sequences heaviest first
             {"name": "lse2", "itemsize": 4, "count": rows},

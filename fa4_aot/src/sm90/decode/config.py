@@ -20,7 +20,9 @@ ROWS = 64  # packed (query token, query head) rows per CTA: one consumer warpgro
 TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3), 192: (64, 4), 256: (64, 3)}
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K registers
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
-MAX_SPLITS = 128  # the most key-range splits a launch takes: fa4_aot.policy.DECODE_MAX_SPLITS
+MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
+MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
+PAGE_ALIGN = 16  # page sizes are multiples of this many keys: a key tile's pieces keep whole swizzle atoms
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,15 @@ def workspace_rule(cfg: DecodeConfig) -> dict:
             {"name": "lse_partial", "itemsize": 4, "count": ["splits", "batch", "heads_q", "seqlen_q"]},
         ],
     }
+
+
+def limits() -> dict:
+    """What a decode launch may ask (the run time checks calls against the row's copy)."""
+    return {"max_splits": MAX_SPLITS, "max_seqlen_q": MAX_SEQLEN_Q, "page_align": PAGE_ALIGN}
+
+
+def launch_values(cfg: DecodeConfig) -> dict:
+    """Launch values the run time derives from a call (fa4_aot.rules expressions): the keys
+    of a TMA piece, the key tile, or for a paged cache the pages' and the tile's common
+    rows (a tile that crosses pages is loaded in pieces; the K/V maps' box rows)."""
+    return {"piece_rows": ["if", "paged", ["gcd", "cache_rows", cfg.tile_n], cfg.tile_n]}
