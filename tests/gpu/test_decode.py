@@ -108,7 +108,7 @@ def test_every_split_count_agrees(causal, gen):
     k, v, _, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, None, gen)
     lengths = torch.tensor([4096, 3001], dtype=torch.int32, device="cuda")
     ref, ref_lse = _run(q, k, v, lengths, None, causal, 1)
-    most = max(decode_splits(batch * hkv, max_cache // 128, 132), 8)
+    most = max(decode_splits(batch * hkv, max_cache // 128, 132, 128), 8)  # 128: the rows' max_splits
     for splits in range(1, most + 1):
         out, lse = _run(q, k, v, lengths, None, causal, splits)
         again, again_lse = _run(q, k, v, lengths, None, causal, splits)
