@@ -31,7 +31,7 @@ import click
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from fa4_aot import manifest as mf  # noqa: E402
+from fa4_aot.launch import manifest as mf  # noqa: E402
 from fa4_aot.variants import ARCHS, AXES, MATRIX, NOT_BUILT_REASONS, Variant, select  # noqa: E402
 
 PACKAGE = ROOT / "fa4_aot"

@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import triton.testing
 
+import fa4_aot
+
 from fa4_aot.torch import flash_attn_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_attention beside this file
@@ -192,10 +194,9 @@ def main():
         p.error("--rounds must be at least 1")
     TIMING.update(warmup=args.warmup_ms, rep=args.rep_ms)
     if args.kernels:
-        import fa4_aot.api
-        from fa4_aot.loader import KernelLibrary
+        from fa4_aot.launch.loader import KernelLibrary
 
-        fa4_aot.api._default_library = KernelLibrary(args.kernels)  # what the adapters launch from
+        fa4_aot.set_default_library(KernelLibrary(args.kernels))  # what the adapters launch from
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     args.out.mkdir(parents=True, exist_ok=True)
     mm = matmul_tflops()

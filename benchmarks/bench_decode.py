@@ -105,9 +105,9 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
     args = ap.parse_args()
     if args.kernels:
-        import fa4_aot.api as api
+        import fa4_aot.dense as api
 
-        api._default_library = fa4_aot.KernelLibrary(args.kernels)
+        fa4_aot.set_default_library(fa4_aot.KernelLibrary(args.kernels))
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     shapes = ISSUE + PAGED if args.quick else ISSUE + MORE + KEYS + PAGED
     if args.only:

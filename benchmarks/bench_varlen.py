@@ -82,7 +82,7 @@ def cells(lengths, hq, hkv, causal, libraries=(), orders=(None,)):
             lambda order=order: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal, out=out,
                                                       lse=lse, order=order, workspace=space))
     for name, library in libraries:
-        arrays = [fa4_aot.torch_varlen._array(x) for x in (q, k, v, out, lse, cu, cu)]
+        arrays = [fa4_aot.torch.varlen._array(x) for x in (q, k, v, out, lse, cu, cu)]
         stream = torch.cuda.current_stream().cuda_stream
         peers[f"fa4_aot varlen {name}"] = (lambda lib=library: fa4_aot.forward_varlen(
             *arrays, longest, longest, causal=causal, stream=stream, library=lib))
@@ -159,7 +159,7 @@ def main():
                         help="the sequence orders, comma-separated: plain, lpt (default: the policy's)")
     parser.add_argument("--mixes", default=None, help="only the mixes whose names contain one of these (comma-separated)")
     args = parser.parse_args()
-    from fa4_aot.loader import KernelLibrary
+    from fa4_aot.launch.loader import KernelLibrary
 
     libraries = [(str(folder), KernelLibrary(folder)) for folder in args.kernels]
     orders = tuple(args.order.split(",")) if args.order else (None,)

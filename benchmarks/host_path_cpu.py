@@ -61,8 +61,8 @@ def first_call(runs: int) -> tuple[float, float]:
 def stub_driver(load: bool = False):
     """Every driver call the host path makes, answered at once; ``load``: a kernel's
     first use still reads its cubin and checks its sha256 (the module load is stubbed)."""
-    import fa4_aot.loader as loader
-    from fa4_aot import tma
+    import fa4_aot.launch.loader as loader
+    from fa4_aot.launch import tma
 
     cu = loader.cu
     ok = cu.CUresult.CUDA_SUCCESS

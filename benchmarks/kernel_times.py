@@ -14,7 +14,9 @@ from pathlib import Path
 
 import torch
 
-import fa4_aot.loader as loader
+import fa4_aot
+
+import fa4_aot.launch.loader as loader
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
 
 _events = []
@@ -57,10 +59,9 @@ def main():
     p.add_argument("--kernels", type=Path, help="time the cubins of this build folder (default: the package's)")
     args = p.parse_args()
     if args.kernels:
-        import fa4_aot.api
-        from fa4_aot.loader import KernelLibrary
+        from fa4_aot.launch.loader import KernelLibrary
 
-        fa4_aot.api._default_library = KernelLibrary(args.kernels)
+        fa4_aot.set_default_library(KernelLibrary(args.kernels))
     d = args.head_dim
     for s in args.seqlen:
         b, h = 16384 // s, 2048 // d

@@ -9,15 +9,16 @@ Importing fa4_aot imports neither torch nor the CuTe DSL; the torch adapter live
 
 __version__ = "0.1.0"
 
-from .api import backward, backward_workspace_bytes, default_library, forward  # noqa: E402
-from .arrays import DeviceArray  # noqa: E402
+from .decode import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
+from .dense import backward, backward_workspace_bytes, forward  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
-from .loader import KernelLibrary  # noqa: E402
+from .launch.arrays import DeviceArray  # noqa: E402
+from .launch.calls import default_library, set_default_library  # noqa: E402
+from .launch.loader import KernelLibrary  # noqa: E402
 from .variants import Variant  # noqa: E402
 from .varlen import (  # noqa: E402
     backward_varlen, backward_varlen_workspace_bytes, forward_varlen, forward_varlen_workspace_bytes,
 )
-from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
 
 
 def __getattr__(name: str):
@@ -29,4 +30,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["forward", "forward_varlen", "forward_varlen_workspace_bytes", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
-           "backward_varlen_workspace_bytes", "default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]
+           "backward_varlen_workspace_bytes", "default_library", "set_default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

@@ -15,7 +15,7 @@ import click
 
 from . import __version__
 from .errors import Fa4AotError
-from .manifest import PACKAGE_DIR, Manifest
+from .launch.manifest import PACKAGE_DIR, Manifest
 from .variants import AXES, KINDS, MATRIX, NOT_BUILT_REASONS
 
 
@@ -106,7 +106,7 @@ def verify(folder, checksums_only):
 
 def _can_run_here(m: Manifest) -> bool:
     """Print the driver and each device; True when some device can run the cubins."""
-    from .driver import compute_capability, device_count, device_name, init
+    from .launch.driver import compute_capability, device_count, device_name, init
 
     try:
         version = init()

@@ -108,7 +108,7 @@ def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count
     return tail_split(items, sm_count, -(-sizes["seqlen_q"] // config["step_rows"]), tail_max_tiles)
 
 
-# Decode (fa4_aot.kvcache): what a split costs beyond its key tiles: its start, its partial
+# Decode (fa4_aot.decode): what a split costs beyond its key tiles: its start, its partial
 # O write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
 SPLIT_COST_TILES = 1
 # Key tiles between the starting points of consecutive (sequence, split) CTAs in their key
@@ -135,7 +135,7 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> 
 
 # The varlen forward's sequence order (docs/design.md, "Variable length"): "lpt" sorts the
 # sequences heaviest first in a one-CTA launch before the attention kernel (up to the
-# row's ``limits.order_max_batch`` sequences, the sort's width in shared memory);
+# row's ``limits.lpt_max_batch`` sequences, the sort's width in shared memory);
 # "plain" takes them in the caller's order. VARLEN_LPT: the default where the
 # caller gives a workspace (forward_varlen) or lets the adapter allocate one: LPT, which
 # measured faster on every mix (benchmarks/bench_varlen.py --order plain,lpt, H200, same

@@ -18,15 +18,14 @@ from __future__ import annotations
 
 import math
 
-from . import checks, policy
-from . import workspace as ws
-from .api import LOG2E, _check_built, backward_rows, default_library
-from .arrays import DeviceArray, as_device_arrays
-from .checks import GRID_YZ_MAX, INT32_MAX, default_scale, device_of
-from .checks import check_backward as _check_dense_backward
-from .checks import check_forward as _check_dense
+from . import policy
 from .errors import DTypeError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
-from .loader import KernelLibrary, grid_of
+from .launch import checks
+from .launch import workspace as ws
+from .launch.arrays import DeviceArray, as_device_arrays
+from .launch.calls import LOG2E, backward_rows, check_built, default_library
+from .launch.checks import GRID_YZ_MAX, INT32_MAX, check_backward, check_forward, default_scale, device_of
+from .launch.loader import KernelLibrary, grid_of
 
 
 def _as_packed(t: DeviceArray) -> DeviceArray:
@@ -65,7 +64,7 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
         lse = DeviceArray(lse.ptr, (1, *lse.shape), (heads_q * total_q, *lse.strides), lse.dtype, lse.device)
     elif lse.dtype == "fp32":
         raise ShapeError(f"lse must have rank 2 (heads_q, total_q); got shape {lse.shape}")
-    problem = _check_dense(packed["q"], packed["k"], packed["v"], packed["out"], lse)
+    problem = check_forward(packed["q"], packed["k"], packed["v"], packed["out"], lse)
     batch = arrays["cu_seqlens_q"].shape[0] - 1 if len(arrays["cu_seqlens_q"].shape) == 1 else -1
     if batch < 1:
         raise ShapeError(f"cu_seqlens_q must have shape (batch + 1,) with batch >= 1; got "
@@ -101,7 +100,7 @@ def default_forward_order(batch: int, *, library: KernelLibrary | None = None) -
     and no ``order`` (policy.varlen_order, up to the sort's bound in the manifest)."""
     library = library or default_library()
     rows = library.manifest.matching(kind="fwd", varlen=True)
-    return policy.varlen_order(batch, min((r["limits"]["order_max_batch"] for r in rows), default=0))
+    return policy.varlen_order(batch, min((r["limits"]["lpt_max_batch"] for r in rows), default=0))
 
 
 def _walk_order(order, row: dict, values: dict, room: bool, needs: str, default: str) -> str:
@@ -119,7 +118,7 @@ def _walk_order(order, row: dict, values: dict, room: bool, needs: str, default:
     if order == "lpt":
         if not room:
             raise OptionError(f"order='lpt' needs a workspace of {needs} bytes")
-        most = row["limits"]["order_max_batch"]
+        most = row["limits"]["lpt_max_batch"]
         if values["batch"] > most:
             raise ShapeError(f"order='lpt' sorts up to {most} sequences; got batch={values['batch']} "
                              "(order=None takes the plain order there)")
@@ -143,7 +142,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     ``workspace``: contiguous device memory of ``forward_varlen_workspace_bytes(batch)``
     bytes, 4-byte aligned, any contents, for the heaviest-first order; ``order``: "lpt"
     (sequences heaviest first, a one-CTA sort launched before the kernel; up to
-    the row's limits.order_max_batch sequences), "plain" (the caller's order), or None: the policy's
+    the row's limits.lpt_max_batch sequences), "plain" (the caller's order), or None: the policy's
     choice where a workspace is given (policy.varlen_order), else "plain". The order
     changes which CTA computes a tile, not what it computes: the results are the same bits.
     Asynchronous and allocation-free.
@@ -162,14 +161,14 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     if "workspace" in arrays:
         _check_order_workspace(arrays["workspace"], sizes["batch"], library)
     axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal, varlen=True)
-    _check_built(library.manifest, axes, 1)
+    check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     packed = sizes.pop("packed")
     tensors = _sequence_tensors(arrays, packed)
     walk = _walk_order(order, row, sizes, "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
-                       policy.varlen_order(sizes["batch"], row["limits"]["order_max_batch"]))
+                       policy.varlen_order(sizes["batch"], row["limits"]["lpt_max_batch"]))
     if walk == "lpt":
         space = arrays["workspace"]
         tensors.update(ws.carve(row["workspace"], ws.names(row["workspace"], sizes), space.ptr,
@@ -235,7 +234,7 @@ def check_backward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
     sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
     packed = sizes["packed"]
     grads = {n: _as_packed(arrays[n]) for n in ("dout", "dq", "dk", "dv")}
-    _check_dense_backward(packed["q"], packed["k"], packed["v"], packed["out"], grads["dout"], _lse_4d(arrays["lse"]),
+    check_backward(packed["q"], packed["k"], packed["v"], packed["out"], grads["dout"], _lse_4d(arrays["lse"]),
                           grads["dq"], grads["dk"], grads["dv"])
     sizes["packed"] = {**packed, **grads}
     return sizes
@@ -283,7 +282,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     checks.check_workspace(space)
     axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal,
                 deterministic=deterministic, varlen=True)
-    _check_built(library.manifest, axes, 1)
+    check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
     rule = row["workspace"]
@@ -297,7 +296,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     walk = _walk_order(order, row, values, have >= _workspace_bytes(rule, values),
                        "backward_varlen_workspace_bytes(total_q, batch, heads_q, head_dim, causal=, deterministic=)",
                        policy.varlen_backward_order(sizes["batch"], causal, sizes["max_seqlen_k"], sizes["total_k"],
-                                                    row["limits"]["order_max_batch"]))
+                                                    row["limits"]["lpt_max_batch"]))
     values = _varlen_workspace_values(rule, problem, walk == "lpt")
     tensors = ws.carve(rule, values, space.ptr, have)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale

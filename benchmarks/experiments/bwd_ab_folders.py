@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, ".")
-import fa4_aot.api as api
-from fa4_aot.loader import KernelLibrary
+import fa4_aot
+from fa4_aot.launch.loader import KernelLibrary
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
 from benchmarks.bench_attention import bench, flops
 rounds, det, folders = int(sys.argv[1]), bool(int(sys.argv[2])), sys.argv[3:]
@@ -23,7 +23,7 @@ for d in (64, 128):
                 order = list(range(len(libs)))
                 order = order[r % len(order):] + order[:r % len(order)]
                 for i in order:
-                    api._default_library = libs[i]
+                    fa4_aot.set_default_library(libs[i])
                     g = grads[i]
                     res[i].append(bench(lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=det,
                                                                dq=g[0], dk=g[1], dv=g[2])))

@@ -14,9 +14,9 @@ import fa4_aot
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 if "--kernels" in sys.argv:
-    import fa4_aot.api as api
+    import fa4_aot.dense as api
 
-    api._default_library = fa4_aot.KernelLibrary(Path(sys.argv[sys.argv.index("--kernels") + 1]))
+    fa4_aot.set_default_library(fa4_aot.KernelLibrary(Path(sys.argv[sys.argv.index("--kernels") + 1])))
     args.remove(sys.argv[sys.argv.index("--kernels") + 1])
 batch, sq, keys = (int(x) for x in args[:3])
 splits = int(args[3]) if len(args) > 3 else None

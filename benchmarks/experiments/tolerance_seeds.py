@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, ".")
-import fa4_aot.api as api  # noqa: E402
-from fa4_aot.loader import KernelLibrary  # noqa: E402
+import fa4_aot
+import fa4_aot.dense as api  # noqa: E402
+from fa4_aot.launch.loader import KernelLibrary  # noqa: E402
 from fa4_aot.variants import MATRIX  # noqa: E402
 from tests.gpu import test_bwd as T  # noqa: E402
 
@@ -24,7 +25,7 @@ names = sys.argv[3].split(",")
 seeds = [int(s) for s in sys.argv[4].split(",")] + list(range(int(sys.argv[5])))
 RULES = ("low", "test")
 for folder in folders:
-    api._default_library = KernelLibrary(Path(folder))
+    fa4_aot.set_default_library(KernelLibrary(Path(folder)))
     for name in names:
         variant = next(v for v in MATRIX if v.name == name)
         dtype = T.DTYPES[variant.dtype]

@@ -15,7 +15,7 @@ import torch
 import triton.testing
 
 import fa4_aot
-from fa4_aot import api, policy
+from fa4_aot import dense as api, policy
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd, flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
 D, H = 128, 16

@@ -7,14 +7,14 @@ from pathlib import Path
 import torch
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import ffi
+import fa4_aot
 from fa4_aot.torch import flash_attn_fwd, flash_attn_bwd
 
 spec = ffi.open_dir(sys.argv[1])
 if os.environ.get("KERNELS"):  # ours from another build folder (as --kernels elsewhere)
-    import fa4_aot.api
-    from fa4_aot.loader import KernelLibrary
+    from fa4_aot.launch.loader import KernelLibrary
 
-    fa4_aot.api._default_library = KernelLibrary(Path(os.environ["KERNELS"]))
+    fa4_aot.set_default_library(KernelLibrary(Path(os.environ["KERNELS"])))
 impl, kind, d, s, causal = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), sys.argv[6] == "1"
 det = len(sys.argv) > 7 and sys.argv[7] == "1"
 b, h = 16384 // s, 2048 // d

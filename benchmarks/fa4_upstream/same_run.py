@@ -16,6 +16,7 @@ from pathlib import Path
 import torch, triton.testing
 sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 from benchmarks.bench_attention import FA4_UPSTREAM_FWD, FA4_UPSTREAM_BWD, flops
+import fa4_aot
 from fa4_aot.torch import flash_attn_fwd, flash_attn_bwd
 
 D = Path(sys.argv[1]); rounds = int(sys.argv[2]); out_json = sys.argv[3]; what = sys.argv[4:] or ["fwd", "bwd"]
@@ -29,9 +30,9 @@ stream = lambda: torch.cuda.current_stream().cuda_stream
 cells = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (False, True)]
 if os.environ.get("HEAD_DIMS"):
     cells = [c for c in cells if c[0] in {int(x) for x in os.environ["HEAD_DIMS"].split(",")}]
-import fa4_aot.api as api
+import fa4_aot.dense as api
 import fa4_aot.policy as policy
-from fa4_aot.loader import KernelLibrary
+from fa4_aot.launch.loader import KernelLibrary
 lib_a = api.default_library()
 lib_b = KernelLibrary(Path(os.environ["KERNELS_B"])) if os.environ.get("KERNELS_B") else None
 no_split = os.environ.get("B_TAIL_SPLIT") == "0"
@@ -44,13 +45,13 @@ def on_b(fn):
     split = policy.tail_split
 
     def run(*args):
-        api._default_library = lib_b
+        fa4_aot.set_default_library(lib_b)
         if no_split:
             policy.tail_split = lambda *_: (0, 1)
         try:
             return fn(*args)
         finally:
-            api._default_library = lib_a
+            fa4_aot.set_default_library(lib_a)
             policy.tail_split = split
     return run
 

@@ -17,9 +17,9 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
 
-from ..cubin_info import kernel_info
+from .cubin_info import kernel_info
 from ..variants import Variant
-from .common import heaviest_first
+from .common import lpt
 from .common.params import Input, check_against_ptx
 from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
 from .sm90.bwd.kernel import FlashBwdSm90
@@ -29,7 +29,7 @@ from .sm90.decode.kernel import DecodeSm90
 from .sm90.fwd.config import FwdConfig
 from .sm90.fwd.kernel import FlashFwdSm90
 from .interfaces import (
-    BWD_INPUTS, BWD_MAIN, BWD_ORDER, BWD_POSTPROCESS, BWD_PREPROCESS, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_ORDER,
+    BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_LPT,
 )
 from .sm90.primitives import DTYPES
 
@@ -89,7 +89,7 @@ def check_against_cubin(params: list[dict], info) -> None:
 
 def packed_tiles(total: str, tile: int) -> list:
     """The tiles of packed sequences: every sequence's tiles fit ceil(total / tile) + batch
-    (common/seqlen.packed_tile), the x of the varlen grids (fa4_aot.rules expression)."""
+    (common/seqlen.packed_tile), the x of the varlen grids (fa4_aot.launch.rules expression)."""
     return ["add", ["ceil_div", total, tile], "batch"]
 
 
@@ -176,8 +176,8 @@ def compile_fwd(variant: Variant) -> dict:
     launches = []
     if cfg.varlen:
         _symbols(variant, symbols, ["order_varlen", "kernel_varlen"])
-        sort = _launch(cubin, ptx, symbols[0], FWD_ORDER.plan(cfg), [heaviest_first.THREADS, 1, 1],
-                       [1, 1, 1], heaviest_first.SMEM_BYTES)
+        sort = _launch(cubin, ptx, symbols[0], FWD_LPT.plan(cfg), [lpt.THREADS, 1, 1],
+                       [1, 1, 1], lpt.SMEM_BYTES)
         sort["when"] = "lpt"
         grid = [packed_tiles("total_q", cfg.tile_m), "heads_q", 1]
         launches = [sort, _launch(cubin, ptx, symbols[1], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
@@ -189,39 +189,39 @@ def compile_fwd(variant: Variant) -> dict:
     out = {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches,
            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(), "limits": {}}
     if cfg.varlen:
-        out.update(workspace=heaviest_first.workspace_rule(), limits={"order_max_batch": heaviest_first.MAX_BATCH})
+        out.update(workspace=lpt.workspace_rule(), limits={"lpt_max_batch": lpt.MAX_BATCH})
     return out
 
 
 def compile_bwd(variant: Variant) -> dict:
     """Build one backward variant (interfaces.BWD_*): preprocess, main kernel and
     postprocess in one cubin; varlen, first the heaviest-first sort (launched only where
-    the run-time value ``lpt`` is not 0), the row kernels' grids ceil(total / tile) + batch
+    the run-time value ``lpt`` is not 0), the pre- and postprocess grids ceil(total / tile) + batch
     blocks by heads (common/seqlen.packed_tile_of_cta), the workspace by
     config.varlen_workspace_rule."""
     cfg = BwdConfig.of(variant)
     kernel = FlashBwdSm90(cfg)
     cubin, ptx, symbols = _compile(kernel, [BWD_INPUTS.fake_tuple(cfg, _fake)], variant)
-    rows_block, main_block = [kernel.rows.threads, 1, 1], [cfg.threads, 1, 1]
-    post_smem = kernel.rows.post_smem_bytes
+    pre_post_block, main_block = [kernel.pre_post.threads, 1, 1], [cfg.threads, 1, 1]
+    post_smem = kernel.pre_post.post_smem_bytes
     # the first launch waits for everything before it; the main kernel and the postprocess
     # are programmatic (each may start once every block of the one before has)
     if cfg.varlen:
-        rows = [packed_tiles("total_q", cfg.tile_m), "heads_q", 1]
+        pre_post = [packed_tiles("total_q", cfg.tile_m), "heads_q", 1]
         main = [packed_tiles("total_k", cfg.tile_n), "heads_kv", 1]
         plans = {
-            "order_varlen": (BWD_ORDER, [heaviest_first.THREADS, 1, 1], [1, 1, 1],
-                             heaviest_first.SMEM_BYTES, False, "lpt"),
-            "preprocess_varlen": (BWD_PREPROCESS, rows_block, rows, 0, False),
+            "order_varlen": (BWD_LPT, [lpt.THREADS, 1, 1], [1, 1, 1],
+                             lpt.SMEM_BYTES, False, "lpt"),
+            "preprocess_varlen": (BWD_PREPROCESS, pre_post_block, pre_post, 0, False),
             "kernel_varlen": (BWD_MAIN, main_block, main, kernel.smem_bytes, True),
-            "postprocess_varlen": (BWD_POSTPROCESS, rows_block, rows, post_smem, True),
+            "postprocess_varlen": (BWD_POSTPROCESS, pre_post_block, pre_post, post_smem, True),
         }
     else:
-        rows = [["ceil_div", "seqlen_q", cfg.tile_m], "heads_q", "batch"]
+        pre_post = [["ceil_div", "seqlen_q", cfg.tile_m], "heads_q", "batch"]
         plans = {
-            "preprocess": (BWD_PREPROCESS, rows_block, rows, 0, False),
+            "preprocess": (BWD_PREPROCESS, pre_post_block, pre_post, 0, False),
             "kernel": (BWD_MAIN, main_block, _bwd_main_grid(cfg), kernel.smem_bytes, True),
-            "postprocess": (BWD_POSTPROCESS, rows_block, rows, post_smem, True),
+            "postprocess": (BWD_POSTPROCESS, pre_post_block, pre_post, post_smem, True),
         }
     return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
 
@@ -247,7 +247,7 @@ def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: b
             raise RuntimeError(f"{variant.name}: the dQ store map {store} differs from the reduce's")
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
     # varlen, the sort's bound; dense, the keys up to which the main kernel's CTAs are persistent
-    limits = {"order_max_batch": heaviest_first.MAX_BATCH} if cfg.varlen else {
+    limits = {"lpt_max_batch": lpt.MAX_BATCH} if cfg.varlen else {
         "persistent_max_keys": PERSISTENT_MAX_KEYS if cfg.persistent else 0}
     return {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches, "tensormaps": recipes,
             "dq_chains": cfg.chains, "config": cfg.to_dict(), "workspace": workspace_rule(cfg), "limits": limits}

@@ -32,13 +32,13 @@ SEQUENCE_PARAMS = (
     ptr("seqused_k", when="varlen"), i32("use_seqused_q", when="varlen"), i32("use_seqused_k", when="varlen"),
     i32("batch", when="varlen"),
 )
-ORDER_PARAMS = (ptr("order", when="varlen"), i32("lpt", when="varlen"))
+LPT_PARAMS = (ptr("order", when="varlen"), i32("lpt", when="varlen"))
 
 
-def order_params(inputs: Inputs) -> Params:
-    """The heaviest-first sort (common/heaviest_first.py), launched where lpt: the
+def lpt_params(inputs: Inputs) -> Params:
+    """The heaviest-first sort (common/lpt.py), launched where lpt: the
     sequences' metadata in, the order out."""
-    return Params("OrderParams", *SEQUENCE_PARAMS, i32("total_q"), i32("total_k"), ptr("order"), inputs=inputs)
+    return Params("LptParams", *SEQUENCE_PARAMS, i32("total_q"), i32("total_k"), ptr("order"), inputs=inputs)
 
 
 # ------------------------------------------------------------------ forward
@@ -49,12 +49,12 @@ FWD_INPUTS = Inputs(
     Input("scale_log2", "Float32"),  # softmax_scale * log2(e)
     *SEQUENCE_INPUTS,
 )
-FWD_ORDER = order_params(FWD_INPUTS)
+FWD_LPT = lpt_params(FWD_INPUTS)
 # kernel (dense) and kernel_varlen: O by TMA, or row by row where packed
 FWD = Params(
     "FwdParams",
     tma("q"), tma("k"), tma("v"), tma("out", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
-    ptr("lse"), f32("scale_log2"), *SEQUENCE_PARAMS, *ORDER_PARAMS,
+    ptr("lse"), f32("scale_log2"), *SEQUENCE_PARAMS, *LPT_PARAMS,
     inputs=FWD_INPUTS,
 )
 
@@ -79,7 +79,7 @@ BWD_INPUTS = Inputs(
     Input("seqlen_q", "Int32", when="not varlen"), Input("seqlen_k", "Int32", when="not varlen"),
     Input("heads_q", "Int32"), Input("heads_kv", "Int32", when="varlen"),
 )
-BWD_ORDER = order_params(BWD_INPUTS)
+BWD_LPT = lpt_params(BWD_INPUTS)
 BWD_PREPROCESS = Params(
     "BwdPreParams",
     rows("out", "bsh", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
@@ -105,7 +105,7 @@ BWD_MAIN = Params(
     f32("scale"), f32("scale_log2"), i32("turn_tiles"), i32("first_write"),
     ptr("tail_counters", when="not varlen"), ptr("dkv_partial", when="not varlen"),
     i32("tail_tiles", when="not varlen"), i32("tail_pieces", when="not varlen"),
-    *SEQUENCE_PARAMS, *ORDER_PARAMS,
+    *SEQUENCE_PARAMS, *LPT_PARAMS,
     inputs=BWD_INPUTS,
 )
 BWD_POSTPROCESS = Params(

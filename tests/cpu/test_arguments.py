@@ -13,10 +13,10 @@ import random
 import numpy as np
 import pytest
 
-import fa4_aot.api as api
-from fa4_aot.arrays import DeviceArray
+import fa4_aot.dense as api
+from fa4_aot.launch.arrays import DeviceArray
 from fa4_aot.errors import DTypeError, Fa4AotError, OptionError, ShapeError, UnsupportedVariantError
-from fa4_aot.loader import KernelLibrary
+from fa4_aot.launch.loader import KernelLibrary
 
 from .test_loader import _RecordingLibrary
 
@@ -156,7 +156,7 @@ def test_good_scales_and_streams_are_taken(library):
 def test_a_head_dim_not_built_is_unsupported_before_any_device_is_asked(built, monkeypatch):
     """head_dim 80 on a machine without a GPU: UnsupportedVariantError, not NoDeviceError
     (the variant is checked against the manifest's built archs before the device's)."""
-    import fa4_aot.checks as checks
+    import fa4_aot.launch.checks as checks
 
     def no_driver(*_):
         raise AssertionError("the driver was asked")
@@ -198,20 +198,22 @@ torch = pytest.importorskip("torch")
 def adapter(library, monkeypatch):
     """fa4_aot.torch with CPU tensors taken as device 0's (their host pointers stand in
     for device ones) and the recording library as the default one."""
+    import fa4_aot
     import fa4_aot.torch as T
+    from fa4_aot.torch import dense, tensors
 
-    real = T.as_device_array
+    real = tensors.as_device_array
 
     def as_device_array(t):
         if t.device.type != "cpu":
             return real(t)
-        if t.dtype not in T._DTYPES:
+        if t.dtype not in tensors.DTYPES:
             raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16 or fp32")  # as the real one
-        return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), T._DTYPES[t.dtype], 0)
+        return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), tensors.DTYPES[t.dtype], 0)
 
-    monkeypatch.setattr(T, "as_device_array", as_device_array)
-    monkeypatch.setattr(T, "_stream", lambda t: 0)
-    monkeypatch.setattr(api, "_default_library", library)
+    monkeypatch.setattr(dense, "as_device_array", as_device_array)
+    monkeypatch.setattr(dense, "stream_of", lambda t: 0)
+    monkeypatch.setattr(fa4_aot.launch.calls, "_library", library)
     return T
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from fa4_aot.src.common.params import check_against_ptx
-from fa4_aot.cubin_info import kernel_info
-from fa4_aot.loader import grid_of
-from fa4_aot.manifest import Manifest
+from fa4_aot.src.cubin_info import kernel_info
+from fa4_aot.launch.loader import grid_of
+from fa4_aot.launch.manifest import Manifest
 from fa4_aot.variants import Variant
 
 from ..conftest import ROOT, SUBSET

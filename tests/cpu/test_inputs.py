@@ -2,8 +2,8 @@
 
 import pytest
 
-from fa4_aot.arrays import DeviceArray, as_device_array
-from fa4_aot.checks import check_forward
+from fa4_aot.launch.arrays import DeviceArray, as_device_array
+from fa4_aot.launch.checks import check_forward
 from fa4_aot.errors import DeviceError, DTypeError, InputError, LayoutError, ShapeError
 
 BASE = 0x7F0000000000
@@ -91,7 +91,7 @@ def test_dlpack_of_a_torch_cpu_tensor_is_refused():
 
 
 def test_backward_checks_gradients_like_their_inputs():
-    from fa4_aot.checks import check_backward
+    from fa4_aot.launch.checks import check_backward
 
     p = problem()
     good = dict(q=p["q"], k=p["k"], v=p["v"], out=p["out"], lse=p["lse"], dout=bshd(2, 100, 8, 128),
@@ -106,7 +106,7 @@ def test_backward_checks_gradients_like_their_inputs():
 
 
 def test_size_one_axes_get_a_valid_descriptor_stride():
-    from fa4_aot.tma import _descriptor_strides
+    from fa4_aot.launch.tma import _descriptor_strides
 
     assert all(s * 2 % 16 == 0 and s > 0 for s in _descriptor_strides((1, 1, 1, 64), (0, 0, 0, 1), 2))
     # an axis of more than one keeps its stride

@@ -24,8 +24,8 @@ PTX = """
 
 # each kind's kernels, in launch order, by whether the variant is varlen
 KERNELS = {
-    "fwd": lambda varlen: [interfaces.FWD_ORDER, interfaces.FWD] if varlen else [interfaces.FWD],
-    "bwd": lambda varlen: ([interfaces.BWD_ORDER] if varlen else []) + [
+    "fwd": lambda varlen: [interfaces.FWD_LPT, interfaces.FWD] if varlen else [interfaces.FWD],
+    "bwd": lambda varlen: ([interfaces.BWD_LPT] if varlen else []) + [
         interfaces.BWD_PREPROCESS, interfaces.BWD_MAIN, interfaces.BWD_POSTPROCESS],
     "decode": lambda varlen: [interfaces.DECODE],
     "combine": lambda varlen: [interfaces.COMBINE],
@@ -63,7 +63,7 @@ def _sentinel_tma(params):
 
 
 def _slot_sources(plan):
-    """What each slot is filled with at run time (fa4_aot.loader.pack_params), spelt as
+    """What each slot is filled with at run time (fa4_aot.launch.loader.pack_params), spelt as
     the sentinels spell the kernel's leaves."""
     spelt = {"tensormap": "{tensor}.map", "extents": "{tensor}.coords", "ptr": "{tensor}.ptr",
              "stride": "{tensor}.stride.{axis}", "i32": "{value}.value", "i64": "{value}.value", "f32": "{value}.value"}

@@ -5,9 +5,9 @@ it splits); the split heuristic and the workspace size."""
 import pytest
 
 from fa4_aot import policy
-from fa4_aot.arrays import DeviceArray
+from fa4_aot.launch.arrays import DeviceArray
 from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError
-from fa4_aot.kvcache import check_forward_kvcache, check_limits, forward_kvcache, forward_kvcache_workspace_bytes
+from fa4_aot.decode import check_forward_kvcache, check_limits, forward_kvcache, forward_kvcache_workspace_bytes
 
 # the decode rows' limits (checked against the build in test_the_rows_limits_are_the_builds)
 LIMITS = {"max_splits": 128, "max_seqlen_q": 128, "page_align": 16}
@@ -74,7 +74,7 @@ def test_bad_inputs(over, paged, error, message):
 
 
 def test_the_rows_limits_are_the_builds(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     assert Manifest(built[0]).rows["decode.sm90a.bf16.d128"]["limits"] == LIMITS
 
@@ -101,7 +101,7 @@ class _FakeLibrary:
 
 
 def _every_slot_given(row, values, tensors):
-    from fa4_aot.loader import launch_values, missing_sources
+    from fa4_aot.launch.loader import launch_values, missing_sources
 
     assert not missing_sources(row["launches"][0], launch_values(row, values), tensors)
 
@@ -112,7 +112,7 @@ def _call(a, library, **options):
 
 
 def test_one_split_launches_the_decode_alone(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -120,14 +120,14 @@ def test_one_split_launches_the_decode_alone(built):
     (row, values, tensors), = library.launches
     assert row["name"] == "decode.sm90a.bf16.d128"
     _every_slot_given(row, values, tensors)
-    from fa4_aot.loader import grid_of, launch_values
+    from fa4_aot.launch.loader import grid_of, launch_values
 
     assert (values["splits"], values["paged"], launch_values(row, values)["piece_rows"]) == (1, 0, 128)
     assert grid_of(row["launches"][0], values) == (1, 8, 4)  # 4 query heads x 1 token of a KV head: one tile
 
 
 def test_splits_launch_the_combine_on_a_carved_workspace(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -138,7 +138,7 @@ def test_splits_launch_the_combine_on_a_carved_workspace(built):
     assert (decode["name"], combine["name"]) == ("decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128")
     _every_slot_given(decode, values, tensors)
     _every_slot_given(combine, values, tensors)
-    from fa4_aot.loader import launch_values
+    from fa4_aot.launch.loader import launch_values
 
     assert launch_values(decode, values)["piece_rows"] == 64 and values["paged"] == 1 and values["splits"] == 3
     assert decode["tensormaps"]["k_cache"]["box"][1] == "piece_rows"  # pieces of the pages' 64 rows
@@ -152,7 +152,7 @@ def test_splits_launch_the_combine_on_a_carved_workspace(built):
 
 @pytest.mark.parametrize("splits", [0, -1, 129, 2.0, True, "2"])  # 129: past the rows' max_splits
 def test_bad_split_counts(built, splits):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     with pytest.raises(OptionError, match="num_splits"):
@@ -160,7 +160,7 @@ def test_bad_split_counts(built, splits):
 
 
 def test_everything_is_a_typed_error(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     for bad in ({"causal": "yes"}, {"softmax_scale": float("nan")}, {"stream": -1}):
@@ -181,9 +181,9 @@ def test_split_heuristic(ctas, tiles, want):
 
 def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
     """The decode and its combine under one key (the combine appended), with the raw
-    API's id key as an alias pinning the arrays (fa4_aot.api._repeat_key)."""
-    from fa4_aot.api import _repeat_key
-    from fa4_aot.manifest import Manifest
+    API's id key as an alias pinning the arrays (fa4_aot.launch.calls.repeat_key)."""
+    from fa4_aot.launch.calls import repeat_key
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -195,4 +195,4 @@ def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
     given = tuple(a[n] for n in ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "workspace"))
     (alias, pinned), = aliases
     assert pinned == given
-    assert alias == _repeat_key("kvcache", given, (False, True, False, None, 2, policy.DECODE_TURN_STRIDE), 0)
+    assert alias == repeat_key("decode", given, (False, True, False, None, 2, policy.DECODE_TURN_STRIDE), 0)

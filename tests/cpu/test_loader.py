@@ -7,13 +7,13 @@ import shutil
 import numpy as np
 import pytest
 
-from fa4_aot import loader, tma
-from fa4_aot import manifest as fa4_manifest
-from fa4_aot.api import backward_row, forward_row
+from fa4_aot.launch import loader, tma
+from fa4_aot.launch import manifest as fa4_manifest
+from fa4_aot.dense import backward_row, forward_row
 from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, ManifestError, NoDeviceError,
                             ShapeError, UnsupportedVariantError)
-from fa4_aot.loader import KernelLibrary, grid_of, pack_params
-from fa4_aot.manifest import Manifest
+from fa4_aot.launch.loader import KernelLibrary, grid_of, pack_params
+from fa4_aot.launch.manifest import Manifest
 from fa4_aot.policy import TWO_TILES_MAX_SEQLEN_K
 from fa4_aot.variants import Variant
 
@@ -51,7 +51,7 @@ def test_malformed_and_foreign_schema_manifests_are_refused(copy):
 
 
 def test_the_manifest_decodes_the_rows_asked_for_each_as_the_whole_file_has_it(copy):
-    """The build lays the manifest out with an index (fa4_aot.manifest.dumps): a load
+    """The build lays the manifest out with an index (fa4_aot.launch.manifest.dumps): a load
     decodes the header and index, a row when it is asked for; every row so decoded, and
     the header, equal the whole file's decoding. Another layout of the same JSON is read
     whole, with the same rows."""
@@ -275,10 +275,10 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     """fa4_aot.backward up to the driver call: every run-time value and tensor the three
     kernels' parameter plans name is provided (a missing one would only fail on a GPU), and
     the deterministic turn rule reaches the main kernel."""
-    import fa4_aot.api as api
+    import fa4_aot.dense as api
     import fa4_aot.policy as policy
 
-    from fa4_aot.arrays import DeviceArray
+    from fa4_aot.launch.arrays import DeviceArray
 
     from .test_inputs import BASE, bshd
 
@@ -373,10 +373,10 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
     """Arrays whose producer gave their device (the torch adapter, DLPack) are taken at its
     word: the api asks the driver nothing about their memory before the launch. Arrays on
     different devices are refused either way."""
-    import fa4_aot.api as api
-    import fa4_aot.checks as checks
+    import fa4_aot.dense as api
+    import fa4_aot.launch.checks as checks
 
-    from fa4_aot.arrays import DeviceArray
+    from fa4_aot.launch.arrays import DeviceArray
     from fa4_aot.errors import DeviceError
 
     from .test_inputs import BASE
@@ -432,11 +432,11 @@ class _FakeContext:
 
 
 def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_again(built, monkeypatch):
-    """fa4_aot.api keys each call by its arrays and options; the library keeps the packed
+    """fa4_aot.dense keys each call by its arrays and options; the library keeps the packed
     launches of the last PLANS_KEPT keys and repeats them for the same key."""
-    import fa4_aot.api as api
+    import fa4_aot.dense as api
 
-    from fa4_aot.arrays import DeviceArray
+    from fa4_aot.launch.arrays import DeviceArray
 
     from .test_inputs import BASE, bshd
 
@@ -496,8 +496,8 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
 
 
 def test_launch_attributes_follow_the_manifest():
-    from fa4_aot.driver import cu
-    from fa4_aot.loader import launch_attributes
+    from fa4_aot.launch.driver import cu
+    from fa4_aot.launch.loader import launch_attributes
 
     assert launch_attributes({"cluster": [1, 1, 1], "programmatic": False}) == []
     (attr,) = launch_attributes({"cluster": [1, 1, 1], "programmatic": True})

@@ -151,7 +151,7 @@ def test_first_dq_writer_has_the_lowest_turn_at_its_tile(shape, tiles, run_tiles
 
 def test_semaphore_words_fill_the_workspace_region_once():
     """Every (batch, query head, query tile, accumulator copy) has its own semaphore word,
-    and together they are exactly the region fa4_aot.api sizes (b * h_q * tiles * copies)."""
+    and together they are exactly the region fa4_aot.dense sizes (b * h_q * tiles * copies)."""
     for b, hq, m_blocks, chains in ((1, 1, 1, 1), (2, 3, 5, 1), (3, 2, 4, 2)):
         words = [bwd.semaphore_word(i, hq, h, m_blocks, t, chains, c)
                  for i in range(b) for h in range(hq) for t in range(m_blocks) for c in range(chains)]

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import fa4_aot
-from fa4_aot import driver
+from fa4_aot.launch import driver
 from fa4_aot.cli import main
 from fa4_aot.errors import NoDeviceError
 from fa4_aot.variants import AXES, MATRIX, NOT_BUILT_REASONS, Variant, built_values, matches, select
@@ -20,7 +20,7 @@ from ..conftest import ROOT, SUBSET
 
 
 def test_import_pulls_in_neither_torch_nor_the_dsl():
-    code = ("import sys, fa4_aot, fa4_aot.loader, fa4_aot.cli; "
+    code = ("import sys, fa4_aot, fa4_aot.launch.loader, fa4_aot.cli; "
             "print(sorted(m for m in ('torch', 'cutlass', 'jax', 'cupy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

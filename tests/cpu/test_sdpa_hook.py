@@ -1,4 +1,4 @@
-"""fa4_aot.torch_sdpa without a GPU: registration, activation, the fallback path and the
+"""fa4_aot.torch.sdpa without a GPU: registration, activation, the fallback path and the
 decision between fa4_aot and torch's kernel. The kernels' results: tests/gpu/test_sdpa_hook.py.
 """
 
@@ -13,8 +13,8 @@ if not hasattr(attention, "register_flash_attention_impl"):
     pytest.skip("this torch has no flash-attention implementation registry", allow_module_level=True)
 
 from fa4_aot.errors import FrameworkError  # noqa: E402
-from fa4_aot import torch_sdpa  # noqa: E402
-from fa4_aot.torch_sdpa import OPS, built_keys, fallback_reason  # noqa: E402
+from fa4_aot.torch import sdpa as torch_sdpa  # noqa: E402
+from fa4_aot.torch.sdpa import OPS, built_keys, fallback_reason  # noqa: E402
 from fa4_aot.variants import DTYPES, HEAD_DIMS, MATRIX  # noqa: E402
 
 BUILT = built_keys(MATRIX)
@@ -37,7 +37,7 @@ def test_import_registers_and_activates_nothing():
     code = (
         "import torch, torch.nn.attention as A\n"
         f"before = (A.current_flash_attention_impl(), torch._C._dispatch_dump_table('{FLASH_OP}'))\n"
-        "import fa4_aot.torch_sdpa\n"
+        "import fa4_aot.torch.sdpa\n"
         f"after = (A.current_flash_attention_impl(), torch._C._dispatch_dump_table('{FLASH_OP}'))\n"
         "assert 'fa4_aot' in A.list_flash_attention_impls(), A.list_flash_attention_impls()\n"
         "assert before == after, (before, after)\n"
@@ -51,7 +51,7 @@ def test_activate_and_restore_round_trip(restored):
     attention.activate_flash_attention_impl("fa4_aot")
     assert attention.current_flash_attention_impl() == "fa4_aot"
     for op in OPS:
-        assert "torch_sdpa.py" in _table_line(f"aten::{op}", "CUDA")[0]
+        assert "torch/sdpa.py" in _table_line(f"aten::{op}", "CUDA")[0]
     attention.activate_flash_attention_impl("fa4_aot")  # again: the registry restores first
     assert attention.current_flash_attention_impl() == "fa4_aot"
     attention.restore_flash_attention_impl()
@@ -79,7 +79,7 @@ def test_unsupported_calls_reach_the_previous_kernel(monkeypatch):
     monkeypatch.setattr(torch_sdpa, "_call", lambda *a, **kw: calls.append(a[2:]) or call(*a, **kw))
     handle = torch_sdpa.register_kernels("Meta")
     try:
-        assert "torch_sdpa.py" in _table_line(FLASH_OP, "Meta")[0]
+        assert "torch/sdpa.py" in _table_line(FLASH_OP, "Meta")[0]
         out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, k, 0.0, True, scale=0.5)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             q, q, k, k, out[0], out[1], out[2], out[3], out[4], out[5], 0.0, True, out[6], out[7], scale=0.5)
@@ -114,7 +114,7 @@ def test_a_torch_without_the_registry_imports_and_refuses_activation():
     code = (
         "import torch.nn.attention as A\n"
         "del A.register_flash_attention_impl\n"
-        "import fa4_aot.torch_sdpa as S\n"
+        "import fa4_aot.torch.sdpa as S\n"
         "from fa4_aot.errors import FrameworkError\n"
         "try:\n"
         "    S.activate()\n"

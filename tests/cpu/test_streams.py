@@ -11,9 +11,9 @@ import ctypes
 
 import pytest
 
-import fa4_aot.api as api
-from fa4_aot import loader
-from fa4_aot.arrays import _DLTensor, as_device_array, as_device_arrays, dlpack_stream
+import fa4_aot.dense as api
+from fa4_aot.launch import loader
+from fa4_aot.launch.arrays import _DLTensor, as_device_array, as_device_arrays, dlpack_stream
 from fa4_aot.errors import DeviceError
 
 from .test_arguments import B, BASE, D, HKV, HQ, SK, SQ, good_forward

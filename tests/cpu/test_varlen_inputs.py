@@ -3,8 +3,8 @@ before any launch, and a good call packs the launches the varlen kernels' plans 
 
 import pytest
 
-from fa4_aot.arrays import DeviceArray
-from fa4_aot.loader import missing_sources
+from fa4_aot.launch.arrays import DeviceArray
+from fa4_aot.launch.loader import missing_sources
 from fa4_aot.errors import DTypeError, Fa4AotError, LayoutError, OptionError, ShapeError, UnsupportedVariantError
 from fa4_aot.varlen import (backward_varlen, backward_varlen_workspace_bytes, check_backward_varlen,
                             check_forward_varlen, forward_varlen, forward_varlen_workspace_bytes)
@@ -63,7 +63,7 @@ def _sort_width(monkeypatch, library, width: int) -> None:
     """The varlen rows' heaviest-first bound (their ``limits``) set to ``width``."""
     for name in library.manifest.rows:
         if ".varlen" in name:
-            monkeypatch.setitem(library.manifest.rows[name]["limits"], "order_max_batch", width)
+            monkeypatch.setitem(library.manifest.rows[name]["limits"], "lpt_max_batch", width)
 
 
 class _FakeLibrary:
@@ -84,7 +84,7 @@ class _FakeLibrary:
 
 
 def test_a_call_packs_the_varlen_plan(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -114,7 +114,7 @@ ORDER_WS = DeviceArray(BASE + 4096, (256,), (1,), "u8", 0)
 
 def test_the_order_flag_and_workspace(built, monkeypatch):
     from fa4_aot import policy
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     assert forward_varlen_workspace_bytes(3) == 256 and forward_varlen_workspace_bytes(65) == 512
@@ -138,7 +138,7 @@ def test_the_order_flag_and_workspace(built, monkeypatch):
     ({"order": "lpt", "workspace": DeviceArray(BASE, (256,), (2,), "u8", 0)}, LayoutError, "contiguous"),
 ])
 def test_bad_order_options_raise_before_any_launch(built, options, error, message):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     with pytest.raises(error, match=message):
@@ -148,7 +148,7 @@ def test_bad_order_options_raise_before_any_launch(built, options, error, messag
 
 def test_lpt_past_the_sort_width_is_refused(built, monkeypatch):
     from fa4_aot import policy
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     _sort_width(monkeypatch, library, 2)
@@ -157,7 +157,7 @@ def test_lpt_past_the_sort_width_is_refused(built, monkeypatch):
 
 
 def test_a_non_finite_scale_is_refused(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     a = arrays()
@@ -215,7 +215,7 @@ def test_bad_backward_inputs(over, maxes, error, message):
     ({"dout": packed(100, 8, 128, "fp16")}, DTypeError, "dout"),
 ])
 def test_bad_backward_calls_raise_before_any_launch(built, over, error, message):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -225,7 +225,7 @@ def test_bad_backward_calls_raise_before_any_launch(built, over, error, message)
 
 
 def test_a_backward_call_packs_every_launch_of_the_varlen_plan(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -291,7 +291,7 @@ def test_the_varlen_workspace_bounds_every_sequence_tile():
 
 
 def test_the_varlen_workspace_size_needs_no_gpu(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     folder, _ = built
     library = _FakeLibrary(Manifest(folder))
@@ -311,7 +311,7 @@ def call_backward_order(library, size=WS_BYTES, **options):
 
 def test_the_backward_order_flag(built, monkeypatch):
     from fa4_aot import policy
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     need = backward_varlen_workspace_bytes(100, 3, 8, 128, causal=True, deterministic=True, library=library)
@@ -348,7 +348,7 @@ def test_the_backward_takes_heaviest_first_where_causal_and_one_sequence_holds_h
     ({"order": "heaviest"}, OptionError, "order must be one of"),
 ])
 def test_bad_backward_order_options_raise_before_any_launch(built, options, error, message):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     if options.get("size") == "plain":
@@ -363,7 +363,7 @@ def test_lpt_backward_past_int32_ctas_is_refused(built, monkeypatch):
     """(ceil(total_k / tile_n) + batch) * heads_kv CTAs past int32: the plain order by
     default, an error when asked for (the sizes are faked: the check reads them only)."""
     from fa4_aot import varlen
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
     real = varlen.check_backward_varlen

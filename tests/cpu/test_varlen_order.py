@@ -1,5 +1,5 @@
 """The varlen kernels' heaviest-first order, mirrored in Python from the device code
-(common/heaviest_first.py: the costs and the bitonic sort; common/seqlen.py: packed_tile
+(common/lpt.py: the costs and the bitonic sort; common/seqlen.py: packed_tile
 with ``order`` and ``copies``, packed_tile_of_cta: the CTA's sequence, head and tile): the
 sort is a permutation heaviest first, and the grid's CTAs take every (sequence, head,
 query tile) of the forward, every (sequence, KV head, key tile) of the backward, exactly
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-MAX_BATCH = 8192  # heaviest_first.MAX_BATCH, as the built rows' limits give it (checked below)
+MAX_BATCH = 8192  # lpt.MAX_BATCH, as the built rows' limits give it (checked below)
 INDEX_BITS = MAX_BATCH.bit_length() - 1
 COST_MAX = (1 << (62 - INDEX_BITS)) - 1
 
@@ -30,7 +30,7 @@ def sequence(b, cu, used, total):
 
 
 def cost(b, lq, lk, tile_m, tile_n, causal, keys_outer=False):
-    """heaviest_first.sequence_cost (``keys_outer``: the backward's)."""
+    """lpt.sequence_cost (``keys_outer``: the backward's)."""
     len_q, len_k = sequence(b, *lq)[1], sequence(b, *lk)[1]
     tq, tk = ceil_div(len_q, tile_m), ceil_div(len_k, tile_n)
     visits = tq * tk
@@ -46,8 +46,8 @@ def cost(b, lq, lk, tile_m, tile_n, causal, keys_outer=False):
     return min(visits + tq, COST_MAX)
 
 
-def heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=False):
-    """heaviest_first.heaviest_first: the bitonic network as the threads run it."""
+def lpt_order(batches, lq, lk, tile_m, tile_n, causal, keys_outer=False):
+    """lpt.lpt_order: the bitonic network as the threads run it."""
     if batches > MAX_BATCH:
         return list(range(batches))
     width = 2
@@ -104,7 +104,7 @@ def walk(lengths_q, lengths_k, heads, tile_m, tile_n, causal, lpt, used=None, cu
     cu_k = [sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)]
     batches, total_q = len(cu_q) - 1, sum(lengths_q)
     lq, lk = (cu_q, used, total_q), (cu_k, None, sum(lengths_k))
-    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal) if lpt else None
+    order = lpt_order(batches, lq, lk, tile_m, tile_n, causal) if lpt else None
     grid_x = ceil_div(total_q, tile_m) + batches
     items = [cta_item(x, y, grid_x, lq, batches, heads, tile_m, order) for y in range(heads) for x in range(grid_x)]
     return items, order, lq
@@ -144,7 +144,7 @@ def test_the_order_is_heaviest_first_ties_in_the_callers_order(causal):
         lk = [rng.choice([0, 5, 128, 3000]) for _ in range(batch)]
         cu = lambda ls: [sum(ls[:i]) for i in range(len(ls) + 1)]  # noqa: E731
         q, k = (cu(lq), None, sum(lq)), (cu(lk), None, sum(lk))
-        order = heaviest_first(batch, q, k, 128, 128, causal)
+        order = lpt_order(batch, q, k, 128, 128, causal)
         costs = [cost(b, q, k, 128, 128, causal) for b in range(batch)]
         assert order == sorted(range(batch), key=lambda b: (-costs[b], b))
 
@@ -190,7 +190,7 @@ def bwd_walk(lengths_q, lengths_k, heads_kv, tile_m, tile_n, causal, determinist
     cu_k = cu_k or [sum(lengths_k[:i]) for i in range(len(lengths_k) + 1)]
     batches = len(cu_k) - 1
     lq, lk = (cu_q, None, sum(lengths_q)), (cu_k, used_k, sum(lengths_k))
-    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
+    order = lpt_order(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
     grid_x = ceil_div(sum(lengths_k), tile_n) + batches
     items = []
     for y in range(heads_kv):
@@ -317,7 +317,7 @@ def bwd_cta_programs(lq, lk, heads_kv, group, tile_m, tile_n, causal, determinis
     from fa4_aot.src.common import bwd_order as bwd
 
     batches = len(lk[0]) - 1
-    order = heaviest_first(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
+    order = lpt_order(batches, lq, lk, tile_m, tile_n, causal, keys_outer=True) if lpt else None
     grid_x = ceil_div(lk[2], tile_n) + batches
     chains = 2 if deterministic and not causal else 1
     words = state["words"]
@@ -460,7 +460,7 @@ def test_backward_waits_end_on_honest_metadata_by_their_counts():
 
 
 def test_the_mirrors_width_is_the_built_sorts(built):
-    from fa4_aot.manifest import Manifest
+    from fa4_aot.launch.manifest import Manifest
 
     rows = Manifest(built[0]).rows
-    assert {rows[n]["limits"]["order_max_batch"] for n in rows if ".varlen" in n} == {MAX_BATCH}
+    assert {rows[n]["limits"]["lpt_max_batch"] for n in rows if ".varlen" in n} == {MAX_BATCH}

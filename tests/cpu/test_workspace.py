@@ -11,10 +11,10 @@ import json
 
 import pytest
 
-from fa4_aot import api, policy
-from fa4_aot import workspace as ws
+from fa4_aot import dense as api, policy
+from fa4_aot.launch import workspace as ws
 from fa4_aot.errors import LayoutError, ShapeError, UnsupportedVariantError
-from fa4_aot.manifest import Manifest
+from fa4_aot.launch.manifest import Manifest
 from fa4_aot.variants import MATRIX, Variant
 
 from .test_inputs import BASE
@@ -40,7 +40,7 @@ class RulesLibrary:
         class _Manifest:
             data = {"kernels": rows}
 
-            def matching(self, **axes):  # as fa4_aot.manifest.Manifest.matching
+            def matching(self, **axes):  # as fa4_aot.launch.manifest.Manifest.matching
                 return [r for r in rows if all(r["variant"].get(a) == x for a, x in axes.items())]
 
         _Manifest.rows = {r["name"]: r for r in rows}

@@ -13,7 +13,7 @@ def _gpu_ready(kernels):
         return False, "no CUDA GPU"
     if torch.cuda.get_device_capability() != (9, 0):
         return False, "the built cubins are sm_90a; this GPU is not"
-    from fa4_aot.manifest import PACKAGE_DIR
+    from fa4_aot.launch.manifest import PACKAGE_DIR
 
     if not ((Path(kernels) if kernels else PACKAGE_DIR) / "manifest.json").exists():
         return False, f"no built kernels in {kernels or PACKAGE_DIR}: run build_kernels.py"
@@ -36,10 +36,10 @@ def kernel_library(request):
     takes DIR's cubins; the folder, or None for the package's."""
     kernels = request.config.getoption("--kernels")
     if kernels:
-        import fa4_aot.api as api
-        from fa4_aot.loader import KernelLibrary
+        import fa4_aot
+        from fa4_aot.launch.loader import KernelLibrary
 
-        api._default_library = KernelLibrary(Path(kernels))
+        fa4_aot.set_default_library(KernelLibrary(Path(kernels)))
     return kernels
 
 

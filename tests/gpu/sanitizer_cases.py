@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+import fa4_aot
+
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
 from fa4_aot.variants import MATRIX
 
@@ -47,7 +49,7 @@ def main():
 
 def two_tiles(head_dim, causal):
     """Whether the not-deterministic backward variant also has a two-tile kernel (q_tiles 2)."""
-    import fa4_aot.api as api
+    import fa4_aot.dense as api
 
     return api.default_library().manifest.built(kind="bwd", arch="sm90a", dtype="bf16", head_dim=head_dim,
                                                  causal=causal, deterministic=False, q_tiles=2)
@@ -56,7 +58,7 @@ def two_tiles(head_dim, causal):
 def split_tail_cases():
     """The split last wave of every head dim that takes it, on SPLIT_SM_COUNT SMs (the
     library's count replaced, as tests/gpu/test_bwd.py does). Returns those head dims."""
-    import fa4_aot.api as api
+    import fa4_aot.dense as api
     import fa4_aot.policy as policy
 
     library = api.default_library()
@@ -144,8 +146,7 @@ def decode_cases():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        import fa4_aot.api as api
-        from fa4_aot.loader import KernelLibrary
+        from fa4_aot.launch.loader import KernelLibrary
 
-        api._default_library = KernelLibrary(Path(sys.argv[1]))
+        fa4_aot.set_default_library(KernelLibrary(Path(sys.argv[1])))
     main()

@@ -95,7 +95,7 @@ def _poisoned_workspace(q, causal, deterministic, k=None):
     (the non-deterministic backward stores a dQ tile's first share instead of clearing
     the accumulator; the postprocess zeroes tiles that no key tile wrote). Given ``k``,
     exactly the size the problem needs (its split tiles' partial sums, none beyond)."""
-    from fa4_aot.api import backward_workspace_bytes
+    from fa4_aot.dense import backward_workspace_bytes
 
     b, s_q, h_q, d = q.shape
     exact = {} if k is None else {"seqlen_k": k.shape[1], "heads_kv": k.shape[2]}
@@ -148,11 +148,11 @@ def test_backward_with_a_split_last_wave(variant, sm_count, shape, first_write, 
     """The last partial wave's key tiles split by query range (policy.tail_split), their
     dK, dV summed in fp32 across pieces: a multiprocessor count made small so that small
     problems split, and the device's own; both first_write settings; poisoned workspace."""
-    import fa4_aot.api
+    import fa4_aot.dense
     import fa4_aot.policy
     from fa4_aot.policy import backward_tail_split
 
-    library = fa4_aot.api.default_library()
+    library = fa4_aot.launch.calls.default_library()
     row = library.manifest.row(variant)
     if not row["config"]["tail_split"]:
         pytest.skip(f"{variant.name} does not split its last wave")

@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
-from fa4_aot import torch_sdpa  # noqa: E402
+from fa4_aot.torch import sdpa as torch_sdpa  # noqa: E402
 
 from .test_bwd import check_grads  # noqa: E402
 from .test_fwd import check_out  # noqa: E402

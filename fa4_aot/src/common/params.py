@@ -16,7 +16,7 @@ Everything else follows from those two, so a new run-time argument is one line i
 - the manifest's slot plan (``Params.plan(cfg)``), checked against the PTX and the cubin
   when built and against the driver when loaded;
 - the run-time values: each slot names the tensor or value it is filled from
-  (fa4_aot.loader.pack_params), so nothing is assembled by position.
+  (fa4_aot.launch.loader.pack_params), so nothing is assembled by position.
 
 Every entry may be optional (``when``: a config flag, or "not" one): varlen is the
 metadata inputs and parameters present, one declaration for both forms.

@@ -45,7 +45,7 @@ class BwdConfig:
     head_dim: int
     causal: bool
     deterministic: bool
-    tile_m: int  # query rows per tile: the workspace's unit (statistics, semaphores, row kernels)
+    tile_m: int  # query rows per tile: the workspace's unit (statistics, semaphores, pre- and postprocess)
     tile_n: int  # keys per CTA
     stages: int  # Q / dO pipeline stages
     # GEMM layout: the head dim on the M side of dK, dV, dQ (192, 256), else the keys
@@ -140,7 +140,7 @@ class BwdConfig:
 def workspace_rule(cfg: BwdConfig) -> dict:
     """How the run time lays out the backward's workspace for a problem (varlen:
     ``varlen_workspace_rule``): the regions in
-    order, each ``itemsize`` bytes times the product of ``count`` (fa4_aot.rules
+    order, each ``itemsize`` bytes times the product of ``count`` (fa4_aot.launch.rules
     expressions over the problem's sizes, the rule's constants, its ``derived`` names
     (evaluated in order: ``m_blocks`` = ceil(seqlen_q / query_tile)) and ``partial_tiles``
     (the split tiles the problem can have, at most ``tail_max_tiles``: fa4_aot.policy)),

@@ -188,7 +188,7 @@ class DqWriter:
         query tile's order of key tiles is the same for every ``turn_tiles``, and so are
         the results' bits.
 
-        ``first_write`` (a run-time flag; see fa4_aot.api): the accumulator is not cleared
+        ``first_write`` (a run-time flag; see fa4_aot.dense): the accumulator is not cleared
         beforehand, and each tile's first share is stored. Deterministic, that is the
         first turn at the tile in its copy (bwd_order.first_dq_key_tile). Not
         deterministic (``tickets``), each CTA takes a ticket of the query tile

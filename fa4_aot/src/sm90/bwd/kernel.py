@@ -34,10 +34,10 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync
 
-from ...common import heaviest_first, symbols
+from ...common import lpt, symbols
 from ..primitives import DTYPES, WARPGROUP, sdhb, smem_buffer, smem_layout, tma_pipeline
 from ...common.params import Tma
-from ...interfaces import BWD_INPUTS, BWD_MAIN, BWD_ORDER, BWD_POSTPROCESS, BWD_PREPROCESS
+from ...interfaces import BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS
 from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Start, Stats, Tiles
 from .config import PRODUCER_REGS, BwdConfig
 from .dq_writer import DQ_WRITER_WARP, DqBuffers, DqWriter
@@ -79,7 +79,7 @@ class FlashBwdSm90:
         fragments = None
         if cfg.dq_fragment_order:
             fragments = DqFragments(keys_on_m.mma_dq, keys_on_m.dq_acc_shape(), cfg.dq_transposed, cfg.dq_parts)
-        self.rows = PrePostSm90(cfg, fragments)  # pre/postprocess
+        self.pre_post = PrePostSm90(cfg, fragments)
         self.tma_boxes = {}
         self.smem_bytes = None
 
@@ -112,7 +112,7 @@ class FlashBwdSm90:
     def __call__(self, x: BWD_INPUTS.tuple_type):
         """The launches of one backward (interfaces.BWD_INPUTS): the preprocess, the main
         kernel, the postprocess; varlen, first the heaviest-first sort (one CTA; the run
-        time leaves it out where lpt is 0). Varlen, the row kernels take one block per
+        time leaves it out where lpt is 0). Varlen, the pre- and postprocess take one block per
         (query tile of a sequence, head), the main kernel one CTA per (key tile of a
         sequence, KV head), the sequences' tiles back to back (grids of ceil(total / tile)
         + b, which bound every sequence's tiles while the sequences do not overlap); every
@@ -123,15 +123,15 @@ class FlashBwdSm90:
         q, k, v, do, dq_acc = [sdhb(t) for t in (x.q, x.k, x.v, x.dout, x.dq_accum)]
         dk, dv = (None, None) if const_expr(cfg.varlen) else (sdhb(x.dk), sdhb(x.dv))
         if const_expr(cfg.varlen):
-            rows_grid = (cute.ceil_div(x.total_q, cfg.tile_m) + x.batch, x.heads_q, 1)
-            self.order_varlen(BWD_ORDER.bind(cfg, x)).launch(
-                grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+            pre_post_grid = (cute.ceil_div(x.total_q, cfg.tile_m) + x.batch, x.heads_q, 1)
+            self.order_varlen(BWD_LPT.bind(cfg, x)).launch(
+                grid=[1, 1, 1], block=[lpt.THREADS, 1, 1], smem=lpt.SMEM_BYTES
             )
-            self.rows.preprocess_varlen(BWD_PREPROCESS.bind(cfg, x)).launch(
-                grid=rows_grid, block=[self.rows.threads, 1, 1])
+            self.pre_post.preprocess_varlen(BWD_PREPROCESS.bind(cfg, x)).launch(
+                grid=pre_post_grid, block=[self.pre_post.threads, 1, 1])
         else:
-            rows_grid = (cute.ceil_div(x.seqlen_q, cfg.tile_m), x.heads_q, q.shape[3])
-            self.rows.preprocess(BWD_PREPROCESS.bind(cfg, x)).launch(grid=rows_grid, block=[self.rows.threads, 1, 1])
+            pre_post_grid = (cute.ceil_div(x.seqlen_q, cfg.tile_m), x.heads_q, q.shape[3])
+            self.pre_post.preprocess(BWD_PREPROCESS.bind(cfg, x)).launch(grid=pre_post_grid, block=[self.pre_post.threads, 1, 1])
 
         tma, layouts = self._main_atoms(q, k, v, do, dk, dv, dq_acc)
         params = BWD_MAIN.bind(cfg, x, tma)
@@ -139,24 +139,24 @@ class FlashBwdSm90:
             grid = (varlen_grid_x(k.shape[0], x.batch, cfg.tile_n), k.shape[2], 1)
             self.kernel_varlen(params, *layouts).launch(
                 grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
-            self.rows.postprocess_varlen(BWD_POSTPROCESS.bind(cfg, x)).launch(
-                grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+            self.pre_post.postprocess_varlen(BWD_POSTPROCESS.bind(cfg, x)).launch(
+                grid=pre_post_grid, block=[self.pre_post.threads, 1, 1], smem=self.pre_post.post_smem_bytes)
         else:
             grid = (cute.ceil_div(k.shape[0], cfg.tile_n), k.shape[2], k.shape[3])
             self.kernel(params, *layouts).launch(
                 grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
-            self.rows.postprocess(BWD_POSTPROCESS.bind(cfg, x)).launch(
-                grid=rows_grid, block=[self.rows.threads, 1, 1], smem=self.rows.post_smem_bytes)
+            self.pre_post.postprocess(BWD_POSTPROCESS.bind(cfg, x)).launch(
+                grid=pre_post_grid, block=[self.pre_post.threads, 1, 1], smem=self.pre_post.post_smem_bytes)
 
     @cute.kernel
-    def order_varlen(self, p: BWD_ORDER.tuple_type):
-        """The sequences sorted by cost, heaviest first (common/heaviest_first.py: the
+    def order_varlen(self, p: BWD_LPT.tuple_type):
+        """The sequences sorted by cost, heaviest first (common/lpt.py: the
         (key tile, query tile) pairs of their key tiles, causal-aware), for kernel_varlen's
         walk. Launched before the preprocess, not programmatically: the main kernel reads
         the order before its griddepcontrol.wait, as it reads the metadata."""
-        meta = heaviest_first.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
+        meta = lpt.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
                                        p.use_seqused_k, p.batch, p.total_q, p.total_k)
-        heaviest_first.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
+        lpt.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
 
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors as {name: Tma} (q, do, k, v;

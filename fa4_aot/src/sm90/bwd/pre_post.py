@@ -1,4 +1,4 @@
-"""The backward's row kernels for Hopper (sm_90a), launched before and after the main one
+"""The backward's pre- and postprocess for Hopper (sm_90a), launched before and after the main one
 (``kernel.FlashBwdSm90``), one block per query tile (the main kernel's tile_m rows) of
 a (head, batch) (docs/design.md, "Backward: pre- and postprocess"):
 
@@ -70,13 +70,13 @@ def frag_offset(batch, copy, head, m_block, heads_q, m_blocks, chains: int, tile
 
 
 class PrePostSm90:
-    """The row kernels of one backward variant (its config): the main kernel's query tile
+    """The pre- and postprocess of one backward variant (its config): the main kernel's query tile
     is their block (the unit of the statistics' padding and of the semaphores), the dQ
     accumulator has ``chains`` copies (batch * chains + copy; as many semaphores per query
     tile), laid out as rows (s_q, h_q, d), or ``fragments``' whole tiles."""
 
     def __str__(self):
-        return symbols.BACKWARD_ROWS_SM90  # the cubin's kernel names (common/symbols.py)
+        return symbols.PRE_POST_SM90  # the cubin's kernel names (common/symbols.py)
 
     def __init__(self, cfg, fragments: DqFragments | None):
         assert not (cfg.tickets and cfg.chains > 1)

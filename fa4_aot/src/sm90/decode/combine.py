@@ -18,6 +18,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
+from ...common import symbols
 from ...interfaces import COMBINE, COMBINE_INPUTS
 from ..primitives import DTYPES
 from ..softmax import exp2_mufu
@@ -28,7 +29,7 @@ LOG2E = math.log2(math.e)
 
 class CombineSm90:
     def __str__(self):
-        return "fa4_aot_combine_sm90"
+        return symbols.COMBINE_SM90  # the cubin's kernel name (common/symbols.py)
 
     def __init__(self, cfg: CombineConfig):
         assert cfg.head_dim % 32 == 0

@@ -67,7 +67,7 @@ class CombineConfig:
 
 
 def workspace_rule(cfg: DecodeConfig) -> dict:
-    """The split-KV workspace (fa4_aot.workspace's rule form): each split's normalized O
+    """The split-KV workspace (fa4_aot.launch.workspace's rule form): each split's normalized O
     (fp32, (splits, batch, seqlen_q, heads_q, head_dim)) and LSE ((splits, batch, heads_q,
     seqlen_q)); ``splits`` is the launch's num_splits."""
     return {
@@ -86,7 +86,7 @@ def limits() -> dict:
 
 
 def launch_values(cfg: DecodeConfig) -> dict:
-    """Launch values the run time derives from a call (fa4_aot.rules expressions): the keys
+    """Launch values the run time derives from a call (fa4_aot.launch.rules expressions): the keys
     of a TMA piece, the key tile, or for a paged cache the pages' and the tile's common
     rows (a tile that crosses pages is loaded in pieces; the K/V maps' box rows)."""
     return {"piece_rows": ["if", "paged", ["gcd", "cache_rows", cfg.tile_n], cfg.tile_n]}

@@ -39,6 +39,7 @@ from ..primitives import (
     DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, tiled_mma, tma_pipeline, wgmma,
 )
 from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ...common import symbols
 from ...common.params import Tma
 from ...interfaces import DECODE, DECODE_INPUTS
 from .config import DecodeConfig
@@ -56,7 +57,7 @@ class DecodeSm90:
     """One decode variant (its ``config.DecodeConfig``): host side and kernel."""
 
     def __str__(self):
-        return "fa4_aot_decode_sm90"
+        return symbols.DECODE_SM90  # the cubin's kernel name (common/symbols.py)
 
     def __init__(self, cfg: DecodeConfig):
         assert cfg.tile_m == 64 and cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0

@@ -3,7 +3,7 @@
 One CTA computes one (tile_m query rows, head, batch) output tile, or with ``q_tiles`` 2
 two of them (query tiles m and M-1-m: equal causal work), with the second tile's Q loaded
 while the first is computed and the first's O store running under the second; the API
-takes two for short key sequences (fa4_aot.api.TWO_TILES_MAX_SEQLEN_K). Warpgroups:
+takes two for short key sequences (fa4_aot.policy.TWO_TILES_MAX_SEQLEN_K). Warpgroups:
 - warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into
   `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
   masking) to the first, K one tile ahead of V.
@@ -33,7 +33,7 @@ import cutlass.pipeline as pipeline
 from cutlass import Float32, Int32, Int64, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ...common import heaviest_first, symbols
+from ...common import lpt, symbols
 from ...common.params import Tma
 from ...common.seqlen import packed_tile_of_cta, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
@@ -44,7 +44,7 @@ from ..primitives import (
     wgmma,
 )
 from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
-from ...interfaces import FWD, FWD_INPUTS, FWD_ORDER
+from ...interfaces import FWD, FWD_INPUTS, FWD_LPT
 from .config import FwdConfig
 
 EPILOGUE_BARRIER = 1
@@ -99,8 +99,8 @@ class FlashFwdSm90:
         tma, sq, skv = self._atoms(q, k, v, o)
         params = FWD.bind(cfg, x, tma)
         if const_expr(cfg.varlen):
-            self.order_varlen(FWD_ORDER.bind(cfg, x)).launch(
-                grid=[1, 1, 1], block=[heaviest_first.THREADS, 1, 1], smem=heaviest_first.SMEM_BYTES
+            self.order_varlen(FWD_LPT.bind(cfg, x)).launch(
+                grid=[1, 1, 1], block=[lpt.THREADS, 1, 1], smem=lpt.SMEM_BYTES
             )
             grid = (cute.ceil_div(q.shape[0], cfg.tile_m) + x.batch, q.shape[2], 1)
             self.kernel_varlen(params, sq, skv).launch(
@@ -113,12 +113,12 @@ class FlashFwdSm90:
             )
 
     @cute.kernel
-    def order_varlen(self, p: FWD_ORDER.tuple_type):
-        """The sequences sorted by cost, heaviest first (common/heaviest_first.py), for
+    def order_varlen(self, p: FWD_LPT.tuple_type):
+        """The sequences sorted by cost, heaviest first (common/lpt.py), for
         kernel_varlen's walk."""
-        meta = heaviest_first.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
+        meta = lpt.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
                                        p.use_seqused_k, p.batch, p.total_q, p.total_k)
-        heaviest_first.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        lpt.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given) as {name: Tma}, and the

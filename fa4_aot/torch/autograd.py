@@ -1,8 +1,8 @@
-"""flash_attn_func: autograd over the kernels (imports torch; re-exported by
-``fa4_aot.torch``, which imports this module when ``flash_attn_func`` is first asked for).
-Eager calls take ``_FlashAttention``; a torch.compile trace the custom ops of
-``torch_ops``, imported by the first trace: registering them costs a fresh process some 10
-ms (torch.library looks up each fake's source) that eager callers need not spend.
+"""flash_attn_func: autograd over the kernels (re-exported by ``fa4_aot.torch``, which
+imports this module when ``flash_attn_func`` is first asked for). Eager calls take
+``FlashAttention``; a torch.compile trace the custom ops of ``ops``, imported by the first
+trace: registering them costs a fresh process some 10 ms (torch.library looks up each
+fake's source) that eager callers need not spend.
 
     from fa4_aot.torch import flash_attn_func
     out = flash_attn_func(q, k, v, causal=True)          # differentiable
@@ -14,26 +14,13 @@ import math
 
 import torch
 
-from . import checks
-from .torch import _check_tensors, flash_attn_bwd, flash_attn_fwd
+from ..launch import checks
+from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
+from .tensors import check_tensors
 
 
-def _kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
-    """dout as the backward takes it: last dim contiguous, 16-byte-aligned strides."""
-    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
-        return dout.contiguous()
-    return dout
-
-
-def _setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
-
-
-class _FlashAttention(torch.autograd.Function):
-    """Eager autograd over the kernels: the custom ops (torch_ops) are what torch.compile traces,
+class FlashAttention(torch.autograd.Function):
+    """Eager autograd over the kernels: the custom ops (ops.py) are what torch.compile traces,
     but torch.library's per-call dispatch and aliasing checks cost about 100 us a forward
     and 400 a backward on the H200's host (benchmarks/launch_overhead.py), several times
     the launches themselves; eager calls take this path instead. Same kernels, same
@@ -42,7 +29,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
         out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
-        _setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
+        setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
         return out, lse
@@ -52,7 +39,7 @@ class _FlashAttention(torch.autograd.Function):
         if dout is None:
             return None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
+        dq, dk, dv = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
                                     causal=ctx.causal, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None
 
@@ -65,14 +52,14 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
 
     The gradient flows to q, k and v through the backward kernels (not through lse).
     """
-    _check_tensors({"q": q, "k": k, "v": v})
+    check_tensors({"q": q, "k": k, "v": v})
     scale = checks.softmax_scale(softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
     if torch.compiler.is_compiling():  # traced: the custom ops, registered on the first trace
-        from .torch_ops import _fwd_op
+        from .ops import fwd_op
 
-        out, lse = _fwd_op(q, k, v, causal, scale, deterministic)
+        out, lse = fwd_op(q, k, v, causal, scale, deterministic)
     else:
-        out, lse = _FlashAttention.apply(q, k, v, causal, scale, deterministic)
+        out, lse = FlashAttention.apply(q, k, v, causal, scale, deterministic)
     return (out, lse) if checks.flag("return_lse", return_lse) else out

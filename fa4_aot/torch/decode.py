@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .kvcache import forward_kvcache, forward_kvcache_workspace_bytes
-from .torch import as_device_array as _array
+from ..decode import forward_kvcache, forward_kvcache_workspace_bytes
+from .tensors import as_device_array
 
 
 def _append(k_cache, v_cache, k, v, cache_seqlens, page_table):
@@ -65,9 +65,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                                            num_splits=num_splits,
                                            sm_count=torch.cuda.get_device_properties(q.device).multi_processor_count)
     workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
-    forward_kvcache(_array(q), _array(k_cache), _array(v_cache), _array(out), _array(lse), _array(cache_seqlens),
-                    _array(workspace) if workspace is not None else None,
-                    page_table=_array(page_table) if page_table is not None else None, causal=causal,
+    forward_kvcache(*(as_device_array(t) for t in (q, k_cache, v_cache, out, lse, cache_seqlens)),
+                    as_device_array(workspace) if workspace is not None else None,
+                    page_table=as_device_array(page_table) if page_table is not None else None, causal=causal,
                     softmax_scale=softmax_scale, num_splits=num_splits,
                     stream=torch.cuda.current_stream(q.device).cuda_stream)
     return (out, lse) if return_lse else out

@@ -81,7 +81,7 @@ def _skipped_query_tiles(len_q, len_k, tk, tile_m: cutlass.Constexpr[int], tile_
 
 
 @cute.jit
-def heaviest_first(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Tensor, tile_m: cutlass.Constexpr[int],
+def lpt_order(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Tensor, tile_m: cutlass.Constexpr[int],
                    tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
                    keys_outer: cutlass.Constexpr[bool] = False):
     """order[r] (r < batches): the sequence of rank r, heaviest first (costs: ``sequence_cost``).
@@ -149,12 +149,12 @@ def sort_sequences(meta: Metadata, order_ptr: cute.Pointer, tile_m: cutlass.Cons
     lengths = Lengths(cu(meta.cu_q), used(meta.used_q), meta.use_used_q, meta.total_q,
                       cu(meta.cu_k), used(meta.used_k), meta.use_used_k, meta.total_k)
     keys = cutlass.utils.SmemAllocator().allocate_tensor(Int64, cute.make_layout(MAX_BATCH), byte_alignment=16)
-    heaviest_first(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
+    lpt_order(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
                    causal, keys_outer)
 
 
 def workspace_rule() -> dict:
-    """The varlen forward's workspace (fa4_aot.workspace's rule form): the order, batch
+    """The varlen forward's workspace (fa4_aot.launch.workspace's rule form): the order, batch
     int32, in 256-byte units."""
     return {"align": 4, "constants": {}, "regions": [
         {"name": "order", "itemsize": 4, "count": [["mul", ["ceil_div", "batch", 64], 64]]}]}

@@ -1,37 +1,36 @@
 """The custom ops torch.compile traces for ``flash_attn_func`` (fa4_aot::fwd, fa4_aot::bwd,
 the forward's autograd through the backward op), imported by its first trace
-(``torch_autograd``): eager calls never register them.
+(``autograd``): eager calls never register them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .torch import flash_attn_bwd, flash_attn_fwd
-from .torch_autograd import _kernel_ready_dout, _setup_context
+from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
+def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
-@_fwd_op.register_fake
+@fwd_op.register_fake
 def _(q, k, v, causal, softmax_scale, deterministic):
     b, s_q, h_q, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
-def _bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+def bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
             lse: torch.Tensor, causal: bool, softmax_scale: float,
             deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(q, k, v, out, _kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
+    return flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
                           deterministic=deterministic)
 
 
-@_bwd_op.register_fake
+@bwd_op.register_fake
 def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -40,8 +39,8 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
+    dq, dk, dv = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
     return dq, dk, dv, None, None, None
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+fwd_op.register_autograd(_backward, setup_context=setup_context)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import ManifestError
+from ..errors import ManifestError
 
 _OPS = {
     "add": lambda *a: sum(a),

@@ -9,7 +9,7 @@ of the kernel's parameters (cuFuncGetParamInfo) is the manifest's plan.
 The launch path allocates no device memory and never synchronizes: it encodes the TMA
 descriptors on the host, packs the parameter buffer, and calls cuLaunchKernelEx on the
 caller's stream, so it can be captured into a CUDA graph once ``preload`` has run. A call
-the caller keys (``launch(..., key=)``; fa4_aot.api keys every call by its arrays and
+the caller keys (``launch(..., key=)``; fa4_aot.dense keys every call by its arrays and
 options) keeps its packed launches, and ``launch_again(key)`` repeats them: the same
 arrays, options and stream give the same parameters, so the checks and the packing are
 not done twice (PLANS_KEPT calls kept, least recently used dropped). A repeat asks the
@@ -28,9 +28,9 @@ from pathlib import Path
 from . import tma
 from .rules import bind, evaluate
 from .driver import SUCCESS, call, compute_capability, cu, device_name, failed, init, multiprocessor_count
-from .errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
+from ..errors import AbiMismatchError, ArchitectureError, CudaError, DriverTooOldError
 from .manifest import PACKAGE_DIR, Manifest
-from .variants import arch_for_capability
+from ..variants import arch_for_capability
 
 
 class _Context:
@@ -110,7 +110,7 @@ class KernelLibrary:
     def sm_count(self, device: int) -> int:
         """The device's multiprocessors (one driver query per device): what a persistent
         kernel's grid takes (grid_of; other rules ignore it), and the backward's tail split
-        (fa4_aot.api)."""
+        (fa4_aot.dense)."""
         count = self._sm_counts.get(device)
         if count is None:
             count = self._sm_counts[device] = multiprocessor_count(device)
@@ -198,7 +198,7 @@ class KernelLibrary:
                aliases=(), append: bool = False):
         """Run ``row``'s kernels in order on ``stream`` (but those whose ``when`` value is 0). ``values``: run-time sizes, strides
         and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
-        ``key``: hashable and determining all of the above (fa4_aot.api's are the arrays and
+        ``key``: hashable and determining all of the above (the front doors' are the arrays and
         options of a call): the packed launches are kept under it for ``launch_again``.
         ``waits``: streams whose work so far ``stream`` waits for first (the producers of
         __cuda_array_interface__ arrays made on other streams). ``aliases``: (key, pinned)
@@ -322,12 +322,12 @@ def launch_attributes(launch: dict) -> list:
 
 def launch_values(row: dict, values: dict) -> dict:
     """A call's run-time values with those the row derives from them (its ``values``:
-    fa4_aot.rules expressions, such as decode's piece_rows)."""
+    fa4_aot.launch.rules expressions, such as decode's piece_rows)."""
     return bind(row["values"], values) if "values" in row else values
 
 
 def grid_of(launch: dict, values: dict, sm_count: int | None = None) -> tuple[int, int, int]:
-    """The launch's grid: its manifest rules (fa4_aot.rules expressions) over the call's
+    """The launch's grid: its manifest rules (fa4_aot.launch.rules expressions) over the call's
     sizes and run-time values, and ``sm_count``, the device's multiprocessors (a persistent
     kernel's grid takes at most that many CTAs: the kernel walks its items in steps of the
     grid)."""

@@ -14,23 +14,10 @@ import math
 
 import torch
 
-from .arrays import DeviceArray
-from .errors import DeviceError, DTypeError
-from .varlen import (
+from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
-
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.uint8: "u8"}
-
-
-def _array(t: torch.Tensor) -> DeviceArray:
-    if t.device.type != "cuda":
-        raise DeviceError(f"tensor is on {t.device}; move it to a CUDA device")
-    if t.dtype not in _DTYPES:
-        raise DTypeError(f"tensor dtype {t.dtype} is not one of {sorted(str(d) for d in _DTYPES)}")
-    return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), _DTYPES[t.dtype], t.device.index)
-
+from .tensors import DTYPES, as_device_array
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -45,9 +32,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     batch = cu_seqlens_q.shape[0] - 1
     if workspace is None and (order == "lpt" or (order is None and default_forward_order(batch) == "lpt")):
         workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
-    extra = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k), ("workspace", workspace))
-             if t is not None}
-    forward_varlen(*(_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), int(max_seqlen_q),
+    extra = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
+                                                 ("workspace", workspace)) if t is not None}
+    forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), int(max_seqlen_q),
                    int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale, order=order,
                    stream=torch.cuda.current_stream(q.device).cuda_stream, **extra)
     return out, lse
@@ -83,11 +70,11 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
     if workspace is None:
         size = backward_varlen_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
                                                causal=causal, deterministic=deterministic,
-                                               dtype=_DTYPES.get(q.dtype))
+                                               dtype=DTYPES.get(q.dtype))
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
-    used = {n: _array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
-    backward_varlen(*(_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
-                    int(max_seqlen_q), int(max_seqlen_k), _array(workspace), causal=causal,
+    used = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
+    backward_varlen(*(as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
+                    int(max_seqlen_q), int(max_seqlen_k), as_device_array(workspace), causal=causal,
                     softmax_scale=softmax_scale, deterministic=deterministic,
                     stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, **used)
     return dq, dk, dv

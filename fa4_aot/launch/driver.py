@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from .errors import CudaError, NoDeviceError
+from ..errors import CudaError, NoDeviceError
 
 try:
     from cuda.bindings import driver as cu

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 
-from .errors import ChecksumError, ManifestError, UnsupportedVariantError
-from .variants import NOT_BUILT_REASONS, Variant, matches
+from ..errors import ChecksumError, ManifestError, UnsupportedVariantError
+from ..variants import NOT_BUILT_REASONS, Variant, matches
 
-SCHEMA = 14  # 14: rows' "limits" (what a launch may ask), "values" (launch values derived by fa4_aot.rules expressions, also in grids, workspace counts and tensor-map boxes), launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
+SCHEMA = 14  # 14: rows' "limits" (what a launch may ask), "values" (launch values derived by fa4_aot.launch.rules expressions, also in grids, workspace counts and tensor-map boxes), launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
 # "first_write" value (the dQ accumulator uncleared, first shares stored); 7: first_write
 # for the deterministic backward too, the postprocess's seqlen_k; 8: the workspace's
@@ -31,7 +31,7 @@ ROW_FIELDS = (
 KIND_FIELDS = {"bwd": ("config", "workspace"), "decode": ("config", "workspace")}  # row fields a kind needs besides ROW_FIELDS
 LAUNCH_FIELDS = ("symbol", "block", "cluster", "grid", "smem_bytes", "programmatic", "params")
 TOP_FIELDS = ("schema", "package_version", "toolchain", "driver_floor", "kernels")
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # the fa4_aot package: manifest.json, cubins/
 _DECODER = json.JSONDecoder()
 
 

@@ -3,7 +3,7 @@ backward's statistics and dQ accumulator, decode's split partials, the varlen fo
 sequence order.
 
 A rule lists regions in order, each ``itemsize`` bytes times the product of its ``count``
-factors (fa4_aot.rules expressions over the problem's sizes and run-time values, the
+factors (fa4_aot.launch.rules expressions over the problem's sizes and run-time values, the
 rule's ``constants`` and its ``derived`` names, evaluated in order). Every region starts
 ``align``-byte aligned; the last one is not padded. ``views`` give a region the contiguous
 tensor shape a launch takes it as (each dim a product of factors).
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 
-from .errors import LayoutError, ShapeError
+from ..errors import LayoutError, ShapeError
 from .rules import bind, evaluate
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from .errors import DeviceError, DTypeError, LayoutError, ShapeError
+from ..errors import DeviceError, DTypeError, LayoutError, ShapeError
 
 ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4}  # u8: workspaces; i32: sequence lengths
 
@@ -32,7 +32,7 @@ class DeviceArray:
     strides: tuple[int, ...]  # in elements
     dtype: str  # "bf16", "fp16", "fp32" or "u8"
     # The CUDA device ordinal, where the array's producer says it (torch, DLPack); None:
-    # fa4_aot.checks.device_of asks the driver about the pointer.
+    # fa4_aot.launch.checks.device_of asks the driver about the pointer.
     device: int | None = None
 
     def __post_init__(self):

@@ -1,42 +1,21 @@
 """The public entry points: attention from raw pointers or any framework's arrays.
 
 The mechanics only: check the arrays, pick the manifest row (by fa4_aot.policy's
-thresholds), lay the workspace out by the row's rule (fa4_aot.workspace), and launch with
+thresholds), lay the workspace out by the row's rule (fa4_aot.launch.workspace), and launch with
 the run-time values policy gives. Nothing here re-derives what a kernel was built with.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 
-from . import checks, policy
-from . import workspace as ws
-from .arrays import DeviceArray, as_device_arrays
-from .checks import check_backward, check_forward, default_scale, device_of
-from .errors import UnsupportedVariantError
-from .loader import KernelLibrary
-
-LOG2E = math.log2(math.e)
-_default_library = None
-_library_lock = threading.Lock()
-
-
-def default_library() -> KernelLibrary:
-    """The kernels shipped in the package, loaded on first use."""
-    global _default_library
-    if _default_library is None:
-        with _library_lock:
-            if _default_library is None:
-                _default_library = KernelLibrary()
-    return _default_library
-
-
-def launch_tensors(arrays: dict) -> dict:
-    """The launch's tensors by the kernels' input names (fa4_aot/src/interfaces.py: the
-    public arguments' names), but the workspace, which the row's rule carves."""
-    return {name: a.as_launch_tensor() for name, a in arrays.items() if name != "workspace"}
-
+from . import policy
+from .launch import checks
+from .launch import workspace as ws
+from .launch.arrays import as_device_arrays
+from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key
+from .launch.checks import check_backward, check_forward, default_scale, device_of
+from .launch.loader import KernelLibrary
 
 def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
     """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal): with
@@ -64,17 +43,6 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
     return _row(manifest, axes, q_tiles, two)
 
 
-def _check_built(manifest, axes: dict, q_tiles: int | None) -> None:
-    """UnsupportedVariantError, naming the nearest built variants, unless ``axes`` (all but
-    the arch) with ``q_tiles`` (None: any) are built for some architecture of this
-    manifest: asked before the device, so a request no device could serve says so even
-    where there is none."""
-    archs = manifest.archs or ["sm90a"]
-    tiles = (1, 2) if q_tiles is None else (q_tiles,)
-    if not any(manifest.built(**axes, arch=arch, q_tiles=t) for arch in archs for t in tiles):
-        manifest.find(**axes, arch=archs[0], q_tiles=tiles[0])  # raises
-
-
 def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bool = False,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
@@ -93,29 +61,14 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     anything is launched, and before the driver is asked where no driver is needed.
     """
     arrays = (q, k, v, out, lse)
-    repeat = _repeat_key("fwd", arrays, (softmax_scale, causal, q_tiles), stream)
-    if repeat is not None and (library or _default_library or default_library()).launch_again(repeat):
+    repeat = repeat_key("fwd", arrays, (softmax_scale, causal, q_tiles), stream)
+    if repeat is not None and (library or default_library()).launch_again(repeat):
         return
-    _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
+    run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
              ((repeat, arrays),) if repeat else ())
 
 
-def _repeat_key(kind: str, arrays, options, stream):
-    """A call of DeviceArrays on an int stream, as given: the key a repeated call with the
-    same arguments is launched again under at once (its checks were made the first time;
-    the host path, benchmarks/launch_overhead.py); None for other arguments. The arrays
-    are named by id, which hashes at C speed (a DeviceArray's own hash is Python code):
-    the plan kept under the key pins them (``KernelLibrary.launch``'s aliases), so no
-    other array takes an id while the key is kept, and a DeviceArray cannot change."""
-    if type(stream) is not int:
-        return None
-    for a in arrays:
-        if type(a) is not DeviceArray:
-            return None
-    return (kind, *map(id, arrays), *options, stream)
-
-
-def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
+def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
     """``forward``; its launches kept under ``aliases`` too ((key, pinned) pairs: keys an
     adapter computes from its own arrays, for its repeated calls, as fa4_aot.torch's, or
     the raw API's; KernelLibrary.launch)."""
@@ -130,7 +83,7 @@ def _forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal)
-    _check_built(library.manifest, axes, q_tiles)
+    check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
     row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     scale = default_scale(problem.head_dim) if scale is None else scale
@@ -162,20 +115,6 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     return max(ws.total_bytes(r["workspace"], ws.regions(r["workspace"], _workspace_names(r, sizes))) for r in rows)
 
 
-def backward_rows(manifest, head_dim: int, causal, deterministic, dtype: str | None, varlen: bool) -> list:
-    """The built backward rows of these axes (any dtype where None), whose workspace
-    rules size a workspace for whichever the backward picks; a typed error if none."""
-    axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
-            "deterministic": checks.flag("deterministic", deterministic), "varlen": varlen}
-    if dtype is not None:
-        axes["dtype"] = dtype
-    rows = manifest.matching(**axes)
-    if not rows:
-        raise UnsupportedVariantError(f"no backward kernel is built for {axes}; built: "
-                                      f"{', '.join(sorted(n for n in manifest.rows if n.startswith('bwd.')))}")
-    return rows
-
-
 def _workspace_names(row: dict, sizes: dict) -> dict:
     """The workspace rule's names for a problem: its split tiles bounded by the problem's
     key tiles where seqlen_k and heads_kv are known, else by the rule's most."""
@@ -202,14 +141,14 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     allocation-free; bad arguments raise as in ``forward``.
     """
     arrays = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
-    repeat = _repeat_key("bwd", arrays, (softmax_scale, causal, deterministic, q_tiles), stream)
-    if repeat is not None and (library or _default_library or default_library()).launch_again(repeat):
+    repeat = repeat_key("bwd", arrays, (softmax_scale, causal, deterministic, q_tiles), stream)
+    if repeat is not None and (library or default_library()).launch_again(repeat):
         return
-    _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
+    run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
               stream, library, ((repeat, arrays),) if repeat else ())
 
 
-def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
+def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
               stream, library, aliases=()) -> None:
     """``backward``; its launches kept under ``aliases`` too (as ``_forward``)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
@@ -226,7 +165,7 @@ def _backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, cau
     checks.check_workspace(space)
     axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal,
                 deterministic=deterministic)
-    _check_built(library.manifest, axes, q_tiles)
+    check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
     row = backward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     config, rule = row["config"], row["workspace"]

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 
-from . import checks, policy
-from . import workspace as ws
-from .api import LOG2E, _check_built, _repeat_key, default_library, launch_tensors
-from .arrays import DeviceArray, as_device_arrays
-from .checks import GRID_YZ_MAX, INT32_MAX, _check_bshd, default_scale, device_of
+from . import policy
 from .errors import DTypeError, LayoutError, OptionError, ShapeError
-from .loader import KernelLibrary
+from .launch import checks
+from .launch import workspace as ws
+from .launch.arrays import DeviceArray, as_device_arrays
+from .launch.calls import LOG2E, check_built, default_library, launch_tensors, repeat_key
+from .launch.checks import GRID_YZ_MAX, INT32_MAX, check_bshd, default_scale, device_of
+from .launch.loader import KernelLibrary
 
 def _check_vector(name: str, t: DeviceArray, shape: tuple) -> None:
     if t.dtype != "i32":
@@ -56,7 +57,7 @@ def check_forward_kvcache(arrays: dict) -> dict:
         raise DTypeError(f"q, k_cache, v_cache, out must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, "
                          f"{out.dtype}")
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
-        _check_bshd(name, t)
+        check_bshd(name, t)
     b, sq, hq, d = q.shape
     pages, rows, hkv, dk = k.shape
     if v.shape != k.shape:
@@ -143,7 +144,7 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     library = library or default_library()
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
-        _check_built(library.manifest, dict(kind="decode", head_dim=head_dim, dtype="bf16", causal=False), 1)
+        check_built(library.manifest, dict(kind="decode", head_dim=head_dim, dtype="bf16", causal=False), 1)
     row = rows[0]
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
              "max_seqlen_k": max_seqlen_k}
@@ -170,9 +171,9 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     library = library or default_library()
     _check_splits(num_splits)
     # a repeated call of DeviceArrays on an int stream: its launches again, as packed
-    # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.api)
+    # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.launch.calls.repeat_key)
     given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None)
-    repeat = _repeat_key("kvcache", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
+    repeat = repeat_key("decode", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
                                             policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
@@ -183,13 +184,13 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
     # the decode and its combine are kept as one plan under the arrays' values (and the
     # repeat key's ids): a call with the same ones is launched again as packed
-    key = ("kvcache", *arrays.items(), causal, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
+    key = ("decode", *arrays.items(), causal, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
     aliases = ((repeat, given),) if repeat is not None else ()
     if library.launch_again(key, waits, aliases):
         return
     sizes = check_forward_kvcache(arrays)
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
-    _check_built(library.manifest, axes, 1)
+    check_built(library.manifest, axes, 1)
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
     arch = library.arch(device)

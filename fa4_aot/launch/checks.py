@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from .arrays import DeviceArray
 from .driver import call, cu
-from .errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeError
+from ..errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeError
 
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
@@ -38,7 +38,7 @@ class ForwardProblem(NamedTuple):
         }
 
 
-def _check_bshd(name: str, t: DeviceArray) -> None:
+def check_bshd(name: str, t: DeviceArray) -> None:
     if len(t.shape) != 4:
         raise ShapeError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got shape {t.shape}")
     if any(n <= 0 for n in t.shape):
@@ -70,7 +70,7 @@ def check_forward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArr
     if lse.dtype != "fp32":
         raise DTypeError(f"lse must be fp32; got {lse.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
-        _check_bshd(name, t)
+        check_bshd(name, t)
     b, sq, hq, d = q.shape
     _, sk, hkv, _ = k.shape
     if k.shape[0] != b or k.shape[3] != d:
@@ -195,7 +195,7 @@ def check_backward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceAr
     for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
         if t.dtype != q.dtype:
             raise DTypeError(f"{name} is {t.dtype}; it must be {q.dtype} like q")
-        _check_bshd(name, t)
+        check_bshd(name, t)
         if t.shape != like.shape:
             raise ShapeError(f"{name} {t.shape} must have shape {like.shape}")
     return problem

@@ -1,0 +1,83 @@
+"""flash_attn_fwd and flash_attn_bwd: fa4_aot.forward and fa4_aot.backward on torch
+tensors, outputs and workspace from torch's caching allocator, launches on torch's
+current stream; and what the autograd paths over them (autograd.py, ops.py) share."""
+
+from __future__ import annotations
+
+import torch
+
+from ..dense import backward_workspace_bytes, run_backward, run_forward
+from ..launch.calls import default_library
+from .tensors import KERNEL_DTYPES, as_device_array, check_tensors, current_stream, passed, repeat_key, stream_of
+
+
+def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
+                   causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
+    Every option is keyword-only."""
+    repeat, stream = None, None
+    if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
+        stream = current_stream(q.get_device())
+        repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
+                  v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
+                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, stream)
+        if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
+            return out, lse
+    check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse))
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        b, s_q, h_q, _ = q.shape
+        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
+    stream = stream_of(q) if stream is None else stream  # asked once a call
+    run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else ())
+    return out, lse
+
+
+def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
+                   lse: torch.Tensor, *, softmax_scale: float | None = None, causal: bool = False,
+                   deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
+                   dv: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv); see fa4_aot.backward, whose argument order this shares (q, k, v, out,
+    dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
+    least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
+    allocator unless given."""
+    given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
+    repeat, stream = None, None
+    if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
+        stream = stream_of(q)
+        repeat = repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, stream))
+        if default_library().launch_again(repeat):
+            return dq, dk, dv
+    check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
+                   {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace)})
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    b, s_q, h_q, d = q.shape
+    if workspace is None:
+        size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
+                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=KERNEL_DTYPES.get(q.dtype))
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
+    stream = stream_of(q) if stream is None else stream  # asked once a call
+    run_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
+                     ((repeat, ()),) if repeat else ())
+    return dq, dk, dv
+
+
+def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
+    """dout as the backward takes it: last dim contiguous, 16-byte-aligned strides."""
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
+        return dout.contiguous()
+    return dout
+
+
+def setup_context(ctx, inputs, output):
+    q, k, v, causal, softmax_scale, deterministic = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic

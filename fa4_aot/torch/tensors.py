@@ -1,0 +1,62 @@
+"""torch tensors as fa4_aot's arrays, without building more than a call needs: the
+adapter's shared pieces (every module of fa4_aot.torch uses them)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import DeviceError, DTypeError, ShapeError
+from ..launch.arrays import DeviceArray
+
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+          torch.int32: "i32"}
+KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
+
+
+def as_device_array(t: torch.Tensor) -> DeviceArray:
+    device = t.device
+    if device.type != "cuda":
+        raise DeviceError(f"tensor is on {device}; move it to a CUDA device")
+    if t.dtype not in DTYPES:
+        raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16, fp32, uint8 or int32")
+    # the device torch knows: fa4_aot then asks the driver nothing about the pointer
+    return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), DTYPES[t.dtype], device.index)
+
+
+def stream_of(t: torch.Tensor) -> int:
+    return current_stream(t.get_device())
+
+
+# The raw handle of a device's current stream, as torch's own generated code asks for it,
+# without building the Stream object torch.cuda.current_stream(device).cuda_stream does;
+# the public spelling where this torch lacks the private one.
+current_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device: torch.cuda.current_stream(device).cuda_stream)
+
+
+def repeat_key(kind: str, tensors, options) -> tuple:
+    """What determines a launch, read off torch tensors without building DeviceArrays:
+    a call with outputs given whose key was launched before is launched again at once
+    (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py).
+    No device: under unified addressing a pointer names its device."""
+    key = [kind]
+    for t in tensors:
+        key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
+    key += options
+    return tuple(key)
+
+
+def passed(**named) -> dict:
+    """The named tensors a call passed (those not None)."""
+    return {name: t for name, t in named.items() if t is not None}
+
+
+def check_tensors(rank4: dict, others: dict = None) -> None:
+    """torch.Tensors (DeviceError otherwise, as for any non-array), ``rank4`` of rank 4
+    (ShapeError): what the adapter reads before it allocates anything."""
+    for name, t in {**rank4, **(others or {})}.items():
+        if not isinstance(t, torch.Tensor):
+            raise DeviceError(f"{name} is a {type(t).__name__}, not a torch.Tensor")
+    for name, t in rank4.items():
+        if t.dim() != 4:
+            raise ShapeError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
