@@ -351,7 +351,8 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     (fa4_aot/src/common/params.py writes them): "tensormap" a tensor's CUtensorMap,
     "extents" its int32 sizes over ``axes``, "ptr" its address, "stride" its element stride
     on ``axis`` (``tensors``: {"ptr", "shape", "strides", "itemsize"} of (b, s, h, d)
-    tensors by name); "i32", "i64", "f32" a run-time value by name (``values``). Filled
+    tensors by name); "i32", "i64", "f32" a run-time value by name (``values``), or where
+    the call gives none the slot's ``default``. Filled
     with struct.pack_into: a launch packs some 30 slots (host time per call,
     benchmarks/launch_overhead.py)."""
     slots = launch["params"]
@@ -371,7 +372,8 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
 def missing_sources(launch: dict, values: dict, tensors: dict) -> list[str]:
     """The tensors and values ``launch``'s slots name that a call does not give."""
     return [s.get("tensor", s.get("value")) for s in launch["params"]
-            if ("tensor" in s and s["tensor"] not in tensors) or ("value" in s and s["value"] not in values)]
+            if ("tensor" in s and s["tensor"] not in tensors)
+            or ("value" in s and s["value"] not in values and "default" not in s)]
 
 
 def _fill(raw: bytearray, row: dict, slots: list, values: dict, tensors: dict) -> None:
@@ -390,7 +392,8 @@ def _fill(raw: bytearray, row: dict, slots: list, values: dict, tensors: dict) -
         elif kind == "stride":
             struct.pack_into("<q", raw, at, tensors[slot["tensor"]]["strides"][AXIS[slot["axis"]]])
         elif kind in _SCALARS:
-            struct.pack_into(_SCALARS[kind], raw, at, values[slot["value"]])
+            value = values.get(slot["value"])
+            struct.pack_into(_SCALARS[kind], raw, at, slot["default"] if value is None else value)
         else:
             raise AbiMismatchError(f"{row['name']}: unknown parameter kind {kind}")
 

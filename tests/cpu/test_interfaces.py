@@ -171,3 +171,25 @@ def test_the_compiled_kernel_reads_each_field_from_the_slot_its_plan_names(order
     loads = dict(re.findall(r"ld\.param\.[bu]32\s+(%r\d+),\s*\[\S+_param_(\d+)\]", ptx))
     (minuend, subtrahend), = re.findall(r"sub\.s32\s+%r\d+,\s*(%r\d+),\s*(%r\d+)", ptx)
     assert plan[int(loads[minuend])]["value"] == "a" and plan[int(loads[subtrahend])]["value"] == "b"
+
+
+def test_a_scalar_with_a_default_is_packed_without_the_runs_value(monkeypatch):
+    """A new scalar declared with a neutral default reaches the kernel with no change of
+    the run time: the slot carries the default, which pack_params takes where the call's
+    values lack the name (and refuses a slot with neither)."""
+    import struct
+
+    from fa4_aot.errors import AbiMismatchError
+    from fa4_aot.launch import loader
+
+    inputs = P.Inputs("I", P.Input("lse", "f32", 1), P.Input("gain", "Float32", default=1.5), P.Input("n", "Int32"))
+    plan = P.Params("K", P.ptr("lse"), P.f32("gain"), P.i32("n"), inputs=inputs).plan(None)
+    assert [s.get("default") for s in plan] == [None, 1.5, None]
+    launch = {"params": plan, "symbol": "k"}
+    tensors = {"lse": {"ptr": 0x1000}}
+    raw, _ = loader.pack_params({"name": "row"}, launch, {"n": 7}, tensors)
+    assert struct.unpack_from("<Qfi", bytes(raw)) == (0x1000, 1.5, 7)
+    raw, _ = loader.pack_params({"name": "row"}, launch, {"n": 7, "gain": 2.0}, tensors)
+    assert struct.unpack_from("<f", bytes(raw), 8) == (2.0,)
+    with pytest.raises(AbiMismatchError, match=r"\['n'\]"):
+        loader.pack_params({"name": "row"}, launch, {}, tensors)

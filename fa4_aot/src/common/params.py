@@ -54,7 +54,9 @@ class Input:
     ``fake``: what the build compiles against: "io" a (b, s, h, d) tensor of the variant's
     dtype (any 16-byte strides, d static and contiguous); "f32", "i32", "i64" a contiguous
     tensor of ``rank`` dynamic sizes (``varlen_rank`` where the variant is varlen), with a
-    static last dim of the head dim where ``head_dim_last``; "Int32", "Float32" a scalar.
+    static last dim of the head dim where ``head_dim_last``; "Int32", "Float32" a scalar,
+    which takes ``default`` where a call gives no value of that name (the manifest's slot
+    carries it: a new argument with a neutral default needs no change of the run time).
     """
 
     name: str
@@ -63,6 +65,7 @@ class Input:
     varlen_rank: int | None = None
     head_dim_last: bool = False
     when: str = ""
+    default: int | float | None = None
 
     def rank_for(self, cfg) -> int:
         return self.varlen_rank if self.varlen_rank is not None and cfg.varlen else self.rank
@@ -121,8 +124,9 @@ class Param:
     axes: str = ""
     when: str = ""
 
-    def slots(self) -> list[dict]:
-        """The manifest slots of this parameter, in PTX order (offsets not yet laid)."""
+    def slots(self, default=None) -> list[dict]:
+        """The manifest slots of this parameter, in PTX order (offsets not yet laid); a
+        scalar's ``default`` where its input has one."""
         if self.form == "tma":
             return [_slot(f"tma_{self.field}", "tensormap", tensor=self.source),
                     _slot(f"{self.field}_coords", "extents", tensor=self.source, axes=TMA_EXTENTS)]
@@ -134,7 +138,8 @@ class Param:
             return [_slot(self.field, "ptr", tensor=self.source),
                     *(_slot(f"{self.field}_stride_{a}", "stride", tensor=self.source, axis=a) for a in self.axes)]
         if self.form in ("i32", "i64", "f32"):
-            return [_slot(self.field, self.form, value=self.source)]
+            extra = {} if default is None else {"default": default}
+            return [_slot(self.field, self.form, value=self.source, **extra)]
         raise ValueError(f"unknown parameter form {self.form!r}")
 
     def bind(self, inputs, tma: dict):
@@ -215,6 +220,7 @@ class Params:
             unknown = [p.source for p in params if p.source not in inputs.by_name]
             if unknown:
                 raise ValueError(f"{name}: parameters of undeclared inputs {unknown}")
+        self.inputs = inputs
         base = NamedTuple(name, [(f, object) for f in fields])
         self.tuple_type = type(name, (KernelArgs, base), {"__slots__": ()})
 
@@ -231,7 +237,8 @@ class Params:
     def plan(self, cfg) -> list[dict]:
         """The manifest's slots of this kernel for config ``cfg``, laid out as PTX lays
         parameters (each at its alignment, back to back)."""
-        return with_offsets([s for p in self.present(cfg) for s in p.slots()])
+        defaults = {} if self.inputs is None else {i.name: i.default for i in self.inputs.inputs}
+        return with_offsets([s for p in self.present(cfg) for s in p.slots(defaults.get(p.source))])
 
 
 def _slot(name: str, kind: str, **fields) -> dict:
