@@ -348,8 +348,8 @@ def _compiler_imports() -> set:
 def test_the_build_key_covers_every_module_the_compiler_imports(monkeypatch):
     """Each fa4_aot module the compiler imports (traced while it compiles) is hashed into
     the build key, and a change to any of them changes every variant's key: no cubin
-    outlives a change to what made it. (The key once hashed src/, abi.py and variants.py
-    only: cubin_info.py and policy.py, which the compiler imports, were left out.)"""
+    outlives a change to what made it. (A key of src/ and variants.py alone left out
+    cubin_info.py and policy.py, which the compiler imports.)"""
     import build_kernels
 
     sources = build_kernels.kernel_sources()

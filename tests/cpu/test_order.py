@@ -5,8 +5,9 @@ tiles. The order is safe only if, for every run, the turns of the CTAs touching 
 0, 1, ..., k-1 (no turn is skipped or taken twice) and each CTA waits only for CTAs
 launched before it: then however few CTAs are resident, the earliest-launched waiting
 CTA always has its predecessor done or running. A rotation of the query loops broke the
-second rule once and hung a benchmark while every GPU test passed (docs/perf-notes.md,
-session 6); these checks run on every shape class without a GPU.
+second rule once and hung a benchmark while every GPU test passed (docs/design.md,
+"Backward: deterministic order (turns, chains, SPT)"); these checks run on every shape
+class without a GPU.
 """
 
 import itertools

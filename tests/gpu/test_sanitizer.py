@@ -2,9 +2,10 @@
 and no invalid use of barriers (synccheck), on the shapes of sanitizer_cases.py.
 
 racecheck and initcheck are not run here: on these kernels they report hazards the tools
-do not model rather than defects (docs/perf-notes.md, session 9: every read of the
-statistics that bulk copies put in shared memory, and every read of O written by the
-forward's TMA store, are flagged; the counts are those of all such accesses)."""
+do not model rather than defects (docs/design.md, "Tolerances in the tests"; the runs in
+docs/history/perf-log-2026-11-30_to_2026-12-01.md: every read of the statistics that bulk
+copies put in shared memory, and every read of O written by the forward's TMA store, are
+flagged; the counts are those of all such accesses)."""
 
 import os
 import shutil
