@@ -32,8 +32,14 @@ from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
 from .launch.calls import LOG2E, check_built, default_library, launch_tensors, repeat_key
-from .launch.checks import GRID_YZ_MAX, INT32_MAX, check_bshd, default_scale, device_of
+from .launch.checks import (
+    GRID_YZ_MAX, INT32_MAX, check_bshd, check_no_overlap, default_scale, device_of, read, written,
+)
 from .launch.loader import KernelLibrary
+
+OPTIONAL = ("page_table", "workspace")  # arrays a call may leave out (None)
+WRITTEN = ("out", "lse", "workspace")  # what the launches write (the workspace: the splits' partials)
+
 
 def _check_vector(name: str, t: DeviceArray, shape: tuple) -> None:
     if t.dtype != "i32":
@@ -181,7 +187,7 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
              ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
-    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
+    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     # the decode and its combine are kept as one plan under the arrays' values (and the
     # repeat key's ids): a call with the same ones is launched again as packed
     key = ("decode", *arrays.items(), causal, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
@@ -189,6 +195,7 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     if library.launch_again(key, waits, aliases):
         return
     sizes = check_forward_kvcache(arrays)
+    check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
     check_built(library.manifest, axes, 1)
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
@@ -213,9 +220,8 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
               "turn_stride": policy.DECODE_TURN_STRIDE}
     # the combine found before anything is launched: a call refused after the decode ran
-    # would leave a kept plan of the decode alone for its repeats
+    # would have kept a plan of the decode alone for its repeats
     combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=False,
                                     arch=arch, q_tiles=1) if splits > 1 else None
-    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
-    if combine is not None:
-        library.launch(combine, device, stream, values, tensors, key=key, aliases=aliases, append=True)
+    then = ((combine, values, tensors),) if combine is not None else ()
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases, then=then)

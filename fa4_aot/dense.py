@@ -14,8 +14,11 @@ from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
 from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key
-from .launch.checks import check_backward, check_forward, default_scale, device_of
+from .launch.checks import check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written
 from .launch.loader import KernelLibrary
+
+WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace")
+
 
 def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
     """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal): with
@@ -82,6 +85,7 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     if library.launch_again(key, waits, aliases):
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
+    check_no_overlap(written(arrays, "out", "lse"), read(arrays, "out", "lse"))
     axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal)
     check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
@@ -163,6 +167,7 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
     space = arrays["workspace"]
     checks.check_workspace(space)
+    check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
     axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal,
                 deterministic=deterministic)
     check_built(library.manifest, axes, q_tiles)

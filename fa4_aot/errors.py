@@ -21,6 +21,11 @@ class LayoutError(InputError):
     """A stride or pointer the kernels cannot address (last dim not contiguous, misaligned)."""
 
 
+class OverlapError(LayoutError):
+    """An output that shares memory with an input or another output (writing it would
+    corrupt the other)."""
+
+
 class DeviceError(InputError):
     """Host memory where device memory is needed, or arrays on different devices."""
 

@@ -24,8 +24,15 @@ from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
 from .launch.calls import LOG2E, backward_rows, check_built, default_library
-from .launch.checks import GRID_YZ_MAX, INT32_MAX, check_backward, check_forward, default_scale, device_of
+from .launch.checks import (
+    GRID_YZ_MAX, INT32_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
+)
 from .launch.loader import KernelLibrary, grid_of
+
+
+OPTIONAL = ("seqused_q", "seqused_k", "workspace")  # arrays a call may leave out (None)
+WRITTEN_FORWARD = ("out", "lse", "workspace")  # what the launches write (the workspace: the order)
+WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace")
 
 
 def _as_packed(t: DeviceArray) -> DeviceArray:
@@ -152,7 +159,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
              ("workspace", workspace))
-    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
+    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     library = library or default_library()
     key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, stream, order)
     if library.launch_again(key, waits):
@@ -160,6 +167,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
     if "workspace" in arrays:
         _check_order_workspace(arrays["workspace"], sizes["batch"], library)
+    check_no_overlap(written(arrays, *WRITTEN_FORWARD), read(arrays, *WRITTEN_FORWARD))
     axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal, varlen=True)
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
@@ -272,7 +280,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse), ("dq", dq), ("dk", dk),
              ("dv", dv), ("workspace", workspace), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
              ("seqused_q", seqused_q), ("seqused_k", seqused_k))
-    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None}, stream)
+    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     library = library or default_library()
     key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, deterministic, stream, order)
     if library.launch_again(key, waits):
@@ -280,6 +288,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     sizes = check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k)
     space = arrays["workspace"]
     checks.check_workspace(space)
+    check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
     axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal,
                 deterministic=deterministic, varlen=True)
     check_built(library.manifest, axes, 1)

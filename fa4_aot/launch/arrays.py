@@ -23,6 +23,7 @@ ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4}  # u8: workspace
 
 
 _EXACT_INT = frozenset({int})
+ADDRESS_END = 2**64  # addresses and handles are 64-bit
 
 
 @dataclass(frozen=True)
@@ -39,14 +40,14 @@ class DeviceArray:
         # the common case in one pass of C-level checks (this runs for every array of every
         # call: the host path, benchmarks/launch_overhead.py); the detailed refusal after
         shape, strides = self.shape, self.strides
-        if not (type(self.ptr) is int and self.ptr >= 0 and type(shape) is tuple and type(strides) is tuple
+        if not (type(self.ptr) is int and 0 <= self.ptr < ADDRESS_END and type(shape) is tuple and type(strides) is tuple
                 and _EXACT_INT.issuperset(map(type, shape + strides)) and self.dtype in ITEMSIZE
                 and len(shape) == len(strides)):
             self._refuse()
 
     def _refuse(self):
-        if isinstance(self.ptr, bool) or not isinstance(self.ptr, int) or self.ptr < 0:
-            raise DeviceError(f"ptr must be a device address (a non-negative int); got {self.ptr!r}")
+        if isinstance(self.ptr, bool) or not isinstance(self.ptr, int) or not 0 <= self.ptr < ADDRESS_END:
+            raise DeviceError(f"ptr must be a device address (an int in [0, 2**64)); got {self.ptr!r}")
         for what, dims in (("shape", self.shape), ("strides", self.strides)):
             if not isinstance(dims, tuple) or any(isinstance(n, bool) or not isinstance(n, int) for n in dims):
                 raise (ShapeError if what == "shape" else LayoutError)(f"{what} must be a tuple of ints; got {dims!r}")
@@ -199,6 +200,8 @@ def as_device_arrays(named: dict, stream: int) -> tuple[dict, tuple]:
     for: those of __cuda_array_interface__ v3 arrays made on another stream)."""
     arrays, waits = {}, []
     for name, obj in named.items():
+        if obj is None:
+            raise DeviceError(f"{name} is required; got None")
         arrays[name], wait = _view(obj, stream)
         if wait is not None and wait not in waits:
             waits.append(wait)

@@ -10,9 +10,9 @@ import math
 import numbers
 from typing import NamedTuple
 
-from .arrays import DeviceArray
-from .driver import call, cu
-from ..errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeError
+from ..errors import CudaError, DeviceError, DTypeError, LayoutError, NoDeviceError, OptionError, OverlapError, ShapeError
+from .arrays import ADDRESS_END, DeviceArray
+from .driver import call, cu, init
 
 INT32_MAX = 2**31 - 1
 GRID_YZ_MAX = 65535
@@ -107,9 +107,12 @@ def device_of(arrays: dict[str, DeviceArray]) -> int:
         if t.device is not None:
             devices[name] = t.device
             continue
+        init()  # no driver: NoDeviceError, as where the arrays name their device
         try:
             mem_type, ordinal = call(cu.cuPointerGetAttributes, len(attrs), attrs, t.ptr)
-        except Exception as e:
+        except NoDeviceError:
+            raise  # no driver: the same error whether or not an array names its device
+        except CudaError as e:
             raise DeviceError(f"{name} ({t.ptr:#x}) is not CUDA memory: {e}") from e
         if int(mem_type) != int(cu.CUmemorytype.CU_MEMORYTYPE_DEVICE):
             raise DeviceError(f"{name} is not device memory (memory type {int(mem_type)}); copy it to the GPU")
@@ -124,16 +127,21 @@ def default_scale(head_dim: int) -> float:
 
 
 # ---------------------------------------------------------------- options
+FLOAT32_MAX = 3.4028234663852886e38
+SCALE_MAX = FLOAT32_MAX / math.log2(math.e)  # the kernels take scale * log2(e) as a float32
+
+
 def softmax_scale(value) -> float | None:
-    """None (1/sqrt(head_dim), applied later) or a finite real number, as a float; a
-    string, a bool, NaN or an infinity is refused."""
+    """None (1/sqrt(head_dim), applied later) or a real number whose multiple by log2(e)
+    is a finite float32, as a float; a string, a bool, NaN or an infinity is refused."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise OptionError(f"softmax_scale must be a real number or None; got {value!r} ({type(value).__name__})")
     scale = float(value)
-    if not math.isfinite(scale):
-        raise OptionError(f"softmax_scale must be finite; got {value!r}")
+    if not abs(scale) < SCALE_MAX:  # NaN too
+        raise OptionError(f"softmax_scale must be finite and below {SCALE_MAX:.3g} in magnitude (float32 "
+                          f"times log2(e)); got {value!r}")
     return scale
 
 
@@ -164,8 +172,8 @@ def stream_handle(value) -> int:
         handle = int(value)
     except (TypeError, ValueError) as e:
         raise OptionError(f"stream must be a CUstream handle (an int); got {value!r}") from e
-    if handle < 0:
-        raise OptionError(f"stream handle {handle} is negative")
+    if not 0 <= handle < ADDRESS_END:
+        raise OptionError(f"stream handle {handle} is not a 64-bit handle")
     return handle
 
 
@@ -199,3 +207,71 @@ def check_backward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceAr
         if t.shape != like.shape:
             raise ShapeError(f"{name} {t.shape} must have shape {like.shape}")
     return problem
+
+
+# ---------------------------------------------------------------- overlaps
+def written(arrays: dict, *names) -> dict:
+    """The arrays of ``names`` a call gives: those its launches write."""
+    return {n: arrays[n] for n in names if n in arrays}
+
+
+def read(arrays: dict, *written_names) -> dict:
+    """The arrays a call gives but ``written_names``: those its launches only read."""
+    return {n: a for n, a in arrays.items() if n not in written_names}
+
+
+def check_no_overlap(outputs: dict, inputs: dict) -> None:
+    """OverlapError unless each of ``outputs`` (arrays a launch writes) shares no byte with
+    another output or with any of ``inputs`` (arrays it reads). Views of one packed tensor
+    (the q, k, v or dq, dk, dv of a (b, s, 3, h, d) buffer) share none and pass."""
+    names = list(outputs)
+    for i, name in enumerate(names):
+        for other, t in [(n, outputs[n]) for n in names[i + 1:]] + list(inputs.items()):
+            if may_share(outputs[name], t):
+                raise OverlapError(f"{name} shares memory with {other} ({name} at {outputs[name].ptr:#x}, "
+                                   f"{other} at {t.ptr:#x}): writing {name} would corrupt {other}; give it its "
+                                   "own memory")
+
+
+def _span(t: DeviceArray) -> tuple[int, int] | None:
+    """The byte range [start, end) ``t``'s elements lie in; None if it has none."""
+    if any(n <= 0 for n in t.shape):
+        return None
+    low = sum(min(0, (n - 1) * s) for n, s in zip(t.shape, t.strides))
+    high = sum(max(0, (n - 1) * s) for n, s in zip(t.shape, t.strides)) + 1
+    return t.ptr + low * t.itemsize, t.ptr + high * t.itemsize
+
+
+def may_share(a: DeviceArray, b: DeviceArray) -> bool:
+    """Whether ``a`` and ``b`` may have a byte in common: exactly for two views of one
+    layout (same strides and item size: the parts of a packed tensor), else whether their
+    byte ranges meet."""
+    span_a, span_b = _span(a), _span(b)
+    if span_a is None or span_b is None or span_a[1] <= span_b[0] or span_b[1] <= span_a[0]:
+        return False
+    delta, rem = divmod(b.ptr - a.ptr, a.itemsize)
+    if (a.itemsize != b.itemsize or a.strides != b.strides or len(a.shape) != len(b.shape) or rem
+            or any(s <= 0 for n, m, s in zip(a.shape, b.shape, a.strides) if max(n, m) > 1)):
+        return True
+    # an element of a, sum(i_k s_k), is one of b, delta + sum(j_k s_k), iff
+    # sum(c_k s_k) = delta for digits c_k = i_k - j_k in [-(nb_k - 1), na_k - 1]
+    axes = sorted(((s, na, nb) for s, na, nb in zip(a.strides, a.shape, b.shape) if max(na, nb) > 1), reverse=True)
+    return _reachable(delta, axes, [64])
+
+
+def _reachable(target: int, axes: list, budget: list) -> bool:
+    """Whether digits on ``axes`` ((stride, na, nb), strides descending) sum to ``target``;
+    True where the search would pass its ``budget`` of steps (a conservative answer)."""
+    if not axes:
+        return target == 0
+    budget[0] -= 1
+    if budget[0] < 0:
+        return True
+    (stride, na, nb), rest = axes[0], axes[1:]
+    low = -sum((m - 1) * s for s, _, m in rest)
+    high = sum((n - 1) * s for s, n, _ in rest)
+    first = max(-(nb - 1), -((high - target) // stride))  # ceil((target - high) / stride)
+    last = min(na - 1, (target - low) // stride)
+    if last - first > 3:
+        return True
+    return any(_reachable(target - c * stride, rest, budget) for c in range(first, last + 1))

@@ -195,49 +195,54 @@ class KernelLibrary:
 
     # ------------------------------------------------------------------ launching
     def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None, waits=(),
-               aliases=(), append: bool = False):
-        """Run ``row``'s kernels in order on ``stream`` (but those whose ``when`` value is 0). ``values``: run-time sizes, strides
-        and float scalars by name; ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name.
-        ``key``: hashable and determining all of the above (the front doors' are the arrays and
-        options of a call): the packed launches are kept under it for ``launch_again``.
-        ``waits``: streams whose work so far ``stream`` waits for first (the producers of
-        __cuda_array_interface__ arrays made on other streams). ``aliases``: (key, pinned)
-        pairs, more keys for the same launches (an adapter's, computed from its own arrays;
-        the raw API's, from its arguments' ids), each kept with ``pinned``, the objects it
-        names by id, so that no other object takes their ids while it is kept. ``append``: this row's
-        launches are kept after those already under ``key`` (a call of two rows, such as
-        decode and its combine, repeated as one)."""
-        values = launch_values(row, values)
+               aliases=(), then=()):
+        """Run ``row``'s kernels in order on ``stream`` (but those whose ``when`` value is
+        0), then those of each (row, values, tensors) of ``then`` (a call of two rows, such
+        as decode and its combine). ``values``: run-time sizes and scalars by name;
+        ``tensors``: {"ptr", "shape", "strides", "itemsize"} by name. Every launch is
+        packed before the first is issued: a call refused while packing launches nothing.
+        ``key``: hashable and determining all of the above (the front doors' are the
+        arrays and options of a call): the packed launches are kept under it for
+        ``launch_again``. ``waits``: streams whose work so far ``stream`` waits for first
+        (the producers of __cuda_array_interface__ arrays made on other streams).
+        ``aliases``: (key, pinned) pairs, more keys for the same launches (an adapter's,
+        computed from its own arrays; the raw API's, from its arguments' ids), each kept
+        with ``pinned``, the objects it names by id, so that no other object takes their
+        ids while it is kept."""
         with _Context(device) as context:
-            fns = self.functions(row, device, int(context.handle))
-            self._wait(int(context.handle), stream, waits)
             handle = cu.CUstream(stream)
             plan = []
-            for fn, launch in zip(fns, row["launches"]):
-                if "when" in launch and not values[launch["when"]]:
-                    continue  # a launch the call's run-time values leave out (the varlen sort)
-                buffer, pointers = pack_params(row, launch, values, tensors)
-                config = cu.CUlaunchConfig()
-                config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self.sm_count(device))
-                config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
-                config.sharedMemBytes = launch["smem_bytes"]
-                config.hStream = handle
-                attrs = launch_attributes(launch)
-                if attrs:
-                    config.attrs = attrs
-                    config.numAttrs = len(attrs)
-                # the driver copies the parameters; `buffer` and `pointers` stay referenced
-                # by the plan for its repeats
-                address = ctypes.addressof(pointers)
+            for one_row, one_values, one_tensors in ((row, values, tensors), *then):
+                plan += self._pack(one_row, launch_values(one_row, one_values), one_tensors, device,
+                                   int(context.handle), handle)
+            self._wait(int(context.handle), stream, waits)
+            for fn, config, address, _ in plan:
                 call(cu.cuLaunchKernelEx, config, fn, address, 0)
-                plan.append((fn, config, address, (pointers, buffer)))
             if key is not None:
-                if append:
-                    with self._lock:
-                        kept = self._plans.get(key)
-                    if kept is not None:
-                        plan = list(kept[3]) + plan
                 self._keep(((key, ()), *aliases), (device, int(context.handle), stream, tuple(plan)))
+
+    def _pack(self, row: dict, values: dict, tensors: dict, device: int, context: int, stream) -> list:
+        """(function, launch config, parameter address, what keeps them alive) of each of
+        ``row``'s launches the call's values take."""
+        plan = []
+        fns = self.functions(row, device, context)
+        for fn, launch in zip(fns, row["launches"]):
+            if "when" in launch and not values[launch["when"]]:
+                continue  # a launch the call's run-time values leave out (the varlen sort)
+            buffer, pointers = pack_params(row, launch, values, tensors)
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = grid_of(launch, values, self.sm_count(device))
+            config.blockDimX, config.blockDimY, config.blockDimZ = launch["block"]
+            config.sharedMemBytes = launch["smem_bytes"]
+            config.hStream = stream
+            attrs = launch_attributes(launch)
+            if attrs:
+                config.attrs = attrs
+                config.numAttrs = len(attrs)
+            # the driver copies the parameters; `buffer` and `pointers` stay referenced by
+            # the plan for its repeats
+            plan.append((fn, config, ctypes.addressof(pointers), (pointers, buffer)))
+        return plan
 
     def _keep(self, names, entry) -> None:
         """Keep ``entry`` (device, context, stream, launches) under each (key, pinned) of
@@ -255,7 +260,10 @@ class KernelLibrary:
         return True; False when none are kept, or they were made in another context.
         ``waits``: as for ``launch`` (the key's stream waits for them first); ``aliases``:
         (key, pinned) pairs to keep the launches under too, as ``launch``'s."""
-        entry = self._plans.get(key)
+        try:
+            entry = self._plans.get(key)
+        except TypeError:  # an unhashable option: never kept, and the checks say what is wrong
+            return False
         if entry is None:
             return False
         status, current = cu.cuCtxGetCurrent()

@@ -7,10 +7,12 @@ case draws one to three bad arguments into a good call; the launch is recorded i
 made (tests/cpu/test_loader.py's stand-in library), and none may happen.
 """
 
+import itertools
 import math
 import random
 
 import numpy as np
+
 import pytest
 
 import fa4_aot.dense as api
@@ -21,10 +23,17 @@ from fa4_aot.launch.loader import KernelLibrary
 from .test_loader import _RecordingLibrary
 
 BASE = 0x7F0000000000
+_ARRAYS = itertools.count(1)
+
+
+def fresh() -> int:
+    """An address no other array of these tests takes: each array its own memory."""
+    return BASE + next(_ARRAYS) * (1 << 36)
 B, SQ, SK, HQ, HKV, D = 2, 100, 300, 4, 2, 64  # fwd.sm90a.bf16.d64, bwd.sm90a.fp16.d64 (built in SUBSET)
 
 
-def arr(shape, dtype, strides=None, ptr=BASE, device=0):
+def arr(shape, dtype, strides=None, ptr=None, device=0):
+    ptr = fresh() if ptr is None else ptr
     if strides is None:
         strides, acc = [], 1
         for n in reversed(shape):
@@ -42,8 +51,10 @@ def good_forward(dtype="bf16"):
 def good_backward(library):
     f = good_forward("fp16")
     size = api.backward_workspace_bytes(B, SQ, HQ, D, seqlen_k=SK, heads_kv=HKV, library=library)
-    return {"q": f["q"], "k": f["k"], "v": f["v"], "out": f["out"], "dout": f["q"], "lse": f["lse"], "dq": f["q"],
-            "dk": f["k"], "dv": f["k"], "workspace": arr((size,), "u8")}
+    grads = {"dout": arr((B, SQ, HQ, D), "fp16"), "dq": arr((B, SQ, HQ, D), "fp16"), "dk": arr((B, SK, HKV, D), "fp16"),
+             "dv": arr((B, SK, HKV, D), "fp16")}
+    return {"q": f["q"], "k": f["k"], "v": f["v"], "out": f["out"], "dout": grads["dout"], "lse": f["lse"],
+            "dq": grads["dq"], "dk": grads["dk"], "dv": grads["dv"], "workspace": arr((size,), "u8")}
 
 
 class Fake:

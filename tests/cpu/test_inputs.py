@@ -1,5 +1,7 @@
 """Every bad input is refused with a typed error before anything touches a GPU."""
 
+import itertools
+
 import pytest
 
 from fa4_aot.launch.arrays import DeviceArray, as_device_array
@@ -7,9 +9,16 @@ from fa4_aot.launch.checks import check_forward
 from fa4_aot.errors import DeviceError, DTypeError, InputError, LayoutError, ShapeError
 
 BASE = 0x7F0000000000
+_ARRAYS = itertools.count(1)
 
 
-def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=BASE):
+def fresh() -> int:
+    """An address no other array of these tests takes: each array its own memory."""
+    return BASE + next(_ARRAYS) * (1 << 36)
+
+
+def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=None):
+    ptr = fresh() if ptr is None else ptr
     strides = strides or (s * h * d, h * d, d, 1)
     return DeviceArray(ptr, (b, s, h, d), strides, dtype)
 

@@ -2,6 +2,8 @@
 before any launch; a good call packs the decode kernel's plan (and the combine's where
 it splits); the split heuristic and the workspace size."""
 
+import itertools
+
 import pytest
 
 from fa4_aot import policy
@@ -14,13 +16,21 @@ LIMITS = {"max_splits": 128, "max_seqlen_q": 128, "page_align": 16}
 MAX_SEQLEN_Q = LIMITS["max_seqlen_q"]
 
 BASE = 0x7F0000000000
+_ARRAYS = itertools.count(1)
 
 
-def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=BASE):
+def fresh() -> int:
+    """An address no other array of these tests takes: each array its own memory."""
+    return BASE + next(_ARRAYS) * (1 << 36)
+
+
+def bshd(b, s, h, d, dtype="bf16", strides=None, ptr=None):
+    ptr = fresh() if ptr is None else ptr
     return DeviceArray(ptr, (b, s, h, d), strides or (s * h * d, h * d, d, 1), dtype, 0)
 
 
-def ints(shape, ptr=BASE, dtype="i32", strides=None):
+def ints(shape, ptr=None, dtype="i32", strides=None):
+    ptr = fresh() if ptr is None else ptr
     shape = tuple(shape)
     contiguous = tuple(1 if i == len(shape) - 1 else shape[-1] for i in range(len(shape)))
     return DeviceArray(ptr, shape, strides or contiguous, dtype, 0)
@@ -95,9 +105,9 @@ class _FakeLibrary:
     def sm_count(self, device):
         return 132
 
-    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=(), append=False):
-        self.launches.append((row, values, tensors))
-        self.kept = getattr(self, "kept", []) + [(key, aliases, append)]
+    def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=(), then=()):
+        self.launches += [(row, values, tensors), *then]
+        self.kept = getattr(self, "kept", []) + [(key, aliases, len(then))]
 
 
 def _every_slot_given(row, values, tensors):
@@ -180,7 +190,7 @@ def test_split_heuristic(ctas, tiles, want):
 
 
 def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
-    """The decode and its combine under one key (the combine appended), with the raw
+    """The decode and its combine under one key (one launch call of both rows), with the raw
     API's id key as an alias pinning the arrays (fa4_aot.launch.calls.repeat_key)."""
     from fa4_aot.launch.calls import repeat_key
     from fa4_aot.launch.manifest import Manifest
@@ -190,8 +200,9 @@ def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
     need = forward_kvcache_workspace_bytes(4, 1, 32, 8, 128, 1000, num_splits=2, library=library)
     a = arrays(workspace=DeviceArray(BASE + 4096, (need,), (1,), "u8", 0))
     _call(a, library, num_splits=2)
-    (key, aliases, append), (key2, aliases2, append2) = library.kept
-    assert key == key2 and aliases == aliases2 and (append, append2) == (False, True)
+    (key, aliases, rows_after), = library.kept  # one launch call: the decode, then the combine
+    assert rows_after == 1 and [r["name"] for r, _, _ in library.launches] == ["decode.sm90a.bf16.d128",
+                                                                               "combine.sm90a.bf16.d128"]
     given = tuple(a[n] for n in ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "workspace"))
     (alias, pinned), = aliases
     assert pinned == given

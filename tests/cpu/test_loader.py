@@ -280,7 +280,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
 
     from fa4_aot.launch.arrays import DeviceArray
 
-    from .test_inputs import BASE, bshd
+    from .test_inputs import bshd, fresh
 
     library = _RecordingLibrary(built[0])
     captured = library.last
@@ -288,9 +288,9 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
     q, out, dout, dq = (bshd(b, sq, hq, d) for _ in range(4))
     k, v, dk, dv = (bshd(b, sk, hkv, d) for _ in range(4))
-    lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32")
+    lse = DeviceArray(fresh(), (b, hq, sq), (hq * sq, sq, 1), "fp32")
     size = api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=True, library=library)
-    workspace = DeviceArray(BASE, (size,), (1,), "u8")
+    workspace = DeviceArray(fresh(), (size,), (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, causal=True, deterministic=True,
                  library=library)
     values, tensors = captured["values"], captured["tensors"]
@@ -319,14 +319,14 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     stand_in = {**captured["row"], "config": real["config"], "workspace": real["workspace"]}
     monkeypatch.setattr(Manifest, "find", lambda self, **axes: stand_in)
     size = api.backward_workspace_bytes(b, sq, hq, d, deterministic=True, library=_RulesOnly(real))
-    workspace = DeviceArray(BASE, (size,), (1,), "u8")
+    workspace = DeviceArray(fresh(), (size,), (1,), "u8")
     api.backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, deterministic=True, library=library)
     assert captured["tensors"]["dq_accum"]["shape"] == (b * chains, sq, hq, d)
     # the workspace is laid out by the row's query tile: LSE2 rows padded to 80 here
     t = captured["tensors"]
     assert t["dsum"]["ptr"] - t["lse2"]["ptr"] == b * hq * -(-sq // 80) * 80 * 4
     with pytest.raises(ShapeError, match="workspace has"):  # one byte short of the row's rule
-        api.backward(q, k, v, out, dout, lse, dq, dk, dv, DeviceArray(BASE, (size - 1,), (1,), "u8"),
+        api.backward(q, k, v, out, dout, lse, dq, dk, dv, DeviceArray(fresh(), (size - 1,), (1,), "u8"),
                      deterministic=True, library=library)
 
 
@@ -376,34 +376,41 @@ def test_a_known_device_skips_the_pointer_queries(built, monkeypatch):
     import fa4_aot.dense as api
     import fa4_aot.launch.checks as checks
 
+    from fa4_aot.errors import CudaError, DeviceError, NoDeviceError
     from fa4_aot.launch.arrays import DeviceArray
-    from fa4_aot.errors import DeviceError
 
-    from .test_inputs import BASE
+    from .test_inputs import BASE, fresh
 
     library = _RecordingLibrary(built[0])
     launched = library.launched
     size = api.backward_workspace_bytes(2, 1000, 4, 128, causal=True, deterministic=True, library=library)
 
     def no_queries(fn, *args):
-        raise AssertionError("the driver was asked about a pointer")
+        raise CudaError(fn.__name__, "the driver was asked about a pointer")
+
+    def no_driver():
+        raise NoDeviceError("no driver here")
 
     monkeypatch.setattr(checks, "call", no_queries)
+    monkeypatch.setattr(checks, "init", lambda: 13000)
     b, sq, sk, hq, hkv, d = 2, 1000, 700, 4, 2, 128
 
     def arrays(device):
         def bshd(s, h):
-            return DeviceArray(BASE, (b, s, h, d), (s * h * d, h * d, d, 1), "bf16", device)
+            return DeviceArray(fresh(), (b, s, h, d), (s * h * d, h * d, d, 1), "bf16", device)
 
         q, out, dout, dq = (bshd(sq, hq) for _ in range(4))
         k, v, dk, dv = (bshd(sk, hkv) for _ in range(4))
-        lse = DeviceArray(BASE, (b, hq, sq), (hq * sq, sq, 1), "fp32", device)
-        workspace = DeviceArray(BASE, (size,), (1,), "u8", device)
+        lse = DeviceArray(fresh(), (b, hq, sq), (hq * sq, sq, 1), "fp32", device)
+        workspace = DeviceArray(fresh(), (size,), (1,), "u8", device)
         return q, k, v, out, dout, lse, dq, dk, dv, workspace
 
     api.backward(*arrays(3), causal=True, deterministic=True, library=library)
     assert launched == [("bwd.sm90a.bf16.d128.causal.det", 3)]
     with pytest.raises(DeviceError, match="asked about a pointer"):  # no device given: the driver is asked
+        api.backward(*arrays(None), causal=True, deterministic=True, library=library)
+    monkeypatch.setattr(checks, "init", no_driver)  # and where there is none: no device, not a bad array
+    with pytest.raises(NoDeviceError):
         api.backward(*arrays(None), causal=True, deterministic=True, library=library)
     with pytest.raises(DeviceError, match="different devices"):
         checks.device_of({"q": DeviceArray(BASE, (1,), (1,), "u8", 0), "k": DeviceArray(BASE, (1,), (1,), "u8", 1)})
@@ -508,9 +515,10 @@ def test_launch_attributes_follow_the_manifest():
     assert cluster.value.clusterDim.x == 2
 
 
-def test_an_appended_row_repeats_with_the_first_under_every_key(monkeypatch):
-    """launch(..., append=True): a call of two rows (decode and its combine) is kept as one
-    plan under its key and its aliases, and launch_again repeats both, in order."""
+def test_a_call_of_two_rows_is_packed_whole_and_repeats_as_one(monkeypatch):
+    """launch(..., then=...): a call of two rows (decode and its combine) is packed whole
+    before anything is issued, kept as one plan under its key and its aliases, and
+    launch_again repeats both, in order. A row that fails to pack launches nothing."""
     import contextlib
 
     launched = []
@@ -531,13 +539,23 @@ def test_an_appended_row_repeats_with_the_first_under_every_key(monkeypatch):
     monkeypatch.setattr(lib, "sm_count", lambda device: 132)
     pinned = (object(),)
     decode, combine = {"name": "decode", "launches": [launch]}, {"name": "combine", "launches": [launch]}
-    lib.launch(decode, 0, 5, {}, {}, key="by value", aliases=(("by id", pinned),))
-    lib.launch(combine, 0, 5, {}, {}, key="by value", aliases=(("by id", pinned),), append=True)
+    lib.launch(decode, 0, 5, {}, {}, key="by value", aliases=(("by id", pinned),), then=((combine, {}, {}),))
     assert launched == ["decode", "combine"]
     for key in ("by id", "by value"):
         launched.clear()
         assert lib.launch_again(key)
         assert launched == ["decode", "combine"]
-    lib.launch(decode, 0, 5, {}, {}, key="alone")  # no append: its own plan only
+    lib.launch(decode, 0, 5, {}, {}, key="alone")  # one row: its own plan only
     launched.clear()
     assert lib.launch_again("alone") and launched == ["decode"]
+
+    def refuse(row, launch, values, tensors):
+        if row["name"] == "combine":
+            raise OverflowError("a value past its slot")
+        return b"", (ctypes.c_uint64 * 1)()
+
+    monkeypatch.setattr(loader, "pack_params", refuse)
+    launched.clear()
+    with pytest.raises(OverflowError):
+        lib.launch(decode, 0, 5, {}, {}, key="refused", then=((combine, {}, {}),))
+    assert launched == [] and not lib.launch_again("refused")

@@ -17,6 +17,7 @@ from fa4_aot.launch.arrays import _DLTensor, as_device_array, as_device_arrays, 
 from fa4_aot.errors import DeviceError
 
 from .test_arguments import B, BASE, D, HKV, HQ, SK, SQ, good_forward
+from .test_inputs import fresh
 from .test_loader import _FakeContext, _RecordingLibrary
 
 
@@ -44,7 +45,7 @@ class DLPackProducer:
         self._strides = (ctypes.c_int64 * n)(*reversed(strides))
         self._managed = _DLManagedTensor()
         t = self._managed.dl_tensor
-        t.data, t.device.device_type, t.device.device_id, t.ndim = BASE, 2, 0, n
+        t.data, t.device.device_type, t.device.device_id, t.ndim = fresh(), 2, 0, n
         t.dtype.code, t.dtype.bits, t.dtype.lanes = dtype_code, bits, 1
         t.shape, t.strides, t.byte_offset = self._shape, self._strides, 0
 
@@ -62,7 +63,7 @@ class CAIProducer:
     """A CUDA array behind __cuda_array_interface__ v3, made on ``stream``."""
 
     def __init__(self, shape, typestr="<f2", stream=None, version=3):
-        self.interface = {"data": (BASE, False), "shape": tuple(shape), "typestr": typestr, "strides": None,
+        self.interface = {"data": (fresh(), False), "shape": tuple(shape), "typestr": typestr, "strides": None,
                           "version": version}
         if stream is not None:
             self.interface["stream"] = stream

@@ -1,6 +1,8 @@
 """The varlen forward's and backward's input checks: every bad argument is a typed error
 before any launch, and a good call packs the launches the varlen kernels' plans ask for."""
 
+import itertools
+
 import pytest
 
 from fa4_aot.launch.arrays import DeviceArray
@@ -10,19 +12,27 @@ from fa4_aot.varlen import (backward_varlen, backward_varlen_workspace_bytes, ch
                             check_forward_varlen, forward_varlen, forward_varlen_workspace_bytes)
 
 BASE = 0x7F0000000000
+_ARRAYS = itertools.count(1)
 
 
-def packed(total, h, d, dtype="bf16", strides=None, ptr=BASE):
+def fresh() -> int:
+    """An address no other array of these tests takes: each array its own memory."""
+    return BASE + next(_ARRAYS) * (1 << 36)
+
+
+def packed(total, h, d, dtype="bf16", strides=None, ptr=None):
+    ptr = fresh() if ptr is None else ptr
     return DeviceArray(ptr, (total, h, d), strides or (h * d, d, 1), dtype, 0)
 
 
-def ints(n, ptr=BASE, dtype="i32", strides=None):
+def ints(n, ptr=None, dtype="i32", strides=None):
+    ptr = fresh() if ptr is None else ptr
     return DeviceArray(ptr, (n,), strides or (1,), dtype, 0)
 
 
 def arrays(**over):
     a = {"q": packed(100, 8, 128), "k": packed(300, 2, 128), "v": packed(300, 2, 128), "out": packed(100, 8, 128),
-         "lse": DeviceArray(BASE, (8, 100), (100, 1), "fp32", 0), "cu_seqlens_q": ints(4), "cu_seqlens_k": ints(4)}
+         "lse": DeviceArray(fresh(), (8, 100), (100, 1), "fp32", 0), "cu_seqlens_q": ints(4), "cu_seqlens_k": ints(4)}
     a.update(over)
     return {n: x for n, x in a.items() if x is not None}
 
@@ -174,7 +184,7 @@ WS_BYTES = 1 << 24
 def bwd_arrays(**over):
     a = arrays()
     a.update({"dout": packed(100, 8, 128), "dq": packed(100, 8, 128), "dk": packed(300, 2, 128),
-              "dv": packed(300, 2, 128), "workspace": DeviceArray(BASE, (WS_BYTES,), (1,), "u8", 0)})
+              "dv": packed(300, 2, 128), "workspace": DeviceArray(fresh(), (WS_BYTES,), (1,), "u8", 0)})
     a.update(over)
     return {n: x for n, x in a.items() if x is not None}
 
