@@ -18,8 +18,8 @@ inputs. Time = median of CUDA-event timings (triton.testing.do_bench, warmup 50 
 rep 200 ms, return_mode="median": the method of the baselines file). With --rounds N the
 whole grid runs N times over (round after round, so each cell meets the GPU in N thermal
 states) and every time is the median of its N rounds; the JSON keeps each round's
-figure. FLOPs = 4*B*H*S*S*D, halved when causal, and 2.5x that for the backward (the
-convention of the baselines in ../shared/baselines/). The backward is timed alone: for
+figure. FLOPs = 4*B*H*S*S*D, halved when causal, and 2.5x that for the backward (FA4's
+and flash-attn's convention). The backward is timed alone: for
 ours the three backward kernels with outputs preallocated, for cuDNN autograd's backward
 of its own forward (retain_graph).
 """
@@ -40,7 +40,8 @@ from fa4_aot.torch import flash_attn_fwd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # plot_attention beside this file
 
-# FA4 upstream's forward TFLOP/s on this H200 (../shared/baselines/h200-2026-11-30.md).
+# FA4 upstream's forward TFLOP/s on this H200, measured in another process on 2026-11-30
+# (the same-process comparison: benchmarks/fa4_upstream/).
 FA4_UPSTREAM_FWD = {
     (64, 1024, False): 399, (64, 1024, True): 264, (64, 4096, False): 497, (64, 4096, True): 424,
     (64, 16384, False): 542, (64, 16384, True): 512, (128, 1024, False): 546, (128, 1024, True): 408,

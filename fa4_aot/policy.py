@@ -3,7 +3,8 @@
 The manifest says what each kernel is (its row's ``config`` and ``workspace`` rule); this
 module says which kernel a problem takes and the run-time values it is launched with.
 Each threshold carries the measurement behind it (docs/design.md, "Run-time selection
-policy", which names the log's sessions). All of
+policy"). What the build decided (the sort's width, decode's split limit, the persistent
+keys) is read from the manifest row's ``limits``, not copied here. All of
 these are speed choices: none changes what a kernel computes beyond the order of its fp32
 sums (and not even that where the kernel is deterministic).
 
