@@ -25,9 +25,10 @@ num_splits the result is bitwise the same every run.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from . import policy
-from .errors import DTypeError, LayoutError, OptionError, ShapeError
+from .errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeError
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
@@ -194,6 +195,40 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     aliases = ((repeat, given),) if repeat is not None else ()
     if library.launch_again(key, waits, aliases):
         return
+    _prepare(arrays, causal, scale, num_splits, stream, library).issue(key, waits, aliases)
+
+
+class PreparedDecode(NamedTuple):
+    """A checked decode call's launches, packed (``prepare_kvcache``); ``issue`` launches them."""
+
+    library: KernelLibrary
+    prepared: object
+
+    def issue(self, key=None, waits=(), aliases=()) -> None:
+        self.library.issue(self.prepared, key, waits, aliases)
+
+
+def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
+                    causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
+                    stream: int = 0, library: KernelLibrary | None = None) -> PreparedDecode:
+    """``forward_kvcache``'s every check and its launches packed, not issued: for a caller
+    that writes something once the call is known good (fa4_aot.torch's cache append),
+    then calls ``.issue()``. A bad argument raises here, before anything is written."""
+    library = library or default_library()
+    _check_splits(num_splits)
+    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    stream = checks.stream_handle(stream)
+    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
+             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
+    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
+    if waits:
+        raise DeviceError("prepare_kvcache takes arrays of its stream (no __cuda_array_interface__ of another)")
+    return _prepare(arrays, causal, scale, num_splits, stream, library)
+
+
+def _prepare(arrays: dict, causal: bool, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
+    """Every check of a decode call whose arrays and options are read, and its launches
+    (the decode, and the combine where split) packed."""
     sizes = check_forward_kvcache(arrays)
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
     axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
@@ -219,9 +254,11 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
               "turn_stride": policy.DECODE_TURN_STRIDE}
-    # the combine found before anything is launched: a call refused after the decode ran
-    # would have kept a plan of the decode alone for its repeats
-    combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=False,
-                                    arch=arch, q_tiles=1) if splits > 1 else None
-    then = ((combine, values, tensors),) if combine is not None else ()
-    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases, then=then)
+    # the combine found, and both packed, before anything is launched: a call refused
+    # after the decode ran would have kept a plan of the decode alone for its repeats
+    then = ()
+    if splits > 1:
+        combine = library.manifest.find(kind="combine", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
+                                        causal=False, arch=arch, q_tiles=1)
+        then = ((combine, values, tensors),)
+    return PreparedDecode(library, library.prepare(row, device, stream, values, tensors, then=then))

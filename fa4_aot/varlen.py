@@ -54,12 +54,6 @@ def _check_lengths(name: str, t: DeviceArray, n: int) -> None:
         raise LayoutError(f"{name}'s data pointer {t.ptr:#x} is not 4-byte aligned")
 
 
-def _check_max(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= INT32_MAX:
-        raise ShapeError(f"{name} must be a positive int below 2**31; got {value!r}")
-    return value
-
-
 def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
     """Every rule the host can check without the device; returns the launch's sizes."""
     packed = {n: _as_packed(arrays[n]) for n in ("q", "k", "v", "out")}
@@ -81,7 +75,7 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
     for name in ("seqused_q", "seqused_k"):
         if name in arrays:
             _check_lengths(name, arrays[name], batch)
-    max_q, max_k = _check_max("max_seqlen_q", max_seqlen_q), _check_max("max_seqlen_k", max_seqlen_k)
+    max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
     if batch > GRID_YZ_MAX:
         raise ShapeError(f"batch={batch} must be at most {GRID_YZ_MAX} (grid limits)")
     total_k = problem.seqlen_k

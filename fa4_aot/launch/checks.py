@@ -177,6 +177,14 @@ def stream_handle(value) -> int:
     return handle
 
 
+def positive_int(name: str, value) -> int:
+    """A size option given as a number (max_seqlen): a positive int within int32, not a
+    bool, a float or a string."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 < value <= INT32_MAX:
+        raise ShapeError(f"{name} must be a positive int below 2**31; got {value!r}")
+    return int(value)
+
+
 def check_workspace(t: DeviceArray) -> None:
     """The backward's workspace is taken as bytes from its pointer: contiguous."""
     expected, acc = [], 1

@@ -23,6 +23,7 @@ import math
 import struct
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 from pathlib import Path
 
 from . import tma
@@ -48,14 +49,17 @@ class _Context:
         current = call(cu.cuCtxGetCurrent)
         if int(current) != 0 and call(cu.cuCtxGetDevice) == self.device:
             self.handle = current
-            return self
-        with self._lock:
-            ctx = self._primary.get(self.device)
-            if ctx is None:
-                ctx = call(cu.cuDevicePrimaryCtxRetain, self.device)
-                self._primary[self.device] = ctx
-        call(cu.cuCtxPushCurrent, ctx)
-        self.handle, self.pushed = ctx, True
+        else:
+            with self._lock:
+                ctx = self._primary.get(self.device)
+                if ctx is None:
+                    ctx = call(cu.cuDevicePrimaryCtxRetain, self.device)
+                    self._primary[self.device] = ctx
+            call(cu.cuCtxPushCurrent, ctx)
+            self.handle, self.pushed = ctx, True
+        # the context's id, unique for the process's life: a handle may be another
+        # context's after the first is destroyed or reset, whose modules went with it
+        self.id = int(call(cu.cuCtxGetId, self.handle))
         return self
 
     def __exit__(self, *exc):
@@ -64,6 +68,17 @@ class _Context:
 
 
 PLANS_KEPT = 256  # launch plans (packed calls) kept per library
+
+
+class Prepared(NamedTuple):
+    """A call's launches, packed: the device and the context (its id) they were loaded
+    in, the stream, and (function, config, parameter address, what keeps them alive) per
+    launch."""
+
+    device: int
+    context: int
+    stream: int
+    plan: tuple
 
 
 class KernelLibrary:
@@ -75,9 +90,9 @@ class KernelLibrary:
         self._functions: dict[tuple[int, str], object] = {}
         self._archs: dict[int, str] = {}
         self._sm_counts: dict[int, int] = {}
-        self._events: dict[int, object] = {}  # context handle -> CUevent (stream waits)
+        self._events: dict[int, object] = {}  # context id -> CUevent (stream waits)
         self._lock = threading.RLock()
-        # key -> (device, context handle, stream, ((function, launch config, parameter pointers'
+        # key -> (device, context id, stream, ((function, launch config, parameter pointers'
         # address, (pointer array, buffer)), ...), objects the key names by id)
         self._plans: OrderedDict = OrderedDict()
 
@@ -138,8 +153,8 @@ class KernelLibrary:
 
     def functions(self, row: dict, device: int, context: int | None = None) -> list:
         """The CUfunction of each of ``row``'s launches in the current context (on ``device``);
-        ``context``: its handle, where the caller has it already."""
-        ctx = int(call(cu.cuCtxGetCurrent)) if context is None else context
+        ``context``: its id (cuCtxGetId), where the caller has it already."""
+        ctx = int(call(cu.cuCtxGetId, call(cu.cuCtxGetCurrent))) if context is None else context
         key = (ctx, row["name"])
         fns = self._functions.get(key)
         if fns is not None:
@@ -191,7 +206,7 @@ class KernelLibrary:
         rows = [self.manifest.rows[n] for n in (names or self.manifest.rows)]
         with _Context(device) as context:
             for row in rows:
-                self.functions(row, device, int(context.handle))
+                self.functions(row, device, context.id)
 
     # ------------------------------------------------------------------ launching
     def launch(self, row: dict, device: int, stream: int, values: dict, tensors: dict, key=None, waits=(),
@@ -210,16 +225,38 @@ class KernelLibrary:
         with ``pinned``, the objects it names by id, so that no other object takes their
         ids while it is kept."""
         with _Context(device) as context:
-            handle = cu.CUstream(stream)
-            plan = []
-            for one_row, one_values, one_tensors in ((row, values, tensors), *then):
-                plan += self._pack(one_row, launch_values(one_row, one_values), one_tensors, device,
-                                   int(context.handle), handle)
-            self._wait(int(context.handle), stream, waits)
-            for fn, config, address, _ in plan:
-                call(cu.cuLaunchKernelEx, config, fn, address, 0)
-            if key is not None:
-                self._keep(((key, ()), *aliases), (device, int(context.handle), stream, tuple(plan)))
+            prepared = self._prepare(row, device, context.id, stream, values, tensors, then)
+            self._issue(prepared, key, waits, aliases)
+
+    def prepare(self, row: dict, device: int, stream: int, values: dict, tensors: dict, then=()) -> "Prepared":
+        """``launch``'s launches, loaded and packed but not issued (``issue`` issues them):
+        what a caller that must write something first (the cache append of
+        fa4_aot.torch.decode) takes once every check has passed."""
+        with _Context(device) as context:
+            return self._prepare(row, device, context.id, stream, values, tensors, then)
+
+    def issue(self, prepared: "Prepared", key=None, waits=(), aliases=()) -> None:
+        """Issue ``prepared``'s launches (after the streams ``waits``), kept under ``key``
+        and ``aliases`` as ``launch`` keeps them."""
+        with _Context(prepared.device) as context:
+            if context.id != prepared.context:
+                raise CudaError("issue", "the context changed since the launches were prepared")
+            self._issue(prepared, key, waits, aliases)
+
+    def _prepare(self, row, device, context: int, stream: int, values, tensors, then) -> "Prepared":
+        handle = cu.CUstream(stream)
+        plan = []
+        for one_row, one_values, one_tensors in ((row, values, tensors), *then):
+            plan += self._pack(one_row, launch_values(one_row, one_values), one_tensors, device, context, handle)
+        return Prepared(device, context, stream, tuple(plan))
+
+    def _issue(self, prepared: "Prepared", key, waits, aliases) -> None:
+        """Issue in the current context, which is ``prepared``'s."""
+        self._wait(prepared.context, prepared.stream, waits)
+        for fn, config, address, _ in prepared.plan:
+            call(cu.cuLaunchKernelEx, config, fn, address, 0)
+        if key is not None:
+            self._keep(((key, ()), *aliases), tuple(prepared))
 
     def _pack(self, row: dict, values: dict, tensors: dict, device: int, context: int, stream) -> list:
         """(function, launch config, parameter address, what keeps them alive) of each of
@@ -267,11 +304,14 @@ class KernelLibrary:
         if entry is None:
             return False
         status, current = cu.cuCtxGetCurrent()
-        if status != SUCCESS or int(current) != entry[1]:
+        if status == SUCCESS and int(current):
+            status, current_id = cu.cuCtxGetId(current)
+        if status != SUCCESS or not int(current) or int(current_id) != entry[1]:
             # not the plan's context current: the caller's on the plan's device, or its
-            # primary one, where that is the plan's
+            # primary one, where that is the plan's (a context of the same handle made
+            # since is not: it has another id)
             with _Context(entry[0]) as context:
-                if int(context.handle) != entry[1]:
+                if context.id != entry[1]:
                     return False
                 self._repeat(entry, waits)
         else:
@@ -301,7 +341,7 @@ class KernelLibrary:
         if not waits:
             return
         with self._lock:
-            event = self._events.get(context)
+            event = self._events.get(context)  # by context id
             if event is None:
                 event = self._events[context] = call(cu.cuEventCreate,
                                                      cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)

@@ -17,11 +17,13 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
     Every option is keyword-only."""
     repeat, stream = None, None
-    if type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and q.is_cuda:
-        stream = current_stream(q.get_device())
+    if (type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and type(k) is torch.Tensor
+            and type(v) is torch.Tensor and q.is_cuda):
+        device = q.get_device()
+        stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
                   v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
-                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, stream)
+                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, device, stream)
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
     check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse))
@@ -48,8 +50,9 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
     repeat, stream = None, None
     if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
-        stream = stream_of(q)
-        repeat = repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, stream))
+        device = q.get_device()
+        stream = current_stream(device)
+        repeat = repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, device, stream))
         if default_library().launch_again(repeat):
             return dq, dk, dv
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},

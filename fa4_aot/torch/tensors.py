@@ -14,6 +14,10 @@ KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v 
 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
+    """A DeviceArray view of torch tensor ``t`` (DeviceError for anything else, and for a
+    tensor off the GPU; DTypeError for an element type no launch takes)."""
+    if not isinstance(t, torch.Tensor):
+        raise DeviceError(f"a {type(t).__name__} is not a torch.Tensor")
     device = t.device
     if device.type != "cuda":
         raise DeviceError(f"tensor is on {device}; move it to a CUDA device")
@@ -38,7 +42,8 @@ def repeat_key(kind: str, tensors, options) -> tuple:
     """What determines a launch, read off torch tensors without building DeviceArrays:
     a call with outputs given whose key was launched before is launched again at once
     (its arrays and options were checked then; the host path, benchmarks/launch_overhead.py).
-    No device: under unified addressing a pointer names its device."""
+    The caller puts the device among ``options``: an address freed on one device may be
+    another device's later, and stream 0 is every device's default stream."""
     key = [kind]
     for t in tensors:
         key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
@@ -60,3 +65,12 @@ def check_tensors(rank4: dict, others: dict = None) -> None:
     for name, t in rank4.items():
         if t.dim() != 4:
             raise ShapeError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim); got shape {tuple(t.shape)}")
+
+
+def check_packed(packed: dict, others: dict = None) -> None:
+    """As check_tensors, for packed varlen tensors: ``packed`` of rank 3 (total, heads,
+    head_dim)."""
+    check_tensors({}, {**packed, **(others or {})})
+    for name, t in packed.items():
+        if t.dim() != 3:
+            raise ShapeError(f"{name} must have rank 3 (total, heads, head_dim); got shape {tuple(t.shape)}")

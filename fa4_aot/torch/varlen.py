@@ -17,7 +17,8 @@ import torch
 from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
-from .tensors import DTYPES, as_device_array
+from ..launch import checks
+from .tensors import DTYPES, as_device_array, check_packed, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -26,6 +27,9 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     sequence (past seqused, or past the last cu_seqlens_q) are left as allocated.
     ``order``: the sequences' order (fa4_aot.forward_varlen; None: the policy's); the
     heaviest-first order's workspace (uint8) comes from torch's allocator unless given."""
+    check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                            **passed(seqused_q=seqused_q, seqused_k=seqused_k, out=out, lse=lse,
+                                                     workspace=workspace)})
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -34,8 +38,8 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
         workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
     extra = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
                                                  ("workspace", workspace)) if t is not None}
-    forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), int(max_seqlen_q),
-                   int(max_seqlen_k), causal=causal, softmax_scale=softmax_scale, order=order,
+    forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
+                   max_seqlen_k, causal=causal, softmax_scale=softmax_scale, order=order,
                    stream=torch.cuda.current_stream(q.device).cuda_stream, **extra)
     return out, lse
 
@@ -64,6 +68,9 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
     as allocated (zeroed here, so that autograd sums them as no gradient); the workspace
     (uint8, with room for the heaviest-first order) comes from torch's allocator unless
     given; ``order``: the sequences' order (None: the policy's)."""
+    check_packed({"q": q, "k": k, "v": v, "out": out, "dout": dout},
+                 {"lse": lse, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                  **passed(seqused_q=seqused_q, seqused_k=seqused_k, dq=dq, dk=dk, dv=dv, workspace=workspace)})
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -74,7 +81,7 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     used = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
     backward_varlen(*(as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
-                    int(max_seqlen_q), int(max_seqlen_k), as_device_array(workspace), causal=causal,
+                    max_seqlen_q, max_seqlen_k, as_device_array(workspace), causal=causal,
                     softmax_scale=softmax_scale, deterministic=deterministic,
                     stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, **used)
     return dq, dk, dv
@@ -125,7 +132,13 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
     torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
     order (the forward always is)."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                              seqused_q, seqused_k, bool(causal), scale, bool(deterministic))
-    return (out, lse) if return_lse else out
+    check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                                            **passed(seqused_q=seqused_q, seqused_k=seqused_k)})
+    for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, *passed(a=seqused_q, b=seqused_k).values()):
+        as_device_array(t)  # on a GPU, of a dtype the kernels take: the custom op's dispatch would refuse untyped
+    scale = checks.softmax_scale(softmax_scale)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
+    out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
+                              checks.flag("causal", causal), scale, checks.flag("deterministic", deterministic))
+    return (out, lse) if checks.flag("return_lse", return_lse) else out

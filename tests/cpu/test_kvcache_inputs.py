@@ -106,8 +106,14 @@ class _FakeLibrary:
         return 132
 
     def launch(self, row, device, stream, values, tensors, key=None, waits=(), aliases=(), then=()):
-        self.launches += [(row, values, tensors), *then]
-        self.kept = getattr(self, "kept", []) + [(key, aliases, len(then))]
+        self.issue(self.prepare(row, device, stream, values, tensors, then), key, waits, aliases)
+
+    def prepare(self, row, device, stream, values, tensors, then=()):
+        return [(row, values, tensors), *then]
+
+    def issue(self, prepared, key=None, waits=(), aliases=()):
+        self.launches += prepared
+        self.kept = getattr(self, "kept", []) + [(key, aliases, len(prepared) - 1)]
 
 
 def _every_slot_given(row, values, tensors):

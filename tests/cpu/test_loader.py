@@ -429,7 +429,7 @@ def test_the_torch_adapter_takes_the_device_from_torch():
 
 class _FakeContext:
     def __init__(self, device):
-        self.handle = 7
+        self.handle, self.id = 7, 70
 
     def __enter__(self):
         return self
@@ -455,6 +455,7 @@ def test_a_repeated_call_launches_its_kept_plan_without_checking_or_packing_agai
     monkeypatch.setattr(library, "functions", lambda row, device, context=None: [f"fn{i}" for i in range(len(row["launches"]))])
     ok, current = loader.cu.CUresult.CUDA_SUCCESS, loader.cu.CUcontext(_FakeContext(0).handle)
     monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (ok, current))
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", lambda ctx: (ok, 70))
     monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda *args: launches.append(args) or (ok,))
     monkeypatch.setattr(tma, "encode", lambda recipe, ptr, *a: bytes(128))
     real_pack, real_check = loader.pack_params, api.check_forward
@@ -524,13 +525,14 @@ def test_a_call_of_two_rows_is_packed_whole_and_repeats_as_one(monkeypatch):
     launched = []
 
     class Ctx:
-        handle = 7
+        handle, id = 7, 70
 
     monkeypatch.setattr(loader, "_Context", lambda device: contextlib.nullcontext(Ctx()))
     monkeypatch.setattr(loader, "pack_params", lambda row, launch, values, tensors: (b"", (ctypes.c_uint64 * 1)()))
     monkeypatch.setattr(loader, "grid_of", lambda launch, values, sm_count=None: (1, 1, 1))
     monkeypatch.setattr(loader, "call", lambda fn, *args: launched.append(args[1]) if args else None)
     monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (loader.SUCCESS, 7))
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", lambda ctx: (loader.SUCCESS, 70))
     monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda config, fn, address, extra:
                         (launched.append(fn), (loader.SUCCESS,))[1])
     launch = {"block": [1, 1, 1], "smem_bytes": 0, "cluster": [1, 1, 1], "programmatic": False}
@@ -559,3 +561,42 @@ def test_a_call_of_two_rows_is_packed_whole_and_repeats_as_one(monkeypatch):
     with pytest.raises(OverflowError):
         lib.launch(decode, 0, 5, {}, {}, key="refused", then=((combine, {}, {}),))
     assert launched == [] and not lib.launch_again("refused")
+
+
+def test_a_context_made_anew_at_a_handle_reloads_and_never_replays(monkeypatch):
+    """A context destroyed (or a primary context reset) takes its modules with it, and a
+    new one may get the same handle: the library keys modules and kept launches by the
+    context's unique id, so the new context loads its own and no kept plan of the old one
+    is replayed into it."""
+    import contextlib
+
+    ids, loads, launched = [70], [], []
+
+    class Ctx:
+        handle = 7
+
+        @property
+        def id(self):
+            return ids[0]
+
+    monkeypatch.setattr(loader, "_Context", lambda device: contextlib.nullcontext(Ctx()))
+    monkeypatch.setattr(loader, "pack_params", lambda row, launch, values, tensors: (b"", (ctypes.c_uint64 * 1)()))
+    monkeypatch.setattr(loader, "grid_of", lambda launch, values, sm_count=None: (1, 1, 1))
+    monkeypatch.setattr(loader, "call", lambda fn, *args: launched.append(args[1]) if args else None)
+    monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (loader.SUCCESS, 7))
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", lambda ctx: (loader.SUCCESS, ids[0]))
+    monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda config, fn, address, extra:
+                        (launched.append(fn), (loader.SUCCESS,))[1])
+    lib = KernelLibrary("/nonexistent")
+    monkeypatch.setattr(lib, "check_device", lambda device, row: None)
+    monkeypatch.setattr(lib, "_load", lambda row: loads.append(ids[0]) or [f"{row['name']}@{ids[0]}"])
+    monkeypatch.setattr(lib, "sm_count", lambda device: 132)
+    launch = {"block": [1, 1, 1], "smem_bytes": 0, "cluster": [1, 1, 1], "programmatic": False}
+    row = {"name": "fwd", "launches": [launch]}
+    lib.launch(row, 0, 5, {}, {}, key="call")
+    assert loads == [70] and launched == ["fwd@70"] and lib.launch_again("call")
+    ids[0] = 71  # the context destroyed, another made at the same handle
+    launched.clear()
+    assert not lib.launch_again("call") and launched == []
+    lib.launch(row, 0, 5, {}, {}, key="call")
+    assert loads == [70, 71] and launched == ["fwd@71"]

@@ -148,15 +148,16 @@ def test_the_loader_orders_the_launch_after_each_producer(built, monkeypatch):
     monkeypatch.setattr(loader, "call", fake_call)
     monkeypatch.setattr(loader, "_Context", _FakeContext)
     library = loader.KernelLibrary(built[0])
-    library._wait(7, 0x2000, (0x1000, 0x3000))
+    library._wait(70, 0x2000, (0x1000, 0x3000))
     names = [c[0] for c in calls]
     assert names == ["cuEventCreate", "cuEventRecord", "cuStreamWaitEvent", "cuEventRecord", "cuStreamWaitEvent"]
     assert calls[1][2] == 0x1000 and calls[2][1] == 0x2000 and calls[3][2] == 0x3000
     calls.clear()
-    library._wait(7, 0x2000, ())
+    library._wait(70, 0x2000, ())
     assert calls == []
-    library._plans["k"] = (0, 7, 0x2000, [], ())
+    library._plans["k"] = (0, 70, 0x2000, [], ())  # (device, context id, stream, launches, pinned)
     current = loader.cu.CUcontext(7)  # the plan's context: a repeat launches in it
     monkeypatch.setattr(loader.cu, "cuCtxGetCurrent", lambda: (loader.cu.CUresult.CUDA_SUCCESS, current))
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", lambda ctx: (loader.cu.CUresult.CUDA_SUCCESS, 70))
     assert library.launch_again("k", (0x1000,))
     assert [c[0] for c in calls] == ["cuEventRecord", "cuStreamWaitEvent"] and calls[1][1] == 0x2000
