@@ -145,9 +145,12 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     """Bytes of device memory ``forward_kvcache`` needs as its ``workspace`` (0: none)
     for ``num_splits`` splits, or where None for the splits it picks for these sizes
     (``max_seqlen_k``: the cache's keys per sequence, max_cache or max_pages x page_size)
-    on a GPU of ``sm_count`` multiprocessors (None: the first device's)."""
+    on a GPU of ``sm_count`` multiprocessors; with neither, for the most splits it could
+    pick on any GPU (no GPU is asked: enough wherever the call runs)."""
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                        max_seqlen_k=max_seqlen_k)
+    if sm_count is not None:
+        checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
@@ -155,8 +158,9 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     row = rows[0]
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
              "max_seqlen_k": max_seqlen_k}
-    if sm_count is None and num_splits is None:
-        sm_count = library.sm_count(0)
+    if num_splits is None and sm_count is None:  # policy.decode_splits takes at most this many
+        _check_splits(num_splits)
+        num_splits = max(1, min(row["limits"]["max_splits"], -(-max_seqlen_k // row["config"]["tile_n"])))
     splits = _splits(num_splits, sizes, row, sm_count or 1)
     if splits == 1:
         return 0

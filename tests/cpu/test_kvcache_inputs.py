@@ -213,3 +213,18 @@ def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
     (alias, pinned), = aliases
     assert pinned == given
     assert alias == repeat_key("decode", given, (False, True, False, None, 2, policy.DECODE_TURN_STRIDE), 0)
+
+
+def test_the_workspace_size_needs_no_gpu(built):
+    """Without sm_count and num_splits, forward_kvcache_workspace_bytes asks no GPU: it
+    sizes for the most splits the call could pick on any GPU, so at least what it picks
+    on the H200's 132 SMs or any other count."""
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    library.sm_count = None  # asked: a TypeError
+    for b, hkv, keys in ((1, 8, 32768), (8, 8, 32768), (64, 8, 4096), (4, 1, 100)):
+        bound = forward_kvcache_workspace_bytes(b, 1, hkv * 4, hkv, 128, keys, library=library)
+        for sms in (1, 78, 132, 1000):
+            assert forward_kvcache_workspace_bytes(b, 1, hkv * 4, hkv, 128, keys, library=library,
+                                                   sm_count=sms) <= bound
