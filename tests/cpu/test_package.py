@@ -162,3 +162,23 @@ def test_wheel_needs_built_kernels(built, tmp_path):
     assert sum(name.startswith("fa4_aot/cubins/") and name.endswith(".cubin") for name in names) == len(SUBSET)
     assert {"fa4_aot/manifest.json", "fa4_aot/src/sm90/bwd/kernel.py", "fa4_aot/__main__.py"} <= set(names)
     assert any(name.endswith("licenses/LICENSE") for name in names)
+
+
+def test_ci_fails_when_a_test_starts_skipping(tmp_path):
+    """.ci/check_skips.py: CI fails on a CPU test that skips, or a new reason to skip."""
+    import subprocess
+
+    def run(cases: str) -> int:
+        (tmp_path / "t.xml").write_text(f'<testsuites><testsuite>{cases}</testsuite></testsuites>')
+        return subprocess.run([sys.executable, str(ROOT / ".ci" / "check_skips.py"), str(tmp_path / "t.xml"),
+                               str(ROOT / ".ci" / "expected-skips.json")], capture_output=True).returncode
+
+    gpu = '<testcase classname="tests.gpu.test_fwd" name="a"><skipped message="GPU tests: no CUDA GPU"/></testcase>'
+    sanitizer = ('<testcase classname="tests.gpu.test_sanitizer" name="s">'
+                 '<skipped message="compute-sanitizer is not on PATH"/></testcase>')
+    ran = '<testcase classname="tests.cpu.test_x" name="b"/>'
+    assert run(gpu + sanitizer + ran) == 0
+    assert run(gpu + sanitizer + '<testcase classname="tests.cpu.test_x" name="b">'
+               '<skipped message="GPU tests: no CUDA GPU"/></testcase>') == 1  # a CPU test skipped
+    assert run(gpu + sanitizer + '<testcase classname="tests.gpu.test_y" name="c">'
+               '<skipped message="needs a tail split"/></testcase>') == 1  # a new reason
