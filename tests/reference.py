@@ -106,3 +106,37 @@ def _causal_masked(scores):
     row = torch.arange(s_q, device=scores.device)[:, None]
     col = torch.arange(s_k, device=scores.device)[None, :]
     return scores.masked_fill(col > row + s_k - s_q, float("-inf"))
+
+
+FLOAT32_EPS = 2.0**-23
+ROW_FLOOR = 1e-6  # rows whose reference and low-precision twin agree exactly (no key: 0)
+
+
+def check_attention(out, lse, q, k, v, causal, scale=None, what=""):
+    """A forward's ``out`` and ``lse`` (b, h_q, s_q) against the references of the same
+    16-bit inputs. out: within twice the low-precision twin's error (PyTorch in the
+    inputs' dtype against the float32 reference), over the whole tensor by the largest
+    element and per query row by the RMS over the head dim, so that an error confined
+    to a few rows shows. lse: the kernel's is float32 math on the 16-bit inputs, so its
+    own rule: within twice the error of PyTorch's float32 LSE against float64 (over the
+    tensor) plus 8 float32 ulps of its magnitude; -inf exactly where a row sees no key."""
+    ref, lse32 = attention_ref(q, k, v, causal, scale, upcast=True)
+    low, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    _, lse64 = attention_ref(q.double(), k.double(), v.double(), causal,
+                             scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), upcast=False)
+    assert not out.isnan().any(), f"{what}unwritten or NaN output elements"
+    err, err_low = out.float() - ref.float(), low.float() - ref.float()
+    whole, whole_tol = err.abs().max().item(), 2 * err_low.abs().max().item() + 1e-5
+    assert whole <= whole_tol, f"{what}out max error {whole:.3e} > {whole_tol:.3e}"
+    rms, rms_low = err.square().mean(-1).sqrt(), err_low.square().mean(-1).sqrt()
+    over = rms > 2 * rms_low + ROW_FLOOR
+    assert not over.any(), (f"{what}out: {int(over.sum())} rows past twice the low-precision RMS error, the worst "
+                            f"{(rms / (rms_low + ROW_FLOOR)).max().item():.2f}x at row {over.nonzero()[0].tolist()}")
+    assert not lse.isnan().any(), f"{what}unwritten or NaN LSE elements"
+    finite = torch.isfinite(lse64)
+    assert torch.equal(torch.isfinite(lse), finite), f"{what}LSE is -inf exactly where a row sees no key"
+    if finite.any():
+        lse_err = (lse.double() - lse64)[finite].abs()
+        tol = (2 * (lse32.double() - lse64)[finite].abs().max() + 8 * FLOAT32_EPS * (lse64[finite].abs() + 1))
+        assert (lse_err <= tol).all(), (f"{what}lse error {lse_err.max().item():.3e} past its float32 rule "
+                                        f"(worst ratio {(lse_err / tol).max().item():.2f})")

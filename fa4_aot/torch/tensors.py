@@ -74,3 +74,15 @@ def check_packed(packed: dict, others: dict = None) -> None:
     for name, t in packed.items():
         if t.dim() != 3:
             raise ShapeError(f"{name} must have rank 3 (total, heads, head_dim); got shape {tuple(t.shape)}")
+
+
+def check_on_gpu(named: dict) -> None:
+    """torch.Tensors on a CUDA device, of a dtype a launch takes, read off their metadata
+    alone (a torch.compile trace has no data pointers): before a custom op, whose
+    dispatch would refuse a CPU tensor untyped."""
+    check_tensors({}, named)
+    for name, t in named.items():
+        if t.device.type != "cuda":
+            raise DeviceError(f"{name} is on {t.device}; move it to a CUDA device")
+        if t.dtype not in DTYPES:
+            raise DTypeError(f"{name} is {t.dtype}, not bf16, fp16, fp32, uint8 or int32")

@@ -18,7 +18,7 @@ from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
 from ..launch import checks
-from .tensors import DTYPES, as_device_array, check_packed, passed
+from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -134,8 +134,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     order (the forward always is)."""
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                             **passed(seqused_q=seqused_q, seqused_k=seqused_k)})
-    for t in (q, k, v, cu_seqlens_q, cu_seqlens_k, *passed(a=seqused_q, b=seqused_k).values()):
-        as_device_array(t)  # on a GPU, of a dtype the kernels take: the custom op's dispatch would refuse untyped
+    check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
+                  **passed(seqused_q=seqused_q, seqused_k=seqused_k)})
     scale = checks.softmax_scale(softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)

@@ -1,13 +1,15 @@
 """Launches for compute-sanitizer (tests/gpu/test_sanitizer.py runs this file under it):
-the forward and both backward modes of every bf16 head dim, causal and not (and the
-backward's two-tile kernels where a variant has them), on shapes with partial tiles each
-way, MQA/GQA and seqlen_q != seqlen_k; the varlen forward and backward with lying
-metadata (varlen_cases); and the backward's split last wave
-(policy.tail_split) on a multiprocessor count taken as 4, since these shapes are too
-small to leave a partial wave on a whole device. The backward's workspace is the
-exact size the problem needs (the torch adapter's), and test_sanitizer.py turns torch's
-caching allocator off, so every array is its own allocation and memcheck sees any access
-past its end.
+every cubin of the build at least once (main asserts it), on shapes with partial tiles
+each way, MQA/GQA and seqlen_q != seqlen_k: the forward with one and two query tiles,
+the backward in every mode (and its two-tile kernels); the varlen forward and backward
+with lying metadata (cu_seqlens decreasing, past the totals, not starting at 0; seqused
+negative and past the packed rows; a max_seqlen too small); decode with more than one
+row tile and with lying cache lengths and page numbers, split and not (the combine); and
+the backward's split last wave (policy.tail_split) on a multiprocessor count taken as 4,
+since these shapes are too small to leave a partial wave on a whole device. The
+backward's workspace is the exact size the problem needs (the torch adapter's), and
+test_sanitizer.py turns torch's caching allocator off, so every array is its own
+allocation and memcheck sees any access past its end.
 
 python -m tests.gpu.sanitizer_cases [KERNELS_DIR]  (default: the package's cubins)"""
 
@@ -22,6 +24,7 @@ import fa4_aot
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
 from fa4_aot.variants import MATRIX
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 SHAPES = [(3, 17, 17, 2, 1), (2, 333, 200, 4, 2), (1, 200, 333, 3, 1)]  # (b, s_q, s_k, h_q, h_kv)
 # on 4 SMs: 9 key tiles, the last in 4 ragged pieces; 18 items, the last 2 in 2 pieces each
 SPLIT_SHAPES = [(1, 700, 1100, 1, 1), (2, 1000, 300, 3, 3)]
@@ -29,30 +32,36 @@ SPLIT_SM_COUNT = 4
 
 
 def main():
-    dims = sorted({v.head_dim for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a"})
-    for d in dims:
-        for causal in (False, True):
-            for b, sq, sk, hq, hkv in SHAPES:
-                q, do = (torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                k, v = (torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-                out, lse = flash_attn_fwd(q, k, v, causal=causal)
-                for deterministic in (False, True):
-                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, deterministic=deterministic)
-                if two_tiles(d, causal):  # the variant's other kernel (picked for longer keys)
-                    flash_attn_bwd(q, k, v, out, do, lse, causal=causal, q_tiles=2)
-    split_dims = split_tail_cases()
+    library = fa4_aot.default_library()
+    dense_cases()
     varlen_cases()
     decode_cases()
+    split_dims = split_tail_cases()
     torch.cuda.synchronize()
-    print(f"sanitizer cases done: head dims {dims}, split last wave at {split_dims}")
+    built = {v.name for v in MATRIX} & set(library.manifest.rows)
+    launched = {name for _, name in library._functions}
+    assert launched == built, f"cubins never launched here: {sorted(built - launched)}"
+    print(f"sanitizer cases done: all {len(built)} cubins launched; split last wave at {split_dims}")
 
 
-def two_tiles(head_dim, causal):
-    """Whether the not-deterministic backward variant also has a two-tile kernel (q_tiles 2)."""
-    import fa4_aot.dense as api
+def dense_cases():
+    """Every dense forward (one and two query tiles) and backward (every mode, and the
+    two-tile kernels) of every dtype and head dim, causal and not, on SHAPES."""
+    for v in (v for v in MATRIX if v.kind == "fwd" and not v.varlen):
+        for b, sq, sk, hq, hkv in SHAPES:
+            q, k, val = _bshd(b, sq, hq, v), _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
+            flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=v.q_tiles)
+    for v in (v for v in MATRIX if v.kind == "bwd" and not v.varlen):
+        for b, sq, sk, hq, hkv in SHAPES:
+            q, do = _bshd(b, sq, hq, v), _bshd(b, sq, hq, v)
+            k, val = _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
+            out, lse = flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=1)
+            flash_attn_bwd(q, k, val, out, do, lse, causal=v.causal, deterministic=v.deterministic,
+                           q_tiles=v.q_tiles)
 
-    return api.default_library().manifest.built(kind="bwd", arch="sm90a", dtype="bf16", head_dim=head_dim,
-                                                 causal=causal, deterministic=False, q_tiles=2)
+
+def _bshd(b, s, h, v):
+    return torch.randn(b, s, h, v.head_dim, device="cuda", dtype=DTYPES[v.dtype])
 
 
 def split_tail_cases():
@@ -81,26 +90,31 @@ def split_tail_cases():
 
 
 def varlen_cases():
-    """The varlen forward of every bf16 head dim, causal and not: a mix with empty, one-row
-    and ragged sequences, and metadata that lies (cu_seqlens decreasing and past the
-    totals, a max_seqlen_q too small): every access must stay inside the tensors."""
+    """The varlen forward of every variant: a mix with empty, one-row and ragged sequences,
+    and metadata that lies (cu_seqlens decreasing, past the totals, not starting at 0;
+    seqused past the packed rows and negative; a max_seqlen_q too small), in both
+    sequence orders: every access must stay inside the tensors."""
     from fa4_aot.torch import flash_attn_varlen_fwd
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    for v in (v for v in MATRIX if v.kind == "fwd" and v.varlen and v.dtype == "bf16"):
-        d = v.head_dim
-        q = torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16)
-        k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        for cu_q, cu_k, max_q in (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199),
-                                  ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64)):
-            for order in ("plain", "lpt"):
-                flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal,
-                                      order=order)
+    cases = (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199, {}),
+             ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64, {}),
+             ([7, 100, 333], [3, 120, 200], 8, {}),  # cu_seqlens not starting at 0
+             ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [300, 2**30], "seqused_k": [199, 5]}),
+             ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [-5, 40], "seqused_k": [-1, 2**31 - 1]}))
+    for v in (v for v in MATRIX if v.kind == "fwd" and v.varlen):
+        dtype, d = DTYPES[v.dtype], v.head_dim
+        q = torch.randn(333, 4, d, device="cuda", dtype=dtype)
+        k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
+            flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal,
+                                  order=order, **{n: as_i32(x) for n, x in used.items()})
     varlen_backward_cases()
 
 
 def varlen_backward_cases():
-    """The varlen backward of every bf16 head dim, causal and not, deterministic and not: the
+    """The varlen backward of every variant (cu_seqlens not starting at 0 and negative
+    seqused too): the
     same mixes and lying metadata as the forward's, and seqused past the packed rows (two
     sequences then share workspace tiles; in the last case 16 sequences overlap so far
     that their tiles pass every grid's bound, and the launch must still end), in both
@@ -111,11 +125,12 @@ def varlen_backward_cases():
     cases = (([0, 1, 1, 200, 333], [0, 0, 77, 150, 200], 199, {}),
              ([0, 300, 40, 9999, 2], [-5, 150, 2**30, 3, 200], 64, {}),
              ([0, 100, 333], [0, 120, 200], 8, {"seqused_q": [300, 2**30], "seqused_k": [199, 5]}),
-             (list(range(17)), list(range(17)), 8, {"seqused_q": [333] * 16, "seqused_k": [200] * 16}))
-    for v in (v for v in MATRIX if v.kind == "bwd" and v.varlen and v.dtype == "bf16"):
-        d = v.head_dim
-        q, do = (torch.randn(333, 4, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        k, val = (torch.randn(200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+             (list(range(17)), list(range(17)), 8, {"seqused_q": [333] * 16, "seqused_k": [200] * 16}),
+             ([7, 100, 333], [3, 120, 200], 8, {"seqused_q": [-5, 40], "seqused_k": [-1, 150]}))
+    for v in (v for v in MATRIX if v.kind == "bwd" and v.varlen):
+        dtype, d = DTYPES[v.dtype], v.head_dim
+        q, do = (torch.randn(333, 4, d, device="cuda", dtype=dtype) for _ in range(2))
+        k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
         out = torch.randn_like(q)
         lse = torch.randn(4, 333, device="cuda")
         for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
@@ -125,23 +140,26 @@ def varlen_backward_cases():
 
 
 def decode_cases():
-    """Decode of every bf16 head dim, causal and not, contiguous and paged (pages of 48
-    keys: pieces of 16), one split and three, with metadata that lies: cache lengths
-    negative and past the cache, page numbers negative and past the pages."""
+    """Decode of every variant, contiguous and paged (pages of 48 keys: pieces of 16), one
+    split and three (the combine), one row tile per KV head and two (4 query heads x 5
+    tokens = 20 rows; 8 x 16 = 128), with metadata that lies: cache lengths negative and
+    past the cache, page numbers negative and past the pages."""
     from fa4_aot.torch import flash_attn_with_kvcache
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    for v in (v for v in MATRIX if v.kind == "decode" and v.dtype == "bf16"):
-        d = v.head_dim
-        q = torch.randn(3, 5, 8, d, device="cuda", dtype=torch.bfloat16)
-        k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        pk, pv = (torch.randn(7, 48, 2, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for v in (v for v in MATRIX if v.kind == "decode"):
+        dtype, d = DTYPES[v.dtype], v.head_dim
+        k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        pk, pv = (torch.randn(7, 48, 2, d, device="cuda", dtype=dtype) for _ in range(2))
         table = as_i32([[0, 1, 2, 3], [-4, 6, 2**30, 5], [6, 5, 4, 3]])
-        for lengths in ([0, 1, 200], [-7, 2**30, 150]):
-            for splits in (1, 3):
-                flash_attn_with_kvcache(q, k, val, cache_seqlens=as_i32(lengths), causal=v.causal, num_splits=splits)
-                flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table, causal=v.causal,
-                                        num_splits=splits)
+        for tokens, heads_q in ((5, 8), (16, 16)):
+            q = torch.randn(3, tokens, heads_q, d, device="cuda", dtype=dtype)
+            for lengths in ([0, 1, 200], [-7, 2**30, 150]):
+                for splits in (1, 3):
+                    flash_attn_with_kvcache(q, k, val, cache_seqlens=as_i32(lengths), causal=v.causal,
+                                            num_splits=splits)
+                    flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
+                                            causal=v.causal, num_splits=splits)
 
 
 if __name__ == "__main__":
