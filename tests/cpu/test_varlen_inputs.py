@@ -127,7 +127,8 @@ def test_the_order_flag_and_workspace(built, monkeypatch):
     from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))
-    assert forward_varlen_workspace_bytes(3) == 256 and forward_varlen_workspace_bytes(65) == 512
+    assert forward_varlen_workspace_bytes(3, library=library) == 256
+    assert forward_varlen_workspace_bytes(65, library=library) == 512
     values, tensors = call_forward(library, workspace=ORDER_WS, order="lpt")
     assert values["lpt"] == 1 and tensors["order"]["ptr"] == ORDER_WS.ptr
     values, tensors = call_forward(library, workspace=ORDER_WS, order="plain")
