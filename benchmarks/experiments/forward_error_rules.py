@@ -72,6 +72,9 @@ def main(path):
                     "whole_err": err.max().item(), "whole_low": err_low.max().item(),
                     "planted_whole_over": err_planted.max().item() > 2 * err_low.max().item(),
                     "lse_err": lse_err, "lse32_err": lse32_err,
+                    # the tests' rule (tests/reference.check_attention): err / tolerance, per element
+                    "lse_rule_ratio_max": ((lse.double() - l64)[finite].abs() / (
+                        2 * lse32_err + 8 * 2.0**-23 * (l64[finite].abs() + 1))).max().item() if finite.any() else 0.0,
                     "lse_abs_max": l64[finite].abs().max().item() if finite.any() else 0.0,
                 })
         print(variant.name, max(r["row_ratio_max"] for r in results if r["variant"] == variant.name),
