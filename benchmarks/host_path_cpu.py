@@ -69,6 +69,7 @@ def stub_driver(load: bool = False):
     context = cu.CUcontext(7)
     cu.cuCtxGetCurrent = lambda: (ok, context)
     cu.cuCtxGetDevice = lambda: (ok, 0)
+    cu.cuCtxGetId = lambda ctx: (ok, 1)
     cu.cuLaunchKernelEx = lambda config, fn, params, extra: (ok,)
     tma.encode = lambda recipe, ptr, *a: bytes(128)
     loader.KernelLibrary.arch = lambda self, device: "sm90a"
@@ -123,10 +124,13 @@ def main():
 
         torch.Tensor.is_cuda = property(lambda self: True)
         torch.Tensor.get_device = lambda self: 0
-        fa4_torch._current_stream = lambda device: 7
-        fa4_torch._stream = lambda t: 7  # the adapter's stream query before it took a device index
-        fa4_torch.as_device_array = lambda t: DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()),
-                                                          fa4_torch._DTYPES[t.dtype], 0)
+        import fa4_aot.torch.dense as torch_dense
+        from fa4_aot.torch.tensors import DTYPES
+
+        torch_dense.current_stream = lambda device: 7
+        torch_dense.stream_of = lambda t: 7
+        torch_dense.as_device_array = lambda t: DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()),
+                                                            DTYPES[t.dtype], 0)
         tq, tk, tv, tout = (torch.empty(b, s, h, d, dtype=torch.bfloat16) for _ in range(4))
         tlse = torch.empty(b, h, s)
         paths["fa4_aot.torch.flash_attn_fwd (outputs given)"] = (

@@ -303,10 +303,10 @@ class KernelLibrary:
             return False
         if entry is None:
             return False
-        status, current = cu.cuCtxGetCurrent()
-        if status == SUCCESS and int(current):
-            status, current_id = cu.cuCtxGetId(current)
-        if status != SUCCESS or not int(current) or int(current_id) != entry[1]:
+        # one driver call, as a handle comparison took: a NULL context asks for the
+        # current one's id, and is an error where none is current
+        status, current_id = cu.cuCtxGetId(None)
+        if status != SUCCESS or current_id != entry[1]:
             # not the plan's context current: the caller's on the plan's device, or its
             # primary one, where that is the plan's (a context of the same handle made
             # since is not: it has another id)

@@ -600,3 +600,46 @@ def test_a_context_made_anew_at_a_handle_reloads_and_never_replays(monkeypatch):
     assert not lib.launch_again("call") and launched == []
     lib.launch(row, 0, 5, {}, {}, key="call")
     assert loads == [70, 71] and launched == ["fwd@71"]
+
+
+def test_a_repeat_with_no_context_current_replays_in_the_plans_context(monkeypatch):
+    """The repeat path asks the driver for the current context's id with a NULL context,
+    an error where none is current: the kept plan is then replayed inside its own
+    context (pushed and popped), never dropped or launched without one."""
+    import contextlib
+
+    entered, launched, current = [], [], [None]
+
+    class Ctx:
+        handle, id = 7, 70
+
+    @contextlib.contextmanager
+    def plan_context(device):
+        entered.append(device)
+        current[0] = 70
+        yield Ctx()
+        current[0] = None
+
+    def ctx_id(ctx):
+        assert ctx is None, "the repeat path asks for the current context's id"
+        return (loader.SUCCESS, current[0]) if current[0] else (loader.cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, 0)
+
+    monkeypatch.setattr(loader, "_Context", plan_context)
+    monkeypatch.setattr(loader, "pack_params", lambda row, launch, values, tensors: (b"", (ctypes.c_uint64 * 1)()))
+    monkeypatch.setattr(loader, "grid_of", lambda launch, values, sm_count=None: (1, 1, 1))
+    monkeypatch.setattr(loader, "call", lambda fn, *args: launched.append(args[1]) if args else None)
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", ctx_id)
+    monkeypatch.setattr(loader.cu, "cuLaunchKernelEx", lambda config, fn, address, extra:
+                        (launched.append((fn, current[0])), (loader.SUCCESS,))[1])
+    lib = KernelLibrary("/nonexistent")
+    monkeypatch.setattr(lib, "check_device", lambda device, row: None)
+    monkeypatch.setattr(lib, "_load", lambda row: ["fwd@70"])
+    monkeypatch.setattr(lib, "sm_count", lambda device: 132)
+    launch = {"block": [1, 1, 1], "smem_bytes": 0, "cluster": [1, 1, 1], "programmatic": False}
+    lib.launch({"name": "fwd", "launches": [launch]}, 0, 5, {}, {}, key="call")
+    entered.clear(), launched.clear()
+    assert lib.launch_again("call")
+    assert entered == [0] and launched == [("fwd@70", 70)]
+    entered.clear(), launched.clear()
+    current[0] = 70  # the plan's context current: replayed as it is
+    assert lib.launch_again("call") and entered == [] and launched == [("fwd@70", 70)]
