@@ -82,8 +82,8 @@ def _skipped_query_tiles(len_q, len_k, tk, tile_m: cutlass.Constexpr[int], tile_
 
 @cute.jit
 def lpt_order(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Tensor, tile_m: cutlass.Constexpr[int],
-                   tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
-                   keys_outer: cutlass.Constexpr[bool] = False):
+              tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
+              keys_outer: cutlass.Constexpr[bool] = False):
     """order[r] (r < batches): the sequence of rank r, heaviest first (costs: ``sequence_cost``).
     ``keys``: (MAX_BATCH,) Int64 in shared memory; the CTA's THREADS threads take part."""
     tidx, _, _ = cute.arch.thread_idx()
@@ -121,36 +121,20 @@ def lpt_order(lengths: Lengths, batches, order: cute.Tensor, keys: cute.Tensor, 
             order[r] = Int32(MAX_BATCH - 1) - Int32(keys[r] & Int64(MAX_BATCH - 1))
 
 
-class Metadata(NamedTuple):
-    """A varlen launch's sequence metadata as its kernels take it: the cu_seqlens ((b + 1,)
-    int32) and seqused ((b,) int32, read where its flag is not 0) pointers of the queries
-    and keys, the flags, b and the packed totals."""
-
-    cu_q: object
-    cu_k: object
-    used_q: object
-    used_k: object
-    use_used_q: object
-    use_used_k: object
-    batches: object
-    total_q: object
-    total_k: object
-
-
 @cute.jit
-def sort_sequences(meta: Metadata, order_ptr: cute.Pointer, tile_m: cutlass.Constexpr[int],
-                   tile_n: cutlass.Constexpr[int], causal: cutlass.Constexpr[bool],
-                   keys_outer: cutlass.Constexpr[bool] = False):
+def sort_sequences(p, tile_m: cutlass.Constexpr[int], tile_n: cutlass.Constexpr[int],
+                   causal: cutlass.Constexpr[bool], keys_outer: cutlass.Constexpr[bool] = False):
     """The body of a varlen sort kernel (one CTA of THREADS threads, SMEM_BYTES of dynamic
-    shared memory): the sequences' ``meta`` in, order_ptr's (b,) int32 out, heaviest first."""
-    batches = meta.batches
+    shared memory): ``p``, the sort's declared arguments (interfaces.lpt_params: the
+    sequences' metadata in, p.order's (b,) int32 out, heaviest first)."""
+    batches = p.batch
     cu = lambda ptr: cute.make_tensor(ptr, cute.make_layout(batches + 1))  # noqa: E731
     used = lambda ptr: cute.make_tensor(ptr, cute.make_layout(batches))  # noqa: E731
-    lengths = Lengths(cu(meta.cu_q), used(meta.used_q), meta.use_used_q, meta.total_q,
-                      cu(meta.cu_k), used(meta.used_k), meta.use_used_k, meta.total_k)
+    lengths = Lengths(cu(p.cu_seqlens_q), used(p.seqused_q), p.use_seqused_q, p.total_q,
+                      cu(p.cu_seqlens_k), used(p.seqused_k), p.use_seqused_k, p.total_k)
     keys = cutlass.utils.SmemAllocator().allocate_tensor(Int64, cute.make_layout(MAX_BATCH), byte_alignment=16)
-    lpt_order(lengths, batches, cute.make_tensor(order_ptr, cute.make_layout(batches)), keys, tile_m, tile_n,
-                   causal, keys_outer)
+    lpt_order(lengths, batches, cute.make_tensor(p.order, cute.make_layout(batches)), keys, tile_m, tile_n,
+              causal, keys_outer)
 
 
 def workspace_rule() -> dict:

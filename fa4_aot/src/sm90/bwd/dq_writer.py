@@ -171,34 +171,12 @@ class DqWriter:
     def add_item(self, tidx, sdQ, target, prob, scalars, item, done, tail):
         """One item of the CTA (``done``: its steps before this one; persistent CTAs take
         the staging buffers in turn over all their steps; ``tail``: the split tail's
-        piece, or None).
-        Add each staged dQ tile into the fp32 accumulator by a bulk reduce-add, off the
-        consumers' critical path: they only wait for the buffer to be read.
-
-        Deterministic: the key tiles touching a run of ``turn_tiles`` consecutive query
-        tiles add into it in a fixed order, one turn per CTA per run, counted by a
-        per-(batch, head, run, copy) semaphore. Non-causal: key tile n adds into
-        accumulator copy n % chains, in ascending n within the copy (the postprocess sums
-        the copies in order), so each turn passes through half the CTAs. Causal: shortest
-        processing time first: the CTAs are launched highest key tile first, and a run's
-        turns go from the highest key tile touching it downward, so a CTA only ever waits
-        for CTAs launched before it. A turn is held over the run's reduces and ends once
-        they are complete, so its latency (the reduces' completion, the release, the next
-        CTA's poll) is paid once per run; holding it longer delays the CTAs behind. Each
-        query tile's order of key tiles is the same for every ``turn_tiles``, and so are
-        the results' bits.
-
-        ``first_write`` (a run-time flag; see fa4_aot.dense): the accumulator is not cleared
-        beforehand, and each tile's first share is stored. Deterministic, that is the
-        first turn at the tile in its copy (bwd_order.first_dq_key_tile). Not
-        deterministic (``tickets``), each CTA takes a ticket of the query tile
-        (an atomic add on its semaphore word) one step ahead; the first CTA of a tile
-        stores its share (a bulk store, not a reduce), waits for the store to complete
-        and marks the word FIRST_STORED (release); the others add theirs once the mark is
-        there: seen in their ticket, or polled (acquire). A CTA only waits for a ticket
-        taken before its own, and a ticket's holder stores and marks without waiting for
-        any other CTA, so the waits cannot form a cycle, whichever CTAs are resident.
-        """
+        piece, or None). Each staged dQ tile is added into the fp32 accumulator by a bulk
+        reduce-add, off the consumers' critical path: they only wait for the buffer to be
+        read. Deterministic: turns per run of ``turn_tiles`` query tiles, copies by key
+        tile, SPT order (docs/design.md, "Backward: deterministic order"). ``first_write``
+        (run-time): each tile's first share is stored, not added; without determinism by
+        tickets (docs/design.md, "Backward: first write")."""
         sem_ptr, done_ptr = target.sem_ptr, target.done_ptr
         group, seqlen_q, heads_q = prob.group, prob.seqlen_q, prob.heads_q
         first_write = scalars.first_write
@@ -264,8 +242,12 @@ class DqWriter:
                     if lane == 0:
                         # release: the reduces, complete (seen by this thread), before the turn
                         cute.arch.atomic_add(sem, Int32(1), sem="release", scope="gpu")
-        # this key tile's adds are complete: count it in each query head it added into, for
-        # the postprocess (pre_post.py), which converts a head once all are counted
+        self._count_item_done(done_ptr, batch, heads_q, head_kv, group, lane, tail)
+
+    @cute.jit
+    def _count_item_done(self, done_ptr, batch, heads_q, head_kv, group, lane, tail):
+        """This key tile's adds, once complete, counted in each query head it added into,
+        for the postprocess (pre_post.py), which converts a head once all are counted."""
         cute.arch.cp_async_bulk_wait_group(0, read=False)
         cute.arch.sync_warp()
         if const_expr(self.cfg.varlen):

@@ -154,9 +154,7 @@ class FlashBwdSm90:
         (key tile, query tile) pairs of their key tiles, causal-aware), for kernel_varlen's
         walk. Launched before the preprocess, not programmatically: the main kernel reads
         the order before its griddepcontrol.wait, as it reads the metadata."""
-        meta = lpt.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
-                                       p.use_seqused_k, p.batch, p.total_q, p.total_k)
-        lpt.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
+        lpt.sort_sequences(p, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, keys_outer=True)
 
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors as {name: Tma} (q, do, k, v;

@@ -116,9 +116,7 @@ class FlashFwdSm90:
     def order_varlen(self, p: FWD_LPT.tuple_type):
         """The sequences sorted by cost, heaviest first (common/lpt.py), for
         kernel_varlen's walk."""
-        meta = lpt.Metadata(p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k, p.use_seqused_q,
-                                       p.use_seqused_k, p.batch, p.total_q, p.total_k)
-        lpt.sort_sequences(meta, p.order, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        lpt.sort_sequences(p, self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given) as {name: Tma}, and the
@@ -149,7 +147,7 @@ class FlashFwdSm90:
         (tma_q, gQ), (tma_k, gK), (tma_v, gV), (tma_o, gO) = p.q, p.k, p.v, p.out
         lse_ptr, scale_log2 = p.lse, p.scale_log2
         warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v, tma_o), sq_layout,
-                                                                      skv_layout)
+                                                                     skv_layout)
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         if const_expr(self.cfg.q_tiles == 1):
