@@ -185,7 +185,7 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.launch.calls.repeat_key)
     given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None)
     repeat = repeat_key("decode", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
-                                            policy.DECODE_TURN_STRIDE), stream)
+                                          policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)

@@ -68,7 +68,7 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     if repeat is not None and (library or default_library()).launch_again(repeat):
         return
     run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
-             ((repeat, arrays),) if repeat else ())
+                ((repeat, arrays),) if repeat else ())
 
 
 def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
@@ -149,12 +149,12 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     if repeat is not None and (library or default_library()).launch_again(repeat):
         return
     run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
-              stream, library, ((repeat, arrays),) if repeat else ())
+                 stream, library, ((repeat, arrays),) if repeat else ())
 
 
 def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
-              stream, library, aliases=()) -> None:
-    """``backward``; its launches kept under ``aliases`` too (as ``_forward``)."""
+                 stream, library, aliases=()) -> None:
+    """``backward``; its launches kept under ``aliases`` too (as ``run_forward``)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)

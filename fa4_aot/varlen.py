@@ -237,7 +237,7 @@ def check_backward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
     packed = sizes["packed"]
     grads = {n: _as_packed(arrays[n]) for n in ("dout", "dq", "dk", "dv")}
     check_backward(packed["q"], packed["k"], packed["v"], packed["out"], grads["dout"], _lse_4d(arrays["lse"]),
-                          grads["dq"], grads["dk"], grads["dv"])
+                   grads["dq"], grads["dk"], grads["dv"])
     sizes["packed"] = {**packed, **grads}
     return sizes
 

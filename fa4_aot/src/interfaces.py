@@ -133,7 +133,7 @@ DECODE_INPUTS = Inputs(
     Input("page_table", "i32", 2),  # (b, max_pages), read where paged
     Input("scale_log2", "Float32"),
     *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "max_pages", "piece_rows", "paged",
-                                 "turn_stride")),
+                                  "turn_stride")),
 )
 DECODE = Params(
     "DecodeParams",

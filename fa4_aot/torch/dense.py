@@ -56,7 +56,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
         if default_library().launch_again(repeat):
             return dq, dk, dv
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
-                   {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace)})
+                  {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace)})
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
@@ -68,7 +68,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
-                     ((repeat, ()),) if repeat else ())
+                 ((repeat, ()),) if repeat else ())
     return dq, dk, dv
 
 

@@ -12,7 +12,7 @@ from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_cont
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
 def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
 
 
@@ -24,8 +24,8 @@ def _(q, k, v, causal, softmax_scale, deterministic):
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
 def bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-            lse: torch.Tensor, causal: bool, softmax_scale: float,
-            deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           lse: torch.Tensor, causal: bool, softmax_scale: float,
+           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
                           deterministic=deterministic)
 

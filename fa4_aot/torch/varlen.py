@@ -37,7 +37,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     if workspace is None and (order == "lpt" or (order is None and default_forward_order(batch) == "lpt")):
         workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
     extra = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
-                                                 ("workspace", workspace)) if t is not None}
+                                                ("workspace", workspace)) if t is not None}
     forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale, order=order,
                    stream=torch.cuda.current_stream(q.device).cuda_stream, **extra)
