@@ -54,18 +54,24 @@ def _check_sequences(out, lse, q, k, v, lq, lk, used_q, used_k, causal):
     assert out[~written].isnan().all() and lse[:, ~written].isnan().all(), "wrote rows of no sequence"
 
 
+def _forward_and_check(q, k, v, lq, lk, causal):
+    """The varlen forward of packed q, k, v (sequence lengths lq, lk) into NaN-poisoned
+    out and lse, checked sequence by sequence."""
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda")
+    flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(lq), max(lk), causal=causal,
+                          out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, causal)
+
+
 @pytest.mark.parametrize("variant", VARLEN, ids=lambda v: v.name)
 @pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"{len(m[0])}seqs_h{m[2]}x{m[3]}")
 def test_varlen_forward_matches_reference(variant, mix, gen):
     lq, lk, hq, hkv = mix
     dtype, d = DTYPES[variant.dtype], variant.head_dim
     q, k, v = _packed(lq, hq, d, dtype, gen), _packed(lk, hkv, d, dtype, gen), _packed(lk, hkv, d, dtype, gen)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
-    flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(lq), max(lk), causal=variant.causal,
-                          out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, variant.causal)
+    _forward_and_check(q, k, v, lq, lk, variant.causal)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARLEN if v.dtype == "bf16"], ids=lambda v: v.name)
@@ -499,12 +505,7 @@ def test_varlen_forward_rescaling_paths(variant, gen):
     ramp = torch.cat([1 + 6 * (1 - torch.arange(n, device="cuda") / n) for n in lk])
     k = (k.float() * ramp[:, None, None]).to(dtype)
     q = (q.float() * (0.2 + 2.8 * torch.rand(q.shape[0], h, 1, device="cuda", generator=gen))).to(dtype)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
-    flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(lq), max(lk), causal=variant.causal,
-                          out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, variant.causal)
+    _forward_and_check(q, k, v, lq, lk, variant.causal)
 
 
 @pytest.mark.parametrize("variant", [v for v in VARLEN if v.dtype == "bf16"], ids=lambda v: v.name)
@@ -513,9 +514,4 @@ def test_varlen_forward_strided_packed_qkv(variant, gen):
     lengths, h, d = [515, 7, 260], 3, variant.head_dim
     qkv = torch.randn(sum(lengths), 3, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     q, k, v = qkv.unbind(dim=1)
-    out = torch.full_like(q, float("nan"))
-    lse = torch.full((h, q.shape[0]), float("nan"), device="cuda")
-    cu = _lengths_to_cu(lengths)
-    flash_attn_varlen_fwd(q, k, v, cu, cu, max(lengths), max(lengths), causal=variant.causal, out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check_sequences(out, lse, q, k, v, lengths, lengths, lengths, lengths, variant.causal)
+    _forward_and_check(q, k, v, lengths, lengths, variant.causal)
