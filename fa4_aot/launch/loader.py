@@ -34,6 +34,13 @@ from .manifest import PACKAGE_DIR, Manifest
 from ..variants import arch_for_capability
 
 
+def _current_id() -> int | None:
+    """The current context's id (None where none is current) in one driver call, as a
+    handle comparison took: a NULL context asks for the current one's."""
+    status, current_id = cu.cuCtxGetId(None)
+    return current_id if status == SUCCESS else None
+
+
 class _Context:
     """Make ``device``'s context current for a block: the caller's if it is on that
     device, else the device's primary context (the one frameworks use)."""
@@ -238,6 +245,9 @@ class KernelLibrary:
     def issue(self, prepared: "Prepared", key=None, waits=(), aliases=()) -> None:
         """Issue ``prepared``'s launches (after the streams ``waits``), kept under ``key``
         and ``aliases`` as ``launch`` keeps them."""
+        if _current_id() == prepared.context:  # one driver call, as launch_again's
+            self._issue(prepared, key, waits, aliases)
+            return
         with _Context(prepared.device) as context:
             if context.id != prepared.context:
                 raise CudaError("issue", "the context changed since the launches were prepared")
@@ -303,10 +313,7 @@ class KernelLibrary:
             return False
         if entry is None:
             return False
-        # one driver call, as a handle comparison took: a NULL context asks for the
-        # current one's id, and is an error where none is current
-        status, current_id = cu.cuCtxGetId(None)
-        if status != SUCCESS or current_id != entry[1]:
+        if _current_id() != entry[1]:
             # not the plan's context current: the caller's on the plan's device, or its
             # primary one, where that is the plan's (a context of the same handle made
             # since is not: it has another id)

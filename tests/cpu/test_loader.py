@@ -643,3 +643,45 @@ def test_a_repeat_with_no_context_current_replays_in_the_plans_context(monkeypat
     entered.clear(), launched.clear()
     current[0] = 70  # the plan's context current: replayed as it is
     assert lib.launch_again("call") and entered == [] and launched == [("fwd@70", 70)]
+
+
+def test_issue_launches_only_into_the_context_it_was_prepared_in(monkeypatch):
+    """``issue`` after ``prepare``: in the prepared context (current) it launches with one
+    driver question; where none is current it enters the device's context, and if that
+    is another context now (reset since), it refuses and launches nothing."""
+    import contextlib
+
+    entered, launched, current, device_ctx = [], [], [70], [70]
+
+    class Ctx:
+        handle = 7
+
+        @property
+        def id(self):
+            return device_ctx[0]
+
+    @contextlib.contextmanager
+    def device_context(device):
+        entered.append(device)
+        yield Ctx()
+
+    monkeypatch.setattr(loader, "_Context", device_context)
+    monkeypatch.setattr(loader, "pack_params", lambda row, launch, values, tensors: (b"", (ctypes.c_uint64 * 1)()))
+    monkeypatch.setattr(loader, "grid_of", lambda launch, values, sm_count=None: (1, 1, 1))
+    monkeypatch.setattr(loader, "call", lambda fn, *args: launched.append(args[1]) if args else None)
+    monkeypatch.setattr(loader.cu, "cuCtxGetId", lambda ctx: (loader.SUCCESS, current[0]) if current[0]
+                        else (loader.cu.CUresult.CUDA_ERROR_INVALID_CONTEXT, 0))
+    lib = KernelLibrary("/nonexistent")
+    monkeypatch.setattr(lib, "check_device", lambda device, row: None)
+    monkeypatch.setattr(lib, "_load", lambda row: ["fwd@70"])
+    monkeypatch.setattr(lib, "sm_count", lambda device: 132)
+    launch = {"block": [1, 1, 1], "smem_bytes": 0, "cluster": [1, 1, 1], "programmatic": False}
+    prepared = lib.prepare({"name": "fwd", "launches": [launch]}, 0, 5, {}, {})
+    entered.clear()
+    lib.issue(prepared)
+    assert entered == [] and launched == ["fwd@70"]
+    launched.clear()
+    current[0], device_ctx[0] = None, 71  # no context current; the device's was reset
+    with pytest.raises(loader.CudaError, match="context changed"):
+        lib.issue(prepared)
+    assert entered == [0] and launched == []
