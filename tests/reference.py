@@ -1,6 +1,8 @@
 """The attention reference the tests compare against (torch; float32 or low precision)."""
 
+import json
 import math
+import os
 
 import torch
 
@@ -111,6 +113,15 @@ def _causal_masked(scores):
 FLOAT32_EPS = 2.0**-23
 FLOOR = 1e-6  # rows whose reference and low-precision twin agree exactly (no key: 0)
 BLOCK_ROWS = 64  # query rows per block of the block RMS rule
+# where set, check_attention appends each call's worst ratio to each rule's tolerance as
+# one JSON line (how near correct kernels come to the rules: docs/design.md, Tolerances)
+MARGINS = os.environ.get("FA4_AOT_TEST_MARGINS")
+
+
+def _record_margins(what, **ratios):
+    if MARGINS:
+        with open(MARGINS, "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "what": what, **ratios}) + "\n")
 
 
 def _block_rms(err):
@@ -144,22 +155,26 @@ def check_attention(out, lse, q, k, v, causal, scale=None, what=""):
     assert not out.isnan().any(), f"{what}unwritten or NaN output elements"
     err, err_low = out.float() - ref.float(), low.float() - ref.float()
     whole, whole_tol = err.abs().max().item(), 2 * err_low.abs().max().item() + 1e-5
-    assert whole <= whole_tol, f"{what}out max error {whole:.3e} > {whole_tol:.3e}"
     rms, rms_low, rms_ref = (e.square().mean(-1).sqrt() for e in (err, err_low, ref))
     row_tol = 2 * rms_low + torch.finfo(out.dtype).eps * rms_ref + FLOOR  # eps: two unit roundoffs
+    blocks, block_tol = _block_rms(err), 2 * _block_rms(err_low) + FLOOR
+    finite = torch.isfinite(lse64)
+    lse_err = (lse.double() - lse64)[finite].abs()
+    lse_tol = 2 * (lse32.double() - lse64)[finite].abs().max() + 8 * FLOAT32_EPS * (lse64[finite].abs() + 1) \
+        if finite.any() else lse_err
+    _record_margins(what, whole=whole / whole_tol, row=(rms / row_tol).max().item(),
+                    block=(blocks / block_tol).max().item(),
+                    lse=(lse_err / lse_tol).max().item() if finite.any() else 0.0)
+    assert whole <= whole_tol, f"{what}out max error {whole:.3e} > {whole_tol:.3e}"
     over = rms > row_tol
     assert not over.any(), (f"{what}out: {int(over.sum())} rows past twice the low-precision RMS error plus two "
                             f"roundings, the worst {(rms / row_tol).max().item():.2f}x at row {over.nonzero()[0].tolist()}")
-    blocks, blocks_low = _block_rms(err), _block_rms(err_low)
-    over = blocks > 2 * blocks_low + FLOOR
+    over = blocks > block_tol
     assert not over.any(), (f"{what}out: {int(over.sum())} blocks of {BLOCK_ROWS} rows past twice the low-precision "
-                            f"RMS error, the worst {(blocks / (2 * blocks_low + FLOOR)).max().item():.2f}x at "
+                            f"RMS error, the worst {(blocks / block_tol).max().item():.2f}x at "
                             f"(batch, block, head) {over.nonzero()[0].tolist()}")
     assert not lse.isnan().any(), f"{what}unwritten or NaN LSE elements"
-    finite = torch.isfinite(lse64)
     assert torch.equal(torch.isfinite(lse), finite), f"{what}LSE is -inf exactly where a row sees no key"
     if finite.any():
-        lse_err = (lse.double() - lse64)[finite].abs()
-        tol = (2 * (lse32.double() - lse64)[finite].abs().max() + 8 * FLOAT32_EPS * (lse64[finite].abs() + 1))
-        assert (lse_err <= tol).all(), (f"{what}lse error {lse_err.max().item():.3e} past its float32 rule "
-                                        f"(worst ratio {(lse_err / tol).max().item():.2f})")
+        assert (lse_err <= lse_tol).all(), (f"{what}lse error {lse_err.max().item():.3e} past its float32 rule "
+                                            f"(worst ratio {(lse_err / lse_tol).max().item():.2f})")
