@@ -47,6 +47,7 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
 
 
 def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bool = False,
+            window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
@@ -57,42 +58,65 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     Causal masking is aligned to the bottom-right corner (query i sees keys
     j <= i + seqlen_k - seqlen_q); a query row that sees no key gets out = 0, lse = -inf.
     ``q_tiles``: query tiles per CTA, 1 or 2; None picks by seqlen_k
-    (policy.TWO_TILES_MAX_SEQLEN_K). ``stream`` is a raw CUstream handle (0: the legacy default
+    (policy.TWO_TILES_MAX_SEQLEN_K).
+    ``window_size`` (left, right): query i sees only keys j with i + seqlen_k - seqlen_q -
+    left <= j <= i + seqlen_k - seqlen_q + right (-1 or None: unbounded; causal makes right
+    0). ``softcap`` > 0: the scaled scores s become softcap * tanh(s / softcap).
+    ``learnable_sink``: float32 (heads_q,), a logit per query head that joins each row's
+    softmax denominator and adds no value (a row that sees no key: out 0, lse the sink).
+    These take the local kernels (one query tile per CTA).
+    ``stream`` is a raw CUstream handle (0: the legacy default
     stream; 2: the per-thread one); a DLPack array is asked for on it, and it waits for the
     stream a __cuda_array_interface__ array names. Asynchronous: nothing is allocated and
     nothing waits for the GPU. Every bad argument raises a fa4_aot.Fa4AotError before
     anything is launched, and before the driver is asked where no driver is needed.
     """
-    arrays = (q, k, v, out, lse)
-    repeat = repeat_key("fwd", arrays, (softmax_scale, causal, q_tiles), stream)
+    arrays = (q, k, v, out, lse) if learnable_sink is None else (q, k, v, out, lse, learnable_sink)
+    repeat = repeat_key("fwd", arrays, (softmax_scale, causal, window_size, softcap, q_tiles), stream)
     if repeat is not None and (library or default_library()).launch_again(repeat):
         return
     run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
-                ((repeat, arrays),) if repeat else ())
+                ((repeat, arrays),) if repeat else (), window_size, softcap, learnable_sink)
 
 
-def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=()) -> None:
+def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=(),
+                window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
     """``forward``; its launches kept under ``aliases`` too ((key, pinned) pairs: keys an
     adapter computes from its own arrays, for its repeated calls, as fa4_aot.torch's, or
     the raw API's; KernelLibrary.launch)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
-    arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "lse": lse}, stream)
+    given = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
+    if mods.sink:
+        given["sink"] = learnable_sink
+    arrays, waits = as_device_arrays(given, stream)
     library = library or default_library()
     # The arrays (pointers, shapes, strides, dtypes) and options determine every check and
     # every parameter: a call made before with the same ones is launched again as packed.
-    key = ("fwd", *arrays.values(), causal, scale, q_tiles, stream)
+    key = ("fwd", *arrays.values(), mods, scale, q_tiles, stream)
     if library.launch_again(key, waits, aliases):
         return
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
+    if mods.sink:
+        checks.check_sink(arrays["sink"], problem.heads_q)
     check_no_overlap(written(arrays, "out", "lse"), read(arrays, "out", "lse"))
-    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal)
-    check_built(library.manifest, axes, q_tiles)
+    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=mods.causal)
+    if mods.local:
+        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
+        if q_tiles == 2:
+            raise checks.OptionError("q_tiles=2 is not built with a window, sinks or softcap (one query tile per CTA)")
+    check_built(library.manifest, axes, 1 if mods.local else q_tiles)
     device = device_of(arrays)
-    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
+    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k,
+                      1 if mods.local else q_tiles)
     scale = default_scale(problem.head_dim) if scale is None else scale
-    library.launch(row, device, stream, {**problem.sizes, "scale_log2": scale * LOG2E}, launch_tensors(arrays),
-                   key=key, waits=waits, aliases=aliases)
+    values = {**problem.sizes, "scale_log2": scale * LOG2E}
+    tensors = launch_tensors(arrays)
+    if mods.local:
+        values.update(mods.values(scale, LOG2E))
+        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,

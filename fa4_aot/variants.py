@@ -35,6 +35,11 @@ AXES = {
     "cta_mode": {"declared": (1, 2), "built": (1,)},
     "deterministic": {"declared": (False, True), "built": (False, True)},
     "q_tiles": {"declared": (1, 2), "built": (1, 2)},
+    # a sliding window (left, right keys at run time: one cubin serves every window, causal
+    # and unbounded included) and attention sinks (a logit per query head at run time, or none)
+    "local": {"declared": (False, True), "built": (False, True)},
+    # scores capped as cap * tanh(s / cap) (the cap at run time)
+    "softcap": {"declared": (False, True), "built": (False, True)},
 }
 # What each kind is, and the forms it takes at run time (no axis of their own: one cubin
 # serves them), printed by `fa4-aot list --all`.
@@ -49,8 +54,10 @@ KINDS = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
-    "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
+    "bwd": {"local": (False,), "softcap": (False,)},
+    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "local": (False,), "softcap": (False,)},
+    "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
+                "local": (False,), "softcap": (False,)},
 }
 
 NOT_BUILT_REASONS = {
@@ -64,6 +71,16 @@ NOT_BUILT_REASONS = {
     "kind=decode,varlen=True": "decode takes each sequence's cache length (cache_seqlens) and pages instead",
     "kind=decode,deterministic=True": "decode is deterministic for a given num_splits already",
     "kind=decode,q_tiles=2": "decode packs query tokens and heads into one 64-row tile per KV head",
+    "kind=fwd,local=True,causal=True": "the local kernels take causal as a window (right = 0)",
+    "kind=fwd,local=True,q_tiles=2": "a window takes one query tile per CTA",
+    "kind=fwd,local=False,softcap=True": "softcap is built into the local kernels, which serve every window "
+    "(unbounded and causal included)",
+    "kind=bwd,local=True": "the backward of a window or sinks is not written yet",
+    "kind=bwd,softcap=True": "the backward through a softcap is not written yet",
+    "kind=decode,local=True": "decode with a window or sinks is not written yet",
+    "kind=decode,softcap=True": "decode with a softcap is not written yet",
+    "kind=combine,local=True": "the combine merges rows whatever the mask was",
+    "kind=combine,softcap=True": "the combine merges rows whatever the scores were",
     "kind=combine,causal=True": "the combine merges rows whatever the mask was",
     "kind=combine,varlen=True": "the combine merges rows whatever the layout was",
     "kind=combine,deterministic=True": "the combine sums the splits in order: deterministic already",
@@ -92,6 +109,8 @@ class Variant:
     # forward: query tiles per CTA, Q double-buffered when 2 (``.q2``); backward: query
     # tiles per step where a variant has both kernels (its config's step_tiles)
     q_tiles: int = 1
+    local: bool = False  # sliding window and sinks (run-time values)
+    softcap: bool = False  # cap * tanh(s / cap) on the scores
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -112,6 +131,10 @@ class Variant:
             parts.append("det")
         if self.q_tiles != 1:
             parts.append(f"q{self.q_tiles}")
+        if self.local:
+            parts.append("local")
+        if self.softcap:
+            parts.append("softcap")
         return ".".join(parts)
 
     @property
@@ -163,10 +186,11 @@ def _build_matrix() -> tuple[Variant, ...]:
                 for head_dim in built_values(kind, "head_dim"):
                     for causal, varlen in itertools.product(built_values(kind, "causal"),
                                                             built_values(kind, "varlen")):
-                        for det, q_tiles in itertools.product(built_values(kind, "deterministic"),
-                                                              built_values(kind, "q_tiles")):
+                        for det, q_tiles, local, softcap in itertools.product(
+                                built_values(kind, "deterministic"), built_values(kind, "q_tiles"),
+                                built_values(kind, "local"), built_values(kind, "softcap")):
                             v = Variant(kind, arch, dtype, head_dim, causal, varlen=varlen, deterministic=det,
-                                        q_tiles=q_tiles)
+                                        q_tiles=q_tiles, local=local, softcap=softcap)
                             if not any(matches(v, key) for key in NOT_BUILT_REASONS):
                                 out.append(v)
     return tuple(sorted(out))

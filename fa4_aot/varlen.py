@@ -30,7 +30,7 @@ from .launch.checks import (
 from .launch.loader import KernelLibrary, grid_of
 
 
-OPTIONAL = ("seqused_q", "seqused_k", "workspace")  # arrays a call may leave out (None)
+OPTIONAL = ("seqused_q", "seqused_k", "workspace", "sink")  # arrays a call may leave out (None)
 WRITTEN_FORWARD = ("out", "lse", "workspace")  # what the launches write (the workspace: the order)
 WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace")
 
@@ -131,6 +131,7 @@ def _walk_order(order, row: dict, values: dict, room: bool, needs: str, default:
 
 def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                    seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
+                   window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
                    stream: int = 0, library: KernelLibrary | None = None, workspace=None,
                    order: str | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v and lse, per packed sequence.
@@ -146,23 +147,29 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     the row's limits.lpt_max_batch sequences), "plain" (the caller's order), or None: the policy's
     choice where a workspace is given (policy.varlen_order), else "plain". The order
     changes which CTA computes a tile, not what it computes: the results are the same bits.
-    Asynchronous and allocation-free.
+    ``window_size``, ``softcap``, ``learnable_sink``: as ``fa4_aot.forward``'s, the window
+    within each sequence. Asynchronous and allocation-free.
     """
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("lse", lse), ("cu_seqlens_q", cu_seqlens_q),
              ("cu_seqlens_k", cu_seqlens_k), ("seqused_q", seqused_q), ("seqused_k", seqused_k),
-             ("workspace", workspace))
+             ("workspace", workspace), ("sink", learnable_sink))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     library = library or default_library()
-    key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, stream, order)
+    key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, mods, scale, stream, order)
     if library.launch_again(key, waits):
         return
     sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    if mods.sink:
+        checks.check_sink(arrays["sink"], sizes["heads_q"])
     if "workspace" in arrays:
         _check_order_workspace(arrays["workspace"], sizes["batch"], library)
     check_no_overlap(written(arrays, *WRITTEN_FORWARD), read(arrays, *WRITTEN_FORWARD))
-    axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal, varlen=True)
+    axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=mods.causal, varlen=True)
+    if mods.local:
+        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
@@ -180,6 +187,9 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
               "lpt": int(walk == "lpt")}
+    if mods.local:
+        values.update(mods.values(scale, LOG2E))
+        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)
 
 

@@ -7,12 +7,16 @@ import os
 import torch
 
 
-def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
+def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window=None, softcap=0.0, sink=None):
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d).
 
     upcast=True: float32 math, the reference. upcast=False: the same math in the inputs'
     precision, as a framework would do it; its error sets the tolerance.
     Causal is bottom-right aligned; rows that see no key give out 0 and lse -inf.
+    ``window`` (left, right), -1 unbounded: query i sees keys i + s_k - s_q - left ..
+    i + s_k - s_q + right; ``softcap`` > 0: scores softcap * tanh(s / softcap);
+    ``sink`` (h_q,): a logit per head in every row's denominator (a row that sees no key:
+    out 0, lse the sink).
     """
     dtype = q.dtype
     if upcast:
@@ -25,10 +29,19 @@ def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True):
     if upcast:
         scores = scores * scale
     scores = scores.float()
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         scores = _causal_masked(scores)
+    if window is not None:
+        scores = _window_masked(scores, *window)
+    if sink is not None:
+        column = sink.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, column], dim=-1)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if sink is not None:
+        p = p[..., :-1]
     out = torch.einsum("bhst,bthd->bshd", p.to(v.dtype), v)
     return out.to(dtype), lse
 
@@ -110,6 +123,20 @@ def _causal_masked(scores):
     return scores.masked_fill(col > row + s_k - s_q, float("-inf"))
 
 
+def _window_masked(scores, left, right):
+    """Scores (..., s_q, s_k) with the keys outside each query's window at -inf: query i
+    sees keys i + s_k - s_q - left .. i + s_k - s_q + right (-1: unbounded)."""
+    s_q, s_k = scores.shape[-2:]
+    row = torch.arange(s_q, device=scores.device)[:, None] + s_k - s_q
+    col = torch.arange(s_k, device=scores.device)[None, :]
+    outside = torch.zeros_like(col > row)
+    if right >= 0:
+        outside |= col > row + right
+    if left >= 0:
+        outside |= col < row - left
+    return scores.masked_fill(outside, float("-inf"))
+
+
 FLOAT32_EPS = 2.0**-23
 FLOOR = 1e-6  # rows whose reference and low-precision twin agree exactly (no key: 0)
 BLOCK_ROWS = 64  # query rows per block of the block RMS rule
@@ -134,7 +161,7 @@ def _block_rms(err):
     return (sq.sum((2, 4)) / (rows[None, :, None] * d)).sqrt()
 
 
-def check_attention(out, lse, q, k, v, causal, scale=None, what=""):
+def check_attention(out, lse, q, k, v, causal, scale=None, what="", **mods):
     """A forward's ``out`` and ``lse`` (b, h_q, s_q) against the references of the same
     16-bit inputs (docs/design.md, Tolerances). out, against the float32 reference: the
     largest element within twice the low-precision twin's (PyTorch in the inputs' dtype);
@@ -148,10 +175,11 @@ def check_attention(out, lse, q, k, v, causal, scale=None, what=""):
     # the float32 reference stays float32: rounded to 16 bits, a correct row and the
     # twin's would both often round to it exactly, and the per-row ratio would compare
     # one-ulp flips (docs/design.md, Tolerances)
-    ref, lse32 = attention_ref(q.float(), k.float(), v.float(), causal, scale, upcast=True)
-    low, _ = attention_ref(q, k, v, causal, scale, upcast=False)
+    ref, lse32 = attention_ref(q.float(), k.float(), v.float(), causal, scale, upcast=True, **mods)
+    low, _ = attention_ref(q, k, v, causal, scale, upcast=False, **mods)
     _, lse64 = attention_ref(q.double(), k.double(), v.double(), causal,
-                             scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), upcast=False)
+                             scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), upcast=False,
+                             **{n: (m.double() if n == "sink" and m is not None else m) for n, m in mods.items()})
     assert not out.isnan().any(), f"{what}unwritten or NaN output elements"
     err, err_low = out.float() - ref.float(), low.float() - ref.float()
     whole, whole_tol = err.abs().max().item(), 2 * err_low.abs().max().item() + 1e-5

@@ -154,6 +154,70 @@ def flag(name: str, value) -> bool:
     raise OptionError(f"{name} must be True or False; got {value!r} ({type(value).__name__})")
 
 
+class ScoreMods(NamedTuple):
+    """What a call adds to plain attention: a window (left, right keys of each query's
+    diagonal, -1 unbounded; causal is right 0), a softcap (0: none), whether it gives
+    sinks. ``local``: whether it takes the local kernels (window or sinks or softcap; a
+    window of (-1, -1) or (-1, 0) alone is the plain or the causal kernel)."""
+
+    left: int
+    right: int
+    softcap: float
+    sink: bool
+
+    @property
+    def local(self) -> bool:
+        return self.sink or self.softcap > 0 or self.left >= 0 or self.right > 0
+
+    @property
+    def causal(self) -> bool:
+        """Where not local: whether the plain kernel is the causal one."""
+        return self.right == 0
+
+    def values(self, scale: float, log2e: float) -> dict:
+        """The local kernels' run-time values for softmax_scale ``scale``."""
+        cap = self.softcap
+        return {"window_left": self.left, "window_right": self.right, "use_sink": int(self.sink),
+                "scale_log2": (cap if cap > 0 else scale) * log2e,
+                "softcap_scale": scale / cap if cap > 0 else 0.0}
+
+
+def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:
+    """A call's ScoreMods from flash-attn's options: ``window_size`` (left, right), ints of
+    at least -1 (None for -1), within int32; causal makes right 0; ``softcap`` a finite
+    number >= 0 (0 or None: none)."""
+    if window_size is None:
+        window_size = (-1, -1)
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise OptionError(f"window_size must be a pair (left, right); got {window_size!r}")
+    sides = []
+    for side, n in zip(("left", "right"), window_size):
+        n = -1 if n is None else n
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not -1 <= n <= INT32_MAX:
+            raise OptionError(f"window_size's {side} must be an int >= -1 (-1 or None: unbounded); got {n!r}")
+        sides.append(int(n))
+    if softcap is None:
+        softcap = 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 <= float(softcap) < SCALE_MAX:
+        raise OptionError(f"softcap must be a finite number >= 0 (0: none); got {softcap!r}")
+    left, right = sides
+    if causal:
+        right = 0
+    return ScoreMods(left, right, float(softcap), bool(sink))
+
+
+def check_sink(sink: DeviceArray, heads_q: int) -> None:
+    """The sinks: float32 (heads_q,), contiguous, 4-byte aligned."""
+    if sink.dtype != "fp32":
+        raise DTypeError(f"learnable_sink must be float32; got {sink.dtype}")
+    if tuple(sink.shape) != (heads_q,):
+        raise ShapeError(f"learnable_sink {sink.shape} must be (heads_q,) = ({heads_q},)")
+    if heads_q > 1 and sink.strides[0] != 1:
+        raise LayoutError(f"learnable_sink must be contiguous; stride {sink.strides[0]}")
+    if sink.ptr % 4:
+        raise LayoutError(f"learnable_sink's data pointer {sink.ptr:#x} is not 4-byte aligned")
+
+
 def q_tiles(value, declared=(1, 2)) -> int | None:
     """None (picked by problem) or one of ``declared``."""
     if value is None:

@@ -46,7 +46,12 @@ FWD_INPUTS = Inputs(
     "FwdInputs",
     Input("q", "io"), Input("k", "io"), Input("v", "io"), Input("out", "io"),
     Input("lse", "f32", 3, varlen_rank=2),  # (b, h_q, s_q); varlen (h_q, total_q)
-    Input("scale_log2", "Float32"),  # softmax_scale * log2(e)
+    Input("scale_log2", "Float32"),  # softmax_scale * log2(e); softcap: cap * log2(e)
+    # local: the window, keys left and right of each query's diagonal (-1: unbounded), and
+    # the sinks (h_q,), one logit per query head, read where use_sink
+    Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
+    Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
+    Input("softcap_scale", "Float32", when="softcap"),  # softmax_scale / cap
     *SEQUENCE_INPUTS,
 )
 FWD_LPT = lpt_params(FWD_INPUTS)
@@ -54,7 +59,10 @@ FWD_LPT = lpt_params(FWD_INPUTS)
 FWD = Params(
     "FwdParams",
     tma("q"), tma("k"), tma("v"), tma("out", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
-    ptr("lse"), f32("scale_log2"), *SEQUENCE_PARAMS, *LPT_PARAMS,
+    ptr("lse"), f32("scale_log2"),
+    i32("window_left", when="local"), i32("window_right", when="local"), ptr("sink", when="local"),
+    i32("use_sink", when="local"), f32("softcap_scale", when="softcap"),
+    *SEQUENCE_PARAMS, *LPT_PARAMS,
     inputs=FWD_INPUTS,
 )
 

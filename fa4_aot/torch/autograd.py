@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from ..errors import UnsupportedVariantError
 from ..launch import checks
 from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
 from .tensors import check_tensors
@@ -27,8 +28,11 @@ class FlashAttention(torch.autograd.Function):
     results."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool):
-        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+    def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool, window_left: int = -1,
+                window_right: int = -1, softcap: float = 0.0, learnable_sink=None):
+        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  learnable_sink=learnable_sink)
         setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
@@ -37,29 +41,40 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         if dout is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
                                     causal=ctx.causal, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
-                    causal: bool = False, deterministic: bool = False, return_lse: bool = False):
+                    causal: bool = False, deterministic: bool = False, return_lse: bool = False,
+                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink: torch.Tensor | None = None):
     """Differentiable attention: q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d) -> out like q
     (and its lse, float32 (b, h_q, s_q), with ``return_lse``). FA4's names; every option
-    is keyword-only.
+    is keyword-only; ``window_size``, ``softcap``, ``learnable_sink`` as fa4_aot.forward's.
 
-    The gradient flows to q, k and v through the backward kernels (not through lse).
+    The gradient flows to q, k and v through the backward kernels (not through lse). The
+    backward of a window, sinks or softcap is not built: such a call where a gradient
+    would be needed is refused (UnsupportedVariantError) before it launches.
     """
-    check_tensors({"q": q, "k": k, "v": v})
+    check_tensors({"q": q, "k": k, "v": v}, {} if learnable_sink is None else {"learnable_sink": learnable_sink})
     scale = checks.softmax_scale(softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
+    if mods.local and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
+        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
+                                      "torch.no_grad() or with tensors that need no gradient")
+    if not mods.local:
+        causal = mods.causal  # a window of (-1, 0) is causal
+    options = (causal, scale, deterministic, mods.left, mods.right, mods.softcap, learnable_sink)
     if torch.compiler.is_compiling():  # traced: the custom ops, registered on the first trace
         from .ops import fwd_op
 
-        out, lse = fwd_op(q, k, v, causal, scale, deterministic)
+        out, lse = fwd_op(q, k, v, *options)
     else:
-        out, lse = FlashAttention.apply(q, k, v, causal, scale, deterministic)
+        out, lse = FlashAttention.apply(q, k, v, *options)
     return (out, lse) if checks.flag("return_lse", return_lse) else out

@@ -13,28 +13,32 @@ from .tensors import KERNEL_DTYPES, as_device_array, check_tensors, current_stre
 
 def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
                    causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward.
-    Every option is keyword-only."""
+                   q_tiles: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                   learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward
+    (``learnable_sink``: float32 (h_q,)). Every option is keyword-only."""
     repeat, stream = None, None
     if (type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and type(v) is torch.Tensor and q.is_cuda):
+            and type(v) is torch.Tensor and q.is_cuda and learnable_sink is None):
         device = q.get_device()
         stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
                   v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
-                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, device, stream)
+                  lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, window_size,
+                  softcap, device, stream)
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
-    check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse))
+    check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if lse is None:
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
+    sink = None if learnable_sink is None else as_device_array(learnable_sink)
     stream = stream_of(q) if stream is None else stream  # asked once a call
-    run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else ())
+    run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else (),
+                window_size, softcap, sink)
     return out, lse
 
 
@@ -80,7 +84,7 @@ def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs
+    q, k, v, causal, softmax_scale, deterministic = inputs[:6]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic

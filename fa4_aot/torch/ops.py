@@ -12,12 +12,15 @@ from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_cont
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
 def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float,
-           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal)
+           deterministic: bool, window_left: int = -1, window_right: int = -1, softcap: float = 0.0,
+           learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    return flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal, window_size=(window_left, window_right),
+                          softcap=softcap, learnable_sink=learnable_sink)
 
 
 @fwd_op.register_fake
-def _(q, k, v, causal, softmax_scale, deterministic):
+def _(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+      learnable_sink=None):
     b, s_q, h_q, _ = q.shape
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -40,7 +43,7 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None
 
 
 fwd_op.register_autograd(_backward, setup_context=setup_context)

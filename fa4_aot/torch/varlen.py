@@ -17,19 +17,22 @@ import torch
 from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
+from ..errors import UnsupportedVariantError
 from ..launch import checks
 from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
-                          out=None, lse=None, order: str | None = None, workspace=None):
+                          out=None, lse=None, order: str | None = None, workspace=None, window_size=(-1, -1),
+                          softcap: float = 0.0, learnable_sink=None):
     """(out, lse): out (total_q, h_q, d) like q, lse (h_q, total_q) float32; rows of no
     sequence (past seqused, or past the last cu_seqlens_q) are left as allocated.
     ``order``: the sequences' order (fa4_aot.forward_varlen; None: the policy's); the
-    heaviest-first order's workspace (uint8) comes from torch's allocator unless given."""
+    heaviest-first order's workspace (uint8) comes from torch's allocator unless given.
+    ``window_size``, ``softcap``, ``learnable_sink``: fa4_aot.forward_varlen's."""
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                             **passed(seqused_q=seqused_q, seqused_k=seqused_k, out=out, lse=lse,
-                                                     workspace=workspace)})
+                                                     workspace=workspace, learnable_sink=learnable_sink)})
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -37,9 +40,11 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     if workspace is None and (order == "lpt" or (order is None and default_forward_order(batch) == "lpt")):
         workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
     extra = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
-                                                ("workspace", workspace)) if t is not None}
+                                                ("workspace", workspace), ("learnable_sink", learnable_sink))
+             if t is not None}
     forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)), max_seqlen_q,
                    max_seqlen_k, causal=causal, softmax_scale=softmax_scale, order=order,
+                   window_size=window_size, softcap=softcap,
                    stream=torch.cuda.current_stream(q.device).cuda_stream, **extra)
     return out, lse
 
@@ -48,14 +53,17 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
 def _fwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                    seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, causal: bool,
-                   softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, deterministic: bool, window_left: int = -1, window_right: int = -1,
+                   softcap: float = 0.0, learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     return flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale)
+                                 seqused_q=seqused_q, seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale,
+                                 window_size=(window_left, window_right), softcap=softcap,
+                                 learnable_sink=learnable_sink)
 
 
 @_fwd_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-      softmax_scale, deterministic):
+      softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
@@ -107,7 +115,7 @@ def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-     softmax_scale, deterministic) = inputs
+     softmax_scale, deterministic) = inputs[:12]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
     ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
@@ -118,7 +126,7 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
     dq, dk, dv = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen, seqused_q,
                                 seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, *(None,) * 13
 
 
 _fwd_varlen_op.register_autograd(_backward, setup_context=_setup_context)
@@ -126,19 +134,27 @@ _fwd_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            seqused_q=None, seqused_k=None, softmax_scale: float | None = None, causal: bool = False,
-                           deterministic: bool = False, return_lse: bool = False):
+                           deterministic: bool = False, return_lse: bool = False, window_size=(-1, -1),
+                           softcap: float = 0.0, learnable_sink=None):
     """flash-attn's varlen attention: q (total_q, h_q, d), k, v (total_k, h_kv, d),
     cu_seqlens int32 (batch + 1,) on the device, max_seqlen ints from the caller; see
     fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
     torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
-    order (the forward always is)."""
-    check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                                            **passed(seqused_q=seqused_q, seqused_k=seqused_k)})
-    check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                  **passed(seqused_q=seqused_q, seqused_k=seqused_k)})
+    order (the forward always is). ``window_size``, ``softcap``, ``learnable_sink``: as
+    fa4_aot.forward_varlen's; their backward is not built (refused, as flash_attn_func)."""
+    extra = passed(seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
+    check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
+    check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
     scale = checks.softmax_scale(softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
+    causal = checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
+    if mods.local and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
+        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
+                                      "torch.no_grad() or with tensors that need no gradient")
     out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
-                              checks.flag("causal", causal), scale, checks.flag("deterministic", deterministic))
+                              causal if mods.local else mods.causal, scale, checks.flag("deterministic", deterministic),
+                              mods.left, mods.right, mods.softcap, learnable_sink)
     return (out, lse) if checks.flag("return_lse", return_lse) else out

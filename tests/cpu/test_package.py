@@ -30,7 +30,7 @@ def test_matrix_is_the_product_of_the_built_axes():
     assert len(MATRIX) == len(set(MATRIX)) == len({v.name for v in MATRIX})
     for axis, spec in AXES.items():
         assert {getattr(v, axis) for v in MATRIX} == set(spec["built"]), axis
-    axes = ("arch", "dtype", "head_dim", "causal", "varlen", "deterministic", "q_tiles")
+    axes = ("arch", "dtype", "head_dim", "causal", "varlen", "deterministic", "q_tiles", "local", "softcap")
     for kind in AXES["kind"]["built"]:
         mine = [v for v in MATRIX if v.kind == kind]
         for axis in axes:
@@ -49,8 +49,9 @@ def test_names_round_trip_and_read_well():
     assert v.gpu_arch == "sm_90a" and v.compute_capability == (9, 0)
     assert [x.name for x in select(("fwd.*.fp16.d64",))] == ["fwd.sm90a.fp16.d64"]
     assert [x.name for x in select(("fwd.*.fp16.d64*",))] == [
-        "fwd.sm90a.fp16.d64", "fwd.sm90a.fp16.d64.q2", "fwd.sm90a.fp16.d64.varlen", "fwd.sm90a.fp16.d64.causal",
-        "fwd.sm90a.fp16.d64.causal.q2", "fwd.sm90a.fp16.d64.causal.varlen"]
+        "fwd.sm90a.fp16.d64", "fwd.sm90a.fp16.d64.local", "fwd.sm90a.fp16.d64.local.softcap", "fwd.sm90a.fp16.d64.q2",
+        "fwd.sm90a.fp16.d64.varlen", "fwd.sm90a.fp16.d64.varlen.local", "fwd.sm90a.fp16.d64.varlen.local.softcap",
+        "fwd.sm90a.fp16.d64.causal", "fwd.sm90a.fp16.d64.causal.q2", "fwd.sm90a.fp16.d64.causal.varlen"]
     assert Variant.from_name("fwd.sm90a.bf16.d128.causal.q2").q_tiles == 2
     with pytest.raises(ValueError, match="head_dim=80"):
         Variant("fwd", "sm90a", "bf16", 80, False)

@@ -30,7 +30,8 @@ def options(**defaults):
 
 RAW = {
     "forward": positional("q", "k", "v", "out", "lse")
-    + options(softmax_scale=None, causal=False, q_tiles=None, stream=0, library=None),
+    + options(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, q_tiles=None,
+              stream=0, library=None),
     "backward": positional("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "workspace")
     + options(softmax_scale=None, causal=False, deterministic=False, q_tiles=None, stream=0, library=None),
     "backward_workspace_bytes": positional("batch", "seqlen_q", "heads_q", "head_dim")
@@ -39,9 +40,11 @@ RAW = {
 
 TORCH = {
     "flash_attn_func": positional("q", "k", "v")
-    + options(softmax_scale=None, causal=False, deterministic=False, return_lse=False),
+    + options(softmax_scale=None, causal=False, deterministic=False, return_lse=False, window_size=(-1, -1),
+              softcap=0.0, learnable_sink=None),
     "flash_attn_fwd": positional("q", "k", "v")
-    + options(softmax_scale=None, causal=False, out=None, lse=None, q_tiles=None),
+    + options(softmax_scale=None, causal=False, out=None, lse=None, q_tiles=None, window_size=(-1, -1), softcap=0.0,
+              learnable_sink=None),
     "flash_attn_bwd": positional("q", "k", "v", "out", "dout", "lse")
     + options(softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None, dv=None, workspace=None,
               q_tiles=None),

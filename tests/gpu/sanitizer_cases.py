@@ -29,6 +29,9 @@ SHAPES = [(3, 17, 17, 2, 1), (2, 333, 200, 4, 2), (1, 200, 333, 3, 1)]  # (b, s_
 # on 4 SMs: 9 key tiles, the last in 4 ragged pieces; 18 items, the last 2 in 2 pieces each
 SPLIT_SHAPES = [(1, 700, 1100, 1, 1), (2, 1000, 300, 3, 3)]
 SPLIT_SM_COUNT = 4
+# the local kernels' windows: both edges off the tiles, a single key, and past int32 when
+# added to a row (the kernel clamps a window to the sequence)
+WINDOWS = [(37, 5), (0, 0), (2**31 - 1, 2**31 - 1)]
 
 
 def main():
@@ -48,9 +51,9 @@ def dense_cases():
     """Every dense forward (one and two query tiles) and backward (every mode, and the
     two-tile kernels) of every dtype and head dim, causal and not, on SHAPES."""
     for v in (v for v in MATRIX if v.kind == "fwd" and not v.varlen):
-        for b, sq, sk, hq, hkv in SHAPES:
+        for (b, sq, sk, hq, hkv), window in itertools.product(SHAPES, WINDOWS if v.local else [None]):
             q, k, val = _bshd(b, sq, hq, v), _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
-            flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=v.q_tiles)
+            flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=v.q_tiles, **_mods(v, hq, window))
     for v in (v for v in MATRIX if v.kind == "bwd" and not v.varlen):
         for b, sq, sk, hq, hkv in SHAPES:
             q, do = _bshd(b, sq, hq, v), _bshd(b, sq, hq, v)
@@ -58,6 +61,14 @@ def dense_cases():
             out, lse = flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=1)
             flash_attn_bwd(q, k, val, out, do, lse, causal=v.causal, deterministic=v.deterministic,
                            q_tiles=v.q_tiles)
+
+
+def _mods(v, heads_q, window):
+    """A local variant's options: ``window``, sinks, and a cap where softcap; {} otherwise."""
+    if not v.local:
+        return {}
+    return {"window_size": window, "softcap": 5.0 if v.softcap else 0.0,
+            "learnable_sink": torch.randn(heads_q, device="cuda")}
 
 
 def _bshd(b, s, h, v):
@@ -106,9 +117,10 @@ def varlen_cases():
         dtype, d = DTYPES[v.dtype], v.head_dim
         q = torch.randn(333, 4, d, device="cuda", dtype=dtype)
         k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        mods = _mods(v, 4, WINDOWS[0])
         for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
             flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal,
-                                  order=order, **{n: as_i32(x) for n, x in used.items()})
+                                  order=order, **{n: as_i32(x) for n, x in used.items()}, **mods)
     varlen_backward_cases()
 
 

@@ -19,7 +19,8 @@ from fa4_aot.variants import MATRIX
 from ..reference import attention_ref, check_attention
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-FWD = [v for v in MATRIX if v.kind == "fwd" and v.arch == "sm90a" and not v.varlen]  # varlen: test_varlen.py
+# varlen: test_varlen.py; local (windows, sinks, softcap): test_local.py
+FWD = [v for v in MATRIX if v.kind == "fwd" and v.arch == "sm90a" and not v.varlen and not v.local]
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (1, 1, 1, 2, 2),  # one token: a single, mostly padded tile

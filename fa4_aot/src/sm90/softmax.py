@@ -117,17 +117,63 @@ class OnlineSoftmax:
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
 
     @cute.jit
-    def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor):
-        """1/rowsum (0 for an empty row) and the natural-log LSE (-inf for an empty row)."""
+    def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor, sink_log2=None):
+        """1/rowsum (0 for an empty row) and the natural-log LSE (-inf for an empty row).
+
+        ``sink_log2``: an attention sink's logit in the exp2 domain (-inf: none), a term of
+        every row's denominator that adds no value: O's factor exp2(m - top) / total and
+        the LSE over the keys and the sink, where top, the larger of the row's maximum
+        and the sink, keeps both exponentials at most 1; a row that saw no key gets O 0
+        and the sink as its LSE."""
         for r in cutlass.range_constexpr(self.num_rows):
             total = _quad_reduce(self.row_sum[r], operator.add)
             m = self.row_max[r]
-            if m == -Float32.inf:  # the row saw no key
-                inv_sum[r] = Float32(0.0)
-                lse[r] = -Float32.inf
+            if cutlass.const_expr(sink_log2 is None):
+                if m == -Float32.inf:  # the row saw no key
+                    inv_sum[r] = Float32(0.0)
+                    lse[r] = -Float32.inf
+                else:
+                    inv_sum[r] = cute.arch.rcp_approx(total)
+                    lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
             else:
-                inv_sum[r] = cute.arch.rcp_approx(total)
-                lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                m_log2 = select_f32(m == -Float32.inf, -Float32.inf, m * self.scale_log2)
+                top = cute.arch.fmax(m_log2, sink_log2)
+                if top == -Float32.inf:  # no key and no sink
+                    inv_sum[r] = Float32(0.0)
+                    lse[r] = -Float32.inf
+                else:
+                    keys = cute.math.exp2(m_log2 - top, fastmath=True)  # 0 for a row that saw no key
+                    total = total * keys + cute.math.exp2(sink_log2 - top, fastmath=True)
+                    inv_sum[r] = keys * cute.arch.rcp_approx(total)
+                    lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN2
+
+
+# tanh's Taylor series, x^1 .. x^15 (odd powers): below TANH_SERIES_BELOW the next term
+# is under 5e-8 of tanh (one float32 ulp)
+TANH_SERIES = (1.0, -1 / 3, 2 / 15, -17 / 315, 62 / 2835, -1382 / 155925, 21844 / 6081075, -929569 / 638512875)
+TANH_SERIES_BELOW = 0.55
+
+
+@cute.jit
+def cap_scores(acc_s: cute.Tensor, softcap_scale: Float32):
+    """Scores s -> tanh(s * softcap_scale) in place, softcap_scale = softmax_scale / cap
+    (the softmax then takes cap * log2(e) as its scale: cap * tanh(s * scale / cap)).
+
+    Within a float32 ulp or two of tanh: its series below 0.55, above it 1 - 2 / (1 +
+    e^2|x|) (an exponential and a reciprocal) with x's sign. tanh.approx is off by up to
+    2^-11 of the value, and 1 - 2 / (1 + e^2x) alone by ~1e-7 absolute near 0, where
+    Gemma's cap of 50 puts most scores: times the cap, 50 float32 ulps of a score of 1
+    (docs/design.md, "Local attention, sinks, softcap")."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        x = acc_s[i] * softcap_scale
+        x2 = x * x
+        series = Float32(TANH_SERIES[-1])
+        for c in TANH_SERIES[-2::-1]:
+            series = series * x2 + Float32(c)
+        magnitude = cute.arch.fmax(x, -x)
+        far = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(
+            Float32(1.0) + exp2_mufu(magnitude * Float32(2.0 * math.log2(math.e))))
+        acc_s[i] = select_f32(magnitude < Float32(TANH_SERIES_BELOW), x * series, select_f32(x < 0.0, -far, far))
 
 
 @cute.jit

@@ -41,6 +41,13 @@ class FwdConfig:
     threads: int
     # P converted a register pair at a time (bf16 tiles of 80 or 112 keys: head_dim 256, 192)
     paired_convert: bool
+    local: bool = False  # a sliding window (left, right at run time) and sinks
+    softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
+
+    @property
+    def masks_right(self) -> bool:
+        """Whether a query row may see fewer keys than the sequence's (causal, or a window's right edge)."""
+        return self.causal or self.local
 
     @classmethod
     def of(cls, variant) -> "FwdConfig":
@@ -53,7 +60,8 @@ class FwdConfig:
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=tile_m,
                    tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, varlen=variant.varlen, num_consumers=consumers,
                    producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
-                   paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0)
+                   paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0, local=variant.local,
+                   softcap=variant.softcap)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -25,6 +25,7 @@ heads_q a multiple of heads_kv. Build with ``build_kernels.py``; the kernel read
 environment and queries no device.
 """
 
+import math
 from typing import NamedTuple
 
 import cutlass
@@ -38,12 +39,12 @@ from ...common.params import Tma
 from ...common.seqlen import packed_tile_of_cta, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
-from ..mask import TileMask
+from ..mask import TileMask, Window
 from ..primitives import (
     DTYPES, WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
     wgmma,
 )
-from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
 from ...interfaces import FWD, FWD_INPUTS, FWD_LPT
 from .config import FwdConfig
 
@@ -162,6 +163,7 @@ class FlashFwdSm90:
             m_blocks = (cute.ceil_div(seqlen_q, self.cfg.tile_m) - 1 - bidx, bidx)
         heads_q, batches = gQ.shape[2], gQ.shape[3]
         head_kv = head // (heads_q // gK.shape[2])
+        opts = self._score_options(p, head, heads_q, seqlen_q, seqlen_k)
         mLSE = cute.make_tensor(
             lse_ptr, cute.make_layout((seqlen_q, heads_q, batches), stride=(1, seqlen_q, seqlen_q * heads_q))
         )
@@ -175,14 +177,14 @@ class FlashFwdSm90:
                 q = (tma_q, gQ[None, None, head, batch], sQ)
                 k = (tma_k, gK[None, None, head_kv, batch], sK)
                 v = (tma_v, gV[None, None, head_kv, batch], sV)
-                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k)
+                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k, opts.window)
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.attend(
                 tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks,
                 seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
-                mLSE[None, head, batch],
+                mLSE[None, head, batch], opts,
             )
 
     @cute.kernel
@@ -212,6 +214,7 @@ class FlashFwdSm90:
         seqlen_k = Int32(cutlass.select_(live, seq_k.length, 0))
         m_blocks = (cutlass.max(m_block, 0),)
         head_kv = head // (heads_q // gK.shape[2])
+        opts = self._score_options(p, head, heads_q, seqlen_q, seqlen_k)
         out = RowsOut(o_ptr, o_ss, o_sh, cute.make_tensor(lse_ptr, cute.make_layout(heads_q * total_q)),
                       seq_q.offset, total_q, head, heads_q)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -223,12 +226,27 @@ class FlashFwdSm90:
                 q = (tma_q, cute.domain_offset((seq_q.offset, 0), gQ[None, None, head, 0]), sQ)
                 k = (tma_k, cute.domain_offset((seq_k.offset, 0), gK[None, None, head_kv, 0]), sK)
                 v = (tma_v, cute.domain_offset((seq_k.offset, 0), gV[None, None, head_kv, 0]), sV)
-                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k)
+                self.load(q, k, v, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k, opts.window)
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
             self.attend(tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k,
-                        scale_log2, None, out, None)
+                        scale_log2, None, out, None, opts)
+
+    @cute.jit
+    def _score_options(self, p, head, heads_q, seqlen_q, seqlen_k):
+        """The sequence's ``ScoreOptions`` from the kernel's parameters (None for what the
+        variant leaves out): its window, head ``head``'s sink in the exp2 domain (-inf
+        where the call gives none), the softcap's scale."""
+        window, sink_log2, softcap_scale = None, None, None
+        if const_expr(self.cfg.local):
+            window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k)
+            sink_log2 = -Float32.inf
+            if p.use_sink != 0:
+                sink_log2 = cute.make_tensor(p.sink, cute.make_layout(heads_q))[head] * Float32(LOG2E)
+        if const_expr(self.cfg.softcap):
+            softcap_scale = p.softcap_scale
+        return ScoreOptions(window, sink_log2, softcap_scale)
 
     @cute.jit
     def _varlen_item(self, cu_q, used_q, use_used_q, batches, total_q, heads_q, order, lpt):
@@ -263,20 +281,41 @@ class FlashFwdSm90:
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         return warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV
 
-    def _key_tiles(self, m_block, seqlen_q, seqlen_k):
-        """Key tiles query tile ``m_block`` attends to (causal: up to its last row's diagonal)."""
+    def _key_tiles(self, m_block, seqlen_q, seqlen_k, window=None):
+        """Key tiles query tile ``m_block`` attends to, one past the last (causal: up to
+        its last row's diagonal; local: up to its last row's window)."""
         n_blocks = cute.ceil_div(seqlen_k, self.cfg.tile_n)
-        if const_expr(self.cfg.causal):
+        if const_expr(self.cfg.masks_right):
             last_key = (m_block + 1) * self.cfg.tile_m + seqlen_k - seqlen_q  # exclusive
+            if const_expr(self.cfg.local):
+                last_key = last_key + window.right
             n_blocks = cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.cfg.tile_n))
         return n_blocks
 
+    def _first_key_tile(self, m_block, seqlen_q, seqlen_k, window=None):
+        """The first key tile query tile ``m_block`` attends to: 0, or local the one of its
+        first row's window (tiles below it are never loaded)."""
+        if const_expr(not self.cfg.local):
+            return 0
+        first_key = m_block * self.cfg.tile_m + seqlen_k - seqlen_q - window.left
+        return cutlass.max(first_key, 0) // self.cfg.tile_n
+
+    def _less(self, count, n_min):
+        """count - n_min: the count itself where n_min is always 0 (not local)."""
+        return count - n_min if const_expr(self.cfg.local) else count
+
+    def _left_masked_end(self, m_block, seqlen_q, seqlen_k, window):
+        """Local: one past the last key tile that needs the window's left edge masked (some
+        row of tile m_block starts its window inside or above it)."""
+        lowest_last_row = (m_block + 1) * self.cfg.tile_m - 1 + seqlen_k - seqlen_q - window.left
+        return cute.ceil_div(cutlass.max(lowest_last_row, 0), self.cfg.tile_n)
+
     @cute.jit
-    def load(self, q, k, v, pipes, m_blocks, seqlen_q: Int32, seqlen_k: Int32):
+    def load(self, q, k, v, pipes, m_blocks, seqlen_q: Int32, seqlen_k: Int32, window=None):
         """q, k, v: (TMA atom, coordinates, shared tiles) of each input, the coordinates
         gQ: (s_q, d) and gK, gV: (s_k, d) of this (head, batch); pipes: Q's, K's, V's;
-        m_blocks: this CTA's query tiles, in order. The first tile's first K, then every Q,
-        then K/V."""
+        m_blocks: this CTA's query tiles, in order; window: where local. The first tile's
+        first K, then every Q, then K/V, key tiles from the last down to the first."""
         (tma_q, gQ, sQ), (tma_k, gK, sK), (tma_v, gV, sV) = q, k, v
         pipe_q, pipe_k, pipe_v = pipes
         whole = cute.make_layout(1)
@@ -293,8 +332,8 @@ class FlashFwdSm90:
         load_v = lambda n, st: cute.copy(  # noqa: E731
             tma_v, tVg[None, n], tVs[None, st.index], tma_bar_ptr=pipe_v.producer_get_barrier(st))
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-        n_first = self._key_tiles(m_blocks[0], seqlen_q, seqlen_k)
-        if n_first > 0:
+        n_first = self._key_tiles(m_blocks[0], seqlen_q, seqlen_k, window)
+        if n_first > self._first_key_tile(m_blocks[0], seqlen_q, seqlen_k, window):
             pipe_k.producer_acquire(kv_state)
             load_k(n_first - 1, kv_state)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.q_tiles)
@@ -307,13 +346,14 @@ class FlashFwdSm90:
             cute.copy(tma_q, tQg, tQs, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         for t in cutlass.range_constexpr(self.cfg.q_tiles):
-            n_blocks = self._key_tiles(m_blocks[t], seqlen_q, seqlen_k)
-            if n_blocks > 0:
+            n_blocks = self._key_tiles(m_blocks[t], seqlen_q, seqlen_k, window)
+            n_min = self._first_key_tile(m_blocks[t], seqlen_q, seqlen_k, window)
+            if n_blocks > n_min:
                 if const_expr(t > 0):
                     pipe_k.producer_acquire(kv_state)
                     load_k(n_blocks - 1, kv_state)
                 # K runs one tile ahead of V: the consumers need K(j+1) before V(j).
-                for i in cutlass.range(n_blocks - 1, unroll=1):
+                for i in cutlass.range(self._less(n_blocks - 1, n_min), unroll=1):
                     v_state = kv_state.clone()
                     kv_state.advance()
                     pipe_k.producer_acquire(kv_state)
@@ -321,7 +361,7 @@ class FlashFwdSm90:
                     pipe_v.producer_acquire(v_state)
                     load_v(n_blocks - 1 - i, v_state)
                 pipe_v.producer_acquire(kv_state)
-                load_v(0, kv_state)
+                load_v(n_min, kv_state)
                 if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()
 
@@ -353,13 +393,14 @@ class FlashFwdSm90:
     @cute.jit
     def attend(
         self, tidx: Int32, sQ, sK, sV, pipes, m_blocks,
-        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE,
+        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE, opts,
     ):
         """tidx: 0..255 over the consumer warpgroups; pipes: Q's, K's, V's; m_blocks: this
-        CTA's query tiles, in order; gO: (s_q, d); mLSE: (s_q,)."""
+        CTA's query tiles, in order; gO: (s_q, d); mLSE: (s_q,); opts: ScoreOptions."""
         pipe_q, pipe_k, pipe_v = pipes
         mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords = self._fragments(tidx, sK, sV)
-        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal)
+        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, self.cfg.local)
+        window = opts.window
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
         if wg == 0:
@@ -368,7 +409,8 @@ class FlashFwdSm90:
             cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER, number_of_threads=2 * WARPGROUP)
         for t in cutlass.range_constexpr(self.cfg.q_tiles):
             m_block = m_blocks[t]
-            n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k)
+            n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k, window)
+            n_min = self._first_key_tile(m_block, seqlen_q, seqlen_k, window)
             tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ[None, None, t]))
             acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim)), Float32)
             acc_o.fill(0.0)
@@ -376,7 +418,7 @@ class FlashFwdSm90:
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
-            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k)
+            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window)
 
             # Bound methods: the DSL would treat a method call on a local object inside a
             # run-time loop as a write of that object and try to carry it through the loop.
@@ -392,12 +434,15 @@ class FlashFwdSm90:
             # (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles, none
             # at all for rows that see no key): it passes over the tile's highest key tile
             # without computing it (_skip_key_tile), or over all of them.
-            n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k)
-            if n_blocks > 0:
+            # Local, the tile's key tiles start at n_min (its first row's window), and every
+            # warpgroup takes them all down to it (its later rows' windows may start a tile
+            # higher: that tile is masked for them).
+            n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k, window, n_min)
+            if n_blocks > n_min:
                 if idle:
-                    kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, n_blocks, wg)
+                    kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, self._less(n_blocks, n_min), wg)
                 else:
-                    if const_expr(self.cfg.causal):
+                    if const_expr(self.cfg.masks_right):
                         if n_own < n_blocks:
                             kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
                     # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
@@ -405,21 +450,36 @@ class FlashFwdSm90:
                     pipe_k.consumer_wait(kv_state)
                     wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
                     pipe_k.consumer_release(kv_state)
-                    apply_mask(acc_s, s_coords, m_block, n_own - 1, seqlen_q, seqlen_k)
+                    if const_expr(self.cfg.softcap):
+                        cap_scores(acc_s, opts.softcap_scale)
+                    apply_mask(acc_s, s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
                     softmax_step(acc_s, row_scale)
                     self._to_operand(acc_s, tOrP)
                     # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
                     # loops, so the unmasked one carries neither mask code nor a branch on it.
                     # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.causal) else 0
-                    for phase in cutlass.range_constexpr(0 if self.cfg.causal else 1, 2):
-                        steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
+                    # Local: a third loop, masked, for the key tiles at the windows' left edges.
+                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.masks_right) else 0
+                    phases, steps_by_phase = 2, None
+                    if const_expr(self.cfg.local):
+                        total = n_own - 1 - n_min
+                        masked_steps = cutlass.min(masked_steps, total)
+                        left_steps = cutlass.min(cutlass.max(
+                            self._left_masked_end(m_block, seqlen_q, seqlen_k, window) - n_min, 0), total - masked_steps)
+                        phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
+                    for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
+                        if const_expr(self.cfg.local):
+                            steps = steps_by_phase[phase]
+                        else:
+                            steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
                         for i in cutlass.range(steps, unroll=1):
                             # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
                             # are in flight together; softmax of S(j+1) runs while P(j) V(j)
                             # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
                             # the other does softmax, handing over through the scheduler barriers.
                             n_block = n_own - 2 - i - (0 if phase == 0 else masked_steps)
+                            if const_expr(phase == 2):
+                                n_block = n_block - steps_by_phase[1]
                             v_state = kv_state.clone()
                             kv_state.advance()
                             acc_s = cute.make_rmem_tensor(s_shape, Float32)
@@ -434,8 +494,10 @@ class FlashFwdSm90:
                             )
                             warpgroup.wait_group(1)
                             pipe_k.consumer_release(kv_state)
-                            if const_expr(phase == 0):
-                                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k)
+                            if const_expr(self.cfg.softcap):
+                                cap_scores(acc_s, opts.softcap_scale)
+                            if const_expr(phase != 1):
+                                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                             softmax_step(acc_s, row_scale)
                             # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
                             wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
@@ -450,45 +512,53 @@ class FlashFwdSm90:
 
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
             self._finish_tile(tidx, acc_o, softmax, rows, mma_pv, thr_pv, sQ[None, None, t], (tma_o, gO, mLSE),
-                              m_block, seqlen_q, t == self.cfg.q_tiles - 1)
+                              m_block, seqlen_q, t == self.cfg.q_tiles - 1, opts.sink_log2)
 
     @cute.jit
     def _finish_tile(self, tidx, acc_o, softmax, rows, mma_pv, thr_pv, sO, out, m_block, seqlen_q,
-                     wait_read: cutlass.Constexpr[bool]):
-        """O normalized by the row sums and written with LSE (``out``: O's TMA atom and
-        coordinates, LSE's row)."""
+                     wait_read: cutlass.Constexpr[bool], sink_log2=None):
+        """O normalized by the row sums (and the sink, where local) and written with LSE
+        (``out``: O's TMA atom and coordinates, LSE's row)."""
         tma_o, gO, mLSE = out
         inv_sum = cute.make_rmem_tensor((rows,), Float32)
         lse = cute.make_rmem_tensor((rows,), Float32)
-        softmax.finalize(inv_sum, lse)
+        softmax.finalize(inv_sum, lse, sink_log2)
         scale_rows(acc_o, inv_sum)
         self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q, wait_read)
 
     @cute.jit
-    def _first_masked(self, m_block, seqlen_q, seqlen_k):
-        """The first key tile of query tile m_block that needs a mask (padding or the causal
-        diagonal): every one from it on."""
+    def _first_masked(self, m_block, seqlen_q, seqlen_k, window=None):
+        """The first key tile of query tile m_block that needs a mask (padding, the causal
+        diagonal or the window's right edge): every one from it on."""
         first_masked = seqlen_k // self.cfg.tile_n
-        if const_expr(self.cfg.causal):
-            first_unmasked_diag = (m_block * self.cfg.tile_m + seqlen_k - seqlen_q) // self.cfg.tile_n
+        if const_expr(self.cfg.masks_right):
+            diag = m_block * self.cfg.tile_m + seqlen_k - seqlen_q
+            if const_expr(self.cfg.local):
+                diag = diag + window.right
+            first_unmasked_diag = diag // self.cfg.tile_n
             first_masked = cutlass.min(first_masked, cutlass.max(first_unmasked_diag, 0))
         return first_masked
 
     @cute.jit
-    def _own_key_tiles(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
-        """(key tiles warpgroup ``wg``'s rows see, whether it idles: no row in the sequence
-        or none that sees a key)."""
+    def _own_key_tiles(self, m_block, wg, n_blocks, seqlen_q, seqlen_k, window=None, n_min=0):
+        """(one past the last key tile warpgroup ``wg``'s rows see, whether it idles: no row
+        in the sequence or none that sees a key)."""
         n_own = n_blocks
-        if const_expr(self.cfg.causal):
-            n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k)
-        idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
+        if const_expr(self.cfg.masks_right):
+            n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k, window)
+        if const_expr(self.cfg.local):
+            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own <= n_min
+        else:
+            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
         return n_own, idle
 
-    def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k):
-        """Causal: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block`` see, up to
-        the tile's n_blocks (at most one fewer: the warpgroups' rows are at most a key tile
-        apart at every tile shape built)."""
+    def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k, window=None):
+        """Causal or local: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block``
+        see, up to the tile's n_blocks (at most one fewer: the warpgroups' rows are at most
+        a key tile apart at every tile shape built)."""
         last_key = m_block * self.cfg.tile_m + wg * 64 + 64 + seqlen_k - seqlen_q  # exclusive
+        if const_expr(self.cfg.local):
+            last_key = last_key + window.right
         return cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.cfg.tile_n))
 
     @cute.jit
@@ -598,6 +668,19 @@ class FlashFwdSm90:
                 row = first_row + coords[r, 0][0]
                 if row < seqlen_q:
                     out.lse[out.head * out.total + out.offset + row] = lse[r]
+
+
+LOG2E = math.log2(math.e)
+
+
+class ScoreOptions(NamedTuple):
+    """What a variant adds to the scores, None where it is not built: the sequence's
+    window (mask.Window) and the head's sink logit times log2(e) (-inf: none), where
+    local; softmax_scale / cap, where softcap."""
+
+    window: object
+    sink_log2: object
+    softcap_scale: object
 
 
 class RowsOut(NamedTuple):

@@ -1,0 +1,210 @@
+"""The local forward kernels (sliding windows, attention sinks, softcap) against the
+float32 reference with the window, sinks and cap applied, on an sm_90 GPU: dense and
+varlen, every built local variant, windows at every edge (0, 1, inside a tile, off the
+tile sizes, past the sequence, left-only, right-only, both, with causal), GQA/MQA,
+seqlen_q != seqlen_k, rows that see no key (with a sink: out 0, lse the sink), varlen
+mixes with empty sequences and windows wider than some of them. Outputs NaN-poisoned,
+inputs fresh; the rule is reference.check_attention's."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fa4_aot  # noqa: E402
+from fa4_aot.errors import OptionError, ShapeError, DTypeError, UnsupportedVariantError  # noqa: E402
+from fa4_aot.torch import flash_attn_fwd  # noqa: E402
+from fa4_aot.variants import MATRIX  # noqa: E402
+
+from ..reference import check_attention  # noqa: E402
+from .test_fwd import DTYPES, _inputs, _poisoned  # noqa: E402
+from .test_varlen import _lengths_to_cu, _packed  # noqa: E402
+
+LOCAL = [v for v in MATRIX if v.kind == "fwd" and v.local and not v.varlen]
+LOCAL_VARLEN = [v for v in MATRIX if v.kind == "fwd" and v.local and v.varlen]
+
+# (left, right, causal, sinks): each with its edge
+CASES = [
+    (0, 0, False, False),  # window 0: each query its diagonal key only; rows off the keys see none
+    (1, 1, False, True),  # three keys, with sinks
+    (5, -1, False, False),  # left-only, narrower than a tile
+    (-1, 7, False, True),  # right-only
+    (100, 37, False, False),  # both, off every tile size
+    (128, 0, False, True),  # gpt-oss's sliding layers: 128 keys back, sinks
+    (200, -1, True, False),  # causal with a window: right 0
+    (5000, 5000, False, True),  # wider than every sequence
+    (-1, -1, False, True),  # sinks alone (gpt-oss's full layers, not causal)
+    (-1, -1, True, True),  # sinks alone, causal
+]
+CASE_IDS = ["w{}_{}{}{}".format(l, r, "_causal" if c else "", "_sink" if s else "") for l, r, c, s in CASES]
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    (1, 1, 1, 2, 2),  # one token
+    (7, 17, 17, 2, 1),  # batch 7, MQA, a partial tile
+    (2, 1000, 1000, 4, 2),  # GQA, ragged last q and k tiles
+    (2, 128, 1000, 2, 2),  # seqlen_q < seqlen_k: the windows far right
+    (2, 1000, 128, 2, 2),  # seqlen_q > seqlen_k: rows that see no key
+    (1, 300, 3000, 3, 1),  # many key tiles, most outside a narrow window: skipped
+]
+
+
+def _cap(variant, case_index):
+    """Gemma's cap (50: barely bends N(0, 1) scores) or one that bends them hard."""
+    return (2.0 if case_index % 2 else 50.0) if variant.softcap else 0.0
+
+
+def _sinks(heads_q, gen):
+    return 2 * torch.randn(heads_q, device="cuda", dtype=torch.float32, generator=gen)
+
+
+def _run_dense(variant, case, cap, shape, gen, scale=None):
+    left, right, causal, sink = case
+    q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
+    sinks = _sinks(shape[3], gen) if sink else None
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=causal, window_size=(left, right), softcap=cap, learnable_sink=sinks, out=out,
+                   lse=lse, softmax_scale=scale)
+    torch.cuda.synchronize()
+    return q, k, v, sinks, out, lse
+
+
+def _assert_is_the_sink(lse, sinks):
+    """The LSE of rows that see no key: the sink, within 2 float32 ulps."""
+    assert ((lse - sinks).abs() <= 2 * 2.0**-23 * sinks.abs()).all(), (lse - sinks).abs().max()
+
+
+def _mods(case, cap, sinks):
+    left, right, causal, _ = case
+    return {"window": (left, 0 if causal else right), "softcap": cap, "sink": sinks}
+
+
+@pytest.mark.parametrize("variant", LOCAL, ids=lambda v: v.name)
+@pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
+def test_local_forward_matches_reference(variant, case, gen):
+    cap = _cap(variant, case)
+    for shape in SHAPES:
+        q, k, v, sinks, out, lse = _run_dense(variant, CASES[case], cap, shape, gen)
+        check_attention(out, lse, q, k, v, False, what=f"{shape}: ", **_mods(CASES[case], cap, sinks))
+
+
+def test_the_local_kernel_is_the_one_launched(gen, monkeypatch):
+    """A window takes the local kernel, an unbounded or causal one alone the plain ones,
+    a softcap the softcap kernel (the rows each call launches)."""
+    library = fa4_aot.default_library()
+    launched, launch = [], library.launch
+    monkeypatch.setattr(library, "launch", lambda row, *a, **kw: (launched.append(row["name"]), launch(row, *a, **kw)))
+    monkeypatch.setattr(library, "launch_again", lambda *a, **kw: False)
+    q, k, v = _inputs((1, 300, 300, 2, 2), 128, torch.bfloat16, gen)
+    for options, name in (({"window_size": (64, 0)}, "fwd.sm90a.bf16.d128.local"),
+                          ({"window_size": (-1, 0)}, "fwd.sm90a.bf16.d128.causal"),
+                          ({"window_size": (None, None)}, "fwd.sm90a.bf16.d128"),
+                          ({"window_size": (-1, 5), "causal": True}, "fwd.sm90a.bf16.d128.causal"),
+                          ({"softcap": 30.0}, "fwd.sm90a.bf16.d128.local.softcap")):
+        launched.clear()
+        flash_attn_fwd(q, k, v, q_tiles=1, **options)
+        assert launched == [name], (options, launched)
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("variant", [v for v in LOCAL if v.dtype == "bf16" and not v.softcap], ids=lambda v: v.name)
+def test_local_rows_with_no_key_take_the_sink(variant, gen):
+    """Window 0 with seqlen_q > seqlen_k: the first rows see no key: out 0 and lse the
+    sink (taken as sink * log2(e), then back: within 2 float32 ulps), -inf without sinks."""
+    shape = (1, 300, 100, 2, 2)
+    for sink in (False, True):
+        q, k, v, sinks, out, lse = _run_dense(variant, (0, 0, False, sink), 0.0, shape, gen)
+        blind = 200  # rows i with i + 100 - 300 < 0
+        assert torch.equal(out[:, :blind], torch.zeros_like(out[:, :blind]))
+        if sink:
+            _assert_is_the_sink(lse[:, :, :blind], sinks[None, :, None].expand(1, 2, blind))
+        else:
+            assert (lse[:, :, :blind] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("variant", [v for v in LOCAL if v.dtype == "bf16" and v.head_dim == 128], ids=lambda v: v.name)
+def test_local_with_a_large_scale_takes_the_rescaling_paths(variant, gen):
+    """Scores ~20x larger (softmax_scale 2.0): rows whose maximum moves past the rescaling
+    threshold inside a window, and large sinks against them."""
+    for case in (CASES[4], CASES[5]):
+        cap = 50.0 if variant.softcap else 0.0
+        q, k, v, sinks, out, lse = _run_dense(variant, case, cap, (2, 700, 900, 2, 1), gen, scale=2.0)
+        check_attention(out, lse, q, k, v, False, 2.0, **_mods(case, cap, sinks))
+
+
+# (query lengths, key lengths, heads_q, heads_kv), each mix with its edge
+MIXES = [
+    ([1, 0, 130, 257, 64], [1, 5, 130, 300, 1000], 4, 4),  # one-token, empty, tile +-1, sq != sk
+    ([700, 3, 0, 191], [700, 3, 0, 193], 6, 2),  # GQA; an empty sequence in both q and k
+    ([129, 40], [20, 511], 8, 1),  # MQA; rows that see no key (sq > sk)
+]
+
+
+@pytest.mark.parametrize("variant", LOCAL_VARLEN, ids=lambda v: v.name)
+@pytest.mark.parametrize("case", [0, 1, 4, 5, 6, 7], ids=[CASE_IDS[i] for i in (0, 1, 4, 5, 6, 7)])
+def test_local_varlen_matches_reference(variant, case, gen):
+    """Each sequence's window within it (windows wider than some sequences); rows of no
+    sequence unwritten."""
+    from fa4_aot.torch import flash_attn_varlen_fwd
+
+    left, right, causal, sink = CASES[case]
+    cap = _cap(variant, case)
+    dtype, d = DTYPES[variant.dtype], variant.head_dim
+    for lq, lk, hq, hkv in MIXES:
+        q, k, v = _packed(lq, hq, d, dtype, gen), _packed(lk, hkv, d, dtype, gen), _packed(lk, hkv, d, dtype, gen)
+        sinks = _sinks(hq, gen) if sink else None
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((hq, q.shape[0]), float("nan"), device="cuda")
+        flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(lq), max(lk), causal=causal,
+                              window_size=(left, right), softcap=cap, learnable_sink=sinks, out=out, lse=lse)
+        torch.cuda.synchronize()
+        at_q = at_k = 0
+        for sq, sk in zip(lq, lk):
+            if sq:
+                got, got_lse = out[at_q:at_q + sq][None], lse[:, at_q:at_q + sq][None]
+                qs, ks, vs = q[at_q:at_q + sq][None], k[at_k:at_k + sk][None], v[at_k:at_k + sk][None]
+                if sk:
+                    check_attention(got, got_lse, qs, ks, vs, False, what=f"sequence {sq} x {sk}: ",
+                                    **_mods(CASES[case], cap, sinks))
+                else:  # no key: out 0, lse the sink or -inf
+                    assert torch.equal(got, torch.zeros_like(got))
+                    if sink:
+                        _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))
+                    else:
+                        assert (got_lse == float("-inf")).all()
+            at_q, at_k = at_q + sq, at_k + sk
+
+
+def test_local_bad_options_are_refused_before_launch(gen):
+    """Typed errors for every bad window, cap and sink; out stays poisoned."""
+    q, k, v = _inputs((1, 64, 64, 4, 2), 128, torch.bfloat16, gen)
+    out, lse = _poisoned(q)
+    good = torch.zeros(4, device="cuda")
+    bad = [({"window_size": (-2, 0)}, OptionError), ({"window_size": (0, -5)}, OptionError),
+           ({"window_size": (1.5, 0)}, OptionError), ({"window_size": (True, 0)}, OptionError),
+           ({"window_size": (1, 2, 3)}, OptionError), ({"window_size": "128"}, OptionError),
+           ({"softcap": float("inf")}, OptionError), ({"softcap": float("nan")}, OptionError),
+           ({"softcap": -1.0}, OptionError), ({"softcap": True}, OptionError),
+           ({"learnable_sink": torch.zeros(3, device="cuda")}, ShapeError),
+           ({"learnable_sink": torch.zeros(4, 1, device="cuda")}, ShapeError),
+           ({"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}, DTypeError),
+           ({"learnable_sink": torch.zeros(8, device="cuda")[::2]}, fa4_aot.Fa4AotError),
+           ({"learnable_sink": torch.zeros(4)}, fa4_aot.Fa4AotError),
+           ({"learnable_sink": good, "q_tiles": 2}, OptionError),
+           ({"learnable_sink": lse.view(-1)[:4]}, fa4_aot.Fa4AotError)]  # over lse, which is written
+    for options, error in bad:
+        with pytest.raises(error):
+            flash_attn_fwd(q, k, v, out=out, lse=lse, **options)
+        torch.cuda.synchronize()
+        assert out.isnan().all() and lse.isnan().all(), options
+
+
+def test_local_func_refuses_a_backward_it_cannot_take(gen):
+    """flash_attn_func with a window where a gradient would be needed: refused before any
+    launch (no local backward is built); without one, the forward."""
+    from fa4_aot.torch import flash_attn_func
+
+    q, k, v = (t.requires_grad_() for t in _inputs((1, 64, 64, 2, 2), 64, torch.bfloat16, gen))
+    with pytest.raises(UnsupportedVariantError):
+        flash_attn_func(q, k, v, window_size=(16, 0))
+    with torch.no_grad():
+        out, lse = flash_attn_func(q, k, v, window_size=(16, 0), return_lse=True)
+    check_attention(out, lse, q.detach(), k.detach(), v.detach(), False, window=(16, 0))
