@@ -319,6 +319,37 @@ def decode(d, qhpk, paged):
         export(name, entry, q, k, v, o, lse, Float32(0.125), used, cuda.CUstream(0), kinds=kinds + ["stream"])
 
 
+def local_fwd(d, qhpk, softcap):
+    """``local`` (same_run_local.py): the sm90 forward with a sliding window (left and right
+    at run time, as int32), learnable sinks (h_q,) float32 and, where ``softcap``, FA4's
+    softcap score_mod (the cap compile-time, as its interface makes it), dense (b, s, h, d),
+    GQA packed (pack_gqa) for qhead_per_kvhead > 1, with its interface's local tiles."""
+    from flash_attn.cute import utils
+
+    cfg = _tile_size_fwd_sm90(d, d, False, True)
+    fa = FlashAttentionForwardSm90(BF16, d, d, qhpk, is_causal=False, is_local=True, pack_gqa=qhpk > 1,
+                                   tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2,
+                                   num_threads=(cfg.m_block_size // 64 + 1) * 128, Q_in_regs=False,
+                                   intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs,
+                                   score_mod=utils.create_softcap_scoremod(softcap) if softcap else None)
+    b, s, sk, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    hk = cute.sym_int() if qhpk > 1 else h
+    q, o = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
+    k, v = fake(BF16, (b, sk, hk, d), 8), fake(BF16, (b, sk, hk, d), 8)
+    lse = fake(Float32, (b, h, s), 1)
+    sink = fake(Float32, (h,), 1)
+
+    @cute.jit
+    def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, o: cute.Tensor, lse: cute.Tensor, scale: Float32,
+              left: Int32, right: Int32, sink: cute.Tensor, stream: cuda.CUstream):
+        fa(q, k, v, o, lse, scale, None, None, None, None, None, left, right, sink, None,
+           AuxData(None, None), None, None, stream)
+
+    name = f"fa4_lfwd_d{d}{gqa_tag(qhpk)}{f'_cap{int(softcap)}' if softcap else ''}"
+    export(name, entry, q, k, v, o, lse, Float32(0.125), Int32(128), Int32(0), sink, cuda.CUstream(0),
+           kinds=["t:q", "t:k", "t:v", "t:o", "t:lse", "f32", "i32", "i32", "t:sink", "stream"])
+
+
 def attempt(fn, *args):
     """fn(*args), an FA4 refusal (an assert or an error of its compile) recorded in spec's
     "refused" instead of ending the run."""
@@ -357,6 +388,10 @@ if __name__ == "__main__":
             attempt(varlen_rows, 128, causal)
             for qhpk in (1, 4):
                 attempt(varlen_bwd, 128, causal, qhpk)
+    if "local" in what:  # gpt-oss-like (d64, GQA 8:1) and Gemma-like (d128, d256, GQA 2:1, softcap 50)
+        attempt(local_fwd, 64, 8, 0.0)
+        attempt(local_fwd, 128, 2, 50.0)
+        attempt(local_fwd, 256, 2, 50.0)
     if "decode" in what:
         for paged in (None, "tma", "cpasync"):
             attempt(decode, 128, 4, paged)

@@ -74,6 +74,8 @@ class Export:
                 obj = tensor_struct(v, ns, nst)
             elif kind == "f32":
                 obj = ctypes.c_float(v)
+            elif kind == "i32":
+                obj = ctypes.c_int32(v)
             elif kind == "stream":
                 obj = ctypes.c_void_p(v)
             keep.append(obj); ptrs.append(ctypes.addressof(obj))
