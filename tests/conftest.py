@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d256.causal", "fwd.sm90a.fp16.d96.causal", "fwd.sm90a.bf16.d128.causal.q2",
           "bwd.sm90a.bf16.d128.causal.det", "bwd.sm90a.fp16.d256", "bwd.sm90a.bf16.d64.causal",
           "bwd.sm90a.bf16.d64.causal.q2", "bwd.sm90a.fp16.d64", "fwd.sm90a.bf16.d128.causal.varlen",
-          "bwd.sm90a.bf16.d128.causal.varlen.det", "decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128")
+          "bwd.sm90a.bf16.d128.causal.varlen.det", "decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128",
+          "fwd.sm90a.bf16.d64.local.softcap", "fwd.sm90a.bf16.d128.varlen.local")
 
 
 def pytest_addoption(parser):

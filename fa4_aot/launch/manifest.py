@@ -229,6 +229,7 @@ class Manifest:
         nearest head dims first (same dtype and causal preferred, plain forms first)."""
         pool = [x for x in self.variants if x.kind == axes.get("kind")] or list(self.variants)
         pool.sort(key=lambda x: (abs(x.head_dim - axes.get("head_dim", 0)), x.dtype != axes.get("dtype"),
+                                 (x.local, x.softcap) != (axes.get("local", False), axes.get("softcap", False)),
                                  x.causal != axes.get("causal"), x.varlen, x.deterministic, x.q_tiles))
         chosen, dims = [], set()
         for x in pool:

@@ -129,7 +129,7 @@ def test_variant_table_counts_the_build(built):
                           capture_output=True, text=True, check=True)
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| `")]
     assert sum(int(row.split("|")[2]) for row in rows) == len(SUBSET)
-    assert "| `fwd.sm90a.{bf16}.d64` | 1 | plain | 1 |" in proc.stdout
+    assert "| `fwd.sm90a.{bf16}.d64` | 2 | plain, `.local.softcap` | 1 |" in proc.stdout
     assert proc.stdout.rstrip().endswith(f"{len(SUBSET)} cubins, built with nvidia-cutlass-dsl 4.8.1, ptxas 13.4 (V13.4.59).")
 
 

@@ -150,8 +150,19 @@ def decode():
     return fa4_aot.forward_kvcache, arrays, options
 
 
+def local_forward():
+    fn, arrays, options = dense_forward()
+    return fn, arrays, {**options, "window_size": (128, 0), "softcap": 30.0, "learnable_sink": arr((4,), "fp32")}
+
+
+def local_varlen_forward():
+    fn, arrays, options = varlen_forward()
+    return fn, arrays, {**options, "window_size": (-1, 7), "learnable_sink": arr((8,), "fp32")}
+
+
 CALLS = {"forward": dense_forward, "backward": dense_backward, "forward_varlen": varlen_forward,
-         "backward_varlen": varlen_backward, "forward_kvcache": decode}
+         "backward_varlen": varlen_backward, "forward_kvcache": decode, "forward_local": local_forward,
+         "forward_varlen_local": local_varlen_forward}
 
 
 # ------------------------------------------------------------------ spoiling
@@ -185,6 +196,10 @@ SPOILED_OPTIONS = {
     "order": ["heaviest", 1, [None], "LPT"],
     "page_table": [3, "table", arr((4, 10), "fp32"), arr((5, 10), "i32"), arr((4, 10), "i32", strides=(20, 1))],
     "workspace": [3, arr((8,), "u8"), arr((1 << 16,), "u8", ptr=fresh() + 2), arr((64, 64), "u8", strides=(1, 64))],
+    "window_size": [(-2, 0), (0, -3), (1.5, 0), (True, 0), "128", (1, 2, 3), 128, [None], (2**31, 0)],
+    "softcap": [float("inf"), float("nan"), -1.0, True, "50", [50.0], 1e39],
+    "learnable_sink": [3, "sink", arr((3,), "fp32"), arr((4, 1), "fp32"), arr((4,), "bf16"),
+                       arr((4,), "fp32", strides=(2,)), arr((4,), "fp32", ptr=fresh() + 2)],
 }
 
 
@@ -312,6 +327,7 @@ def spoiled_tensor(rng, t):
 
 
 TORCH_OPTIONS = {"softmax_scale": [float("nan"), 1e39, "1", [1.0], True], "causal": ["False", None, [True], 2],
+                 "window_size": [(-2, 0), (1.5, 0), "128", (1, 2, 3)], "softcap": [float("inf"), -1.0, True, "50"],
                  "deterministic": ["yes", [False], 2], "num_splits": [0, 129, True, "2", 2.0],
                  "q_tiles": [0, 3, True, "1"], "order": ["heaviest", 1]}
 
@@ -341,14 +357,14 @@ def test_the_torch_adapters_refuse_with_typed_errors_and_leave_every_tensor_as_i
         fake.launched.clear()
         try:
             fn(*args, **kwargs)
-        except TypeError as e:
-            if "unexpected keyword" not in str(e):  # an option this function has not: Python's own
-                pytest.fail(f"{name} spoilt at {spoilt}: TypeError: {e}")
-        except Fa4AotError:
+        except Fa4AotError:  # first: DTypeError is a TypeError too
             refused += 1
             assert not fake.launched, (name, spoilt)
             after = [t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor)]
             assert all(torch.equal(x, y) for x, y in zip(before, after)), f"{name} spoilt at {spoilt} wrote"
+        except TypeError as e:
+            if "unexpected keyword" not in str(e):  # an option this function has not: Python's own
+                pytest.fail(f"{name} spoilt at {spoilt}: TypeError: {e}")
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"{name} spoilt at {spoilt}: {type(e).__name__}: {e}")
     assert refused > 60

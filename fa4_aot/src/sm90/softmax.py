@@ -160,20 +160,33 @@ def cap_scores(acc_s: cute.Tensor, softcap_scale: Float32):
     (the softmax then takes cap * log2(e) as its scale: cap * tanh(s * scale / cap)).
 
     Within a float32 ulp or two of tanh: its series below 0.55, above it 1 - 2 / (1 +
-    e^2|x|) (an exponential and a reciprocal) with x's sign. tanh.approx is off by up to
-    2^-11 of the value, and 1 - 2 / (1 + e^2x) alone by ~1e-7 absolute near 0, where
-    Gemma's cap of 50 puts most scores: times the cap, 50 float32 ulps of a score of 1
-    (docs/design.md, "Local attention, sinks, softcap")."""
+    e^2|x|) (an exponential and a reciprocal) with x's sign; a warp whose scores all lie
+    below takes the series alone (Gemma's cap of 50 keeps |x| below 0.55 for |s * scale| <
+    27). tanh.approx is off by up to 2^-11 of the value, and 1 - 2 / (1 + e^2x) alone by
+    ~1e-7 absolute near 0: times the cap, 50 float32 ulps of a score of 1 (docs/design.md,
+    "Local attention, sinks, softcap")."""
+    largest = Float32(0.0)
     for i in cutlass.range_constexpr(cute.size(acc_s)):
-        x = acc_s[i] * softcap_scale
-        x2 = x * x
-        series = Float32(TANH_SERIES[-1])
-        for c in TANH_SERIES[-2::-1]:
-            series = series * x2 + Float32(c)
-        magnitude = cute.arch.fmax(x, -x)
-        far = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(
-            Float32(1.0) + exp2_mufu(magnitude * Float32(2.0 * math.log2(math.e))))
-        acc_s[i] = select_f32(magnitude < Float32(TANH_SERIES_BELOW), x * series, select_f32(x < 0.0, -far, far))
+        largest = cute.arch.fmax(largest, cute.arch.fmax(acc_s[i], -acc_s[i]))
+    if cute.arch.vote_any_sync(largest * cute.arch.fmax(softcap_scale, -softcap_scale) >= Float32(TANH_SERIES_BELOW)):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            x = acc_s[i] * softcap_scale
+            magnitude = cute.arch.fmax(x, -x)
+            far = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(
+                Float32(1.0) + exp2_mufu(magnitude * Float32(2.0 * math.log2(math.e))))
+            acc_s[i] = select_f32(magnitude < Float32(TANH_SERIES_BELOW), _tanh_series(x),
+                                  select_f32(x < 0.0, -far, far))
+    else:
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = _tanh_series(acc_s[i] * softcap_scale)
+
+
+def _tanh_series(x):
+    x2 = x * x
+    series = Float32(TANH_SERIES[-1])
+    for c in TANH_SERIES[-2::-1]:
+        series = series * x2 + Float32(c)
+    return x * series
 
 
 @cute.jit

@@ -21,6 +21,12 @@ WARPGROUP = 128
 # head_dim) fp32 fragments fit the registers and the K/V stages 227 KB of shared memory
 # (docs/design.md, "Forward: tiles and warpgroups").
 TILES = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 112, 2), 256: (128, 80, 2)}
+# The local kernels' tiles (windows, sinks, softcap): keys per step halved at head_dim 64
+# and 256, where a narrow window wastes most of a wide key tile (measured against the plain
+# tiles, with each warpgroup computing only its own rows' key range: gpt-oss's window of
+# 128, 120 TFLOP/s against 108; Gemma's head_dim 256, window 1024, +6% capped and uncapped;
+# docs/design.md, "Local attention, sinks, softcap").
+LOCAL_TILES = {**TILES, 64: (192, 64, 4), 256: (128, 64, 2)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 
@@ -53,7 +59,7 @@ class FwdConfig:
     def of(cls, variant) -> "FwdConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind fwd, arch sm90a."""
         assert variant.kind == "fwd" and variant.arch == "sm90a", variant
-        tile_m, tile_n, stages = TILES[variant.head_dim]
+        tile_m, tile_n, stages = (LOCAL_TILES if variant.local else TILES)[variant.head_dim]
         consumers = tile_m // 64
         producer_regs, consumer_regs = REGISTERS[consumers]
         assert not (variant.varlen and variant.q_tiles != 1)

@@ -63,7 +63,8 @@ class FlashFwdSm90:
         assert cfg.tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         # causal: a warpgroup's rows see at most one key tile fewer than its tile's last row
         # (attend's _skip_key_tile passes over one)
-        assert cfg.tile_m - 64 <= cfg.tile_n
+        # (local: a warpgroup passes over any number, _pass_key_tile)
+        assert cfg.local or cfg.tile_m - 64 <= cfg.tile_n
         assert cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0 and cfg.q_tiles in (1, 2)
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
@@ -304,10 +305,18 @@ class FlashFwdSm90:
         """count - n_min: the count itself where n_min is always 0 (not local)."""
         return count - n_min if const_expr(self.cfg.local) else count
 
-    def _left_masked_end(self, m_block, seqlen_q, seqlen_k, window):
-        """Local: one past the last key tile that needs the window's left edge masked (some
-        row of tile m_block starts its window inside or above it)."""
-        lowest_last_row = (m_block + 1) * self.cfg.tile_m - 1 + seqlen_k - seqlen_q - window.left
+    def _own_first_key_tile(self, m_block, wg, seqlen_q, seqlen_k, window):
+        """Local: the first key tile warpgroup ``wg``'s rows of tile m_block see (its first
+        row's window); None otherwise (every warpgroup takes the tile's)."""
+        if const_expr(not self.cfg.local):
+            return None
+        first_key = m_block * self.cfg.tile_m + wg * 64 + seqlen_k - seqlen_q - window.left
+        return cutlass.max(first_key, 0) // self.cfg.tile_n
+
+    def _left_masked_end(self, m_block, wg, seqlen_q, seqlen_k, window):
+        """Local: one past the last key tile that needs the window's left edge masked for
+        warpgroup ``wg`` (some row of its starts its window inside or above it)."""
+        lowest_last_row = m_block * self.cfg.tile_m + wg * 64 + 63 + seqlen_k - seqlen_q - window.left
         return cute.ceil_div(cutlass.max(lowest_last_row, 0), self.cfg.tile_n)
 
     @cute.jit
@@ -434,15 +443,21 @@ class FlashFwdSm90:
             # (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles, none
             # at all for rows that see no key): it passes over the tile's highest key tile
             # without computing it (_skip_key_tile), or over all of them.
-            # Local, the tile's key tiles start at n_min (its first row's window), and every
-            # warpgroup takes them all down to it (its later rows' windows may start a tile
-            # higher: that tile is masked for them).
-            n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k, window, n_min)
+            # Local, the tile's key tiles run from n_min (its first row's window) up, and a
+            # warpgroup computes only its own rows' range [n_low, n_own): it passes over the
+            # tiles above it first and the ones below it last (_pass_key_tile), so that a
+            # narrow window costs each warpgroup its own span, not the tile's.
+            n_low = self._own_first_key_tile(m_block, wg, seqlen_q, seqlen_k, window)
+            n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k, window, n_low)
             if n_blocks > n_min:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, self._less(n_blocks, n_min), wg)
                 else:
-                    if const_expr(self.cfg.masks_right):
+                    if const_expr(self.cfg.local):
+                        for _ in cutlass.range(n_blocks - n_own, unroll=1):
+                            self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
+                            kv_state.advance()
+                    elif const_expr(self.cfg.masks_right):
                         if n_own < n_blocks:
                             kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
                     # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
@@ -462,10 +477,11 @@ class FlashFwdSm90:
                     masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.masks_right) else 0
                     phases, steps_by_phase = 2, None
                     if const_expr(self.cfg.local):
-                        total = n_own - 1 - n_min
+                        total = n_own - 1 - n_low
                         masked_steps = cutlass.min(masked_steps, total)
                         left_steps = cutlass.min(cutlass.max(
-                            self._left_masked_end(m_block, seqlen_q, seqlen_k, window) - n_min, 0), total - masked_steps)
+                            self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0),
+                            total - masked_steps)
                         phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
                     for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
                         if const_expr(self.cfg.local):
@@ -507,6 +523,10 @@ class FlashFwdSm90:
                     pipe_v.consumer_wait(kv_state)
                     wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
                     pipe_v.consumer_release(kv_state)
+                    if const_expr(self.cfg.local):
+                        for _ in cutlass.range(n_low - n_min, unroll=1):
+                            kv_state.advance()
+                            self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
                 if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()  # the next tile's first K
 
@@ -540,14 +560,14 @@ class FlashFwdSm90:
         return first_masked
 
     @cute.jit
-    def _own_key_tiles(self, m_block, wg, n_blocks, seqlen_q, seqlen_k, window=None, n_min=0):
+    def _own_key_tiles(self, m_block, wg, n_blocks, seqlen_q, seqlen_k, window=None, n_low=None):
         """(one past the last key tile warpgroup ``wg``'s rows see, whether it idles: no row
-        in the sequence or none that sees a key)."""
+        in the sequence or none that sees a key; local, ``n_low`` its first key tile)."""
         n_own = n_blocks
         if const_expr(self.cfg.masks_right):
             n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k, window)
         if const_expr(self.cfg.local):
-            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own <= n_min
+            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own <= n_low
         else:
             idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
         return n_own, idle
@@ -578,6 +598,20 @@ class FlashFwdSm90:
                                  number_of_threads=2 * WARPGROUP)
         pipe_v.consumer_release(v_state)
         return kv_state
+
+    @cute.jit
+    def _pass_key_tile(self, pipe_k, pipe_v, kv_state, wg):
+        """Local: a key tile outside the warpgroup's rows' windows passes by as a step of
+        attend's loop would take it (K and V waited for and released, one scheduler
+        hand-off), kv_state left where it is: every warpgroup then releases every stage
+        and hands off once per key tile but the first it computes."""
+        pipe_k.consumer_wait(kv_state)
+        pipe_k.consumer_release(kv_state)
+        cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+        pipe_v.consumer_wait(kv_state)
+        cute.arch.barrier_arrive(barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.cfg.num_consumers,
+                                 number_of_threads=2 * WARPGROUP)
+        pipe_v.consumer_release(kv_state)
 
     @cute.jit
     def _idle_tile(self, pipe_k, pipe_v, kv_state, n_blocks, wg):

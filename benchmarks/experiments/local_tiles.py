@@ -1,0 +1,79 @@
+"""The local forward's tile shapes, measured: fa4_aot's local kernels from several build
+folders (each a tile shape, built with fwd/config.py's LOCAL_TILES changed) beside FA4
+upstream's, on same_run_local.py's gpt-oss and Gemma head_dim 256 cells, plus the head_dim
+256 kernel without softcap (what the cap costs), interleaved rounds.
+
+    PYTHONPATH=$PWD python benchmarks/experiments/local_tiles.py FA4_DIR ROUNDS OUT_JSON NAME=DIR ...
+"""
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "benchmarks/fa4_upstream")
+import torch  # noqa: E402
+
+import ffi  # noqa: E402
+import same_run_local as srl  # noqa: E402
+from rounds import finish, note, summary, time_round  # noqa: E402
+
+SEQLENS = (16384, 131072)
+NO_CAP = ("gemma-d256-w1024-nocap", 256, 16, 8, 1024, 0.0, False)
+
+
+def ours(layer, t, library):
+    import fa4_aot
+    from fa4_aot.torch import as_device_array
+
+    _, d, _, _, window, cap, sinks = layer
+    arrays = [as_device_array(t[n]) for n in ("q", "k", "v", "out_ours", "lse_ours")]
+    sink = as_device_array(t["sink"]) if sinks else None
+    s = torch.cuda.current_stream().cuda_stream
+
+    def go():
+        fa4_aot.forward(*arrays, window_size=(window, 0), softcap=cap, learnable_sink=sink, stream=s, library=library)
+    go.keep = (arrays, sink)
+    return go
+
+
+def main(argv):
+    import triton.testing
+    from fa4_aot.launch.loader import KernelLibrary
+
+    fa4_dir, rounds, out_json = argv[0], int(argv[1]), argv[2]
+    libs = {name: KernelLibrary(path) for name, path in (a.split("=") for a in argv[3:])}
+    ffi.open_dir(fa4_dir)
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
+    res = {"flops_per_s": {}, "errors": {}, "libraries": argv[3:], "gpu": torch.cuda.get_device_name()}
+    layers = [srl.LAYERS[0], srl.LAYERS[1], NO_CAP]
+    keys = []
+    for r in range(rounds):
+        for layer in layers:
+            for seqlen in SEQLENS:
+                key = f"{layer[0]}|{seqlen}"
+                keys += [key] if r == 0 else []
+                t = srl.setup(layer, seqlen)
+                peers = {}
+                for name, lib in libs.items():
+                    if lib.manifest.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=layer[1], causal=False,
+                                          local=True, softcap=layer[5] > 0, q_tiles=1):
+                        peers[name] = ours(layer, t, lib)
+                if layer[5] or layer[0] == "gpt-oss":
+                    try:
+                        peers["fa4"] = srl.fa4_launch(layer, t)
+                    except Exception as e:  # noqa: BLE001
+                        note(res, f"{key}|fa4", e)
+                work = srl.flops(layer, seqlen)
+                figures = time_round(key, peers, r, res, bench, ("flops_per_s", lambda ms: work / (ms * 1e-3)))
+                print(f"r{r} {key}: " + " ".join(f"{n} {x / 1e12:.0f}" for n, x in figures.items()), flush=True)
+                del t
+                torch.cuda.empty_cache()
+    names = list(libs) + ["fa4"]
+    lines = ["| cell | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for key in keys:
+        cells = [summary(res["flops_per_s"], f"{key}|{n}", 1e12, 0) for n in names]
+        lines.append(f"| {key} | " + " | ".join(f"{m:.0f}{rng}" for m, rng in cells) + " |")
+    finish(res, out_json, "\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
