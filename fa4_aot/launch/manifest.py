@@ -241,7 +241,8 @@ class Manifest:
     def _not_built_message(self, v: Variant) -> str:
         reasons = [why for key, why in NOT_BUILT_REASONS.items() if matches(v, key)]
         same_kind = [x for x in self.variants if x.kind == v.kind and x.arch == v.arch] or self.variants
-        same_kind.sort(key=lambda x: (x.dtype != v.dtype, abs(x.head_dim - v.head_dim), x.causal != v.causal))
+        same_kind.sort(key=lambda x: (x.dtype != v.dtype, abs(x.head_dim - v.head_dim),
+                                      (x.local, x.softcap) != (v.local, v.softcap), x.causal != v.causal))
         nearest = ", ".join(x.name for x in same_kind[:4]) or "none"
         why = f" ({'; '.join(reasons)})" if reasons else ""
         return f"{v.name} is not built{why}. Nearest built variants: {nearest}."
