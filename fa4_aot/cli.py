@@ -38,7 +38,7 @@ def main(ctx, folder):
 
 # list's columns; smem and regs are those of the variant's launch with the most shared memory
 COLUMNS = ("variant", "size KiB", "kernels", "smem KiB", "regs", "local B")
-WIDTHS = (-36, 8, 7, 8, 4, 7)  # negative: left-aligned
+WIDTHS = (-40, 8, 7, 8, 4, 7)  # negative: left-aligned (the longest name: fwd.sm90a.fp16.d256.varlen.local.softcap)
 
 
 def _line(cells) -> str:
@@ -66,7 +66,7 @@ def list_(folder, patterns, show_all, as_json):
         built = {r["name"] for r in m.data["kernels"]}
         for v in MATRIX:
             if v.name not in built:
-                click.echo(f"{v.name:<36} not in this build")
+                click.echo(f"{v.name:<40} not in this build")
         click.echo("\nKinds:")
         for kind, what in KINDS.items():
             click.echo(f"  {kind:<14} {what}")
