@@ -685,3 +685,56 @@ def test_issue_launches_only_into_the_context_it_was_prepared_in(monkeypatch):
     with pytest.raises(loader.CudaError, match="context changed"):
         lib.issue(prepared)
     assert entered == [0] and launched == []
+
+
+def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypatch):
+    """fa4_aot.forward with a window, sinks or a cap, up to the driver call: the local row,
+    every value its plan names, packed as the kernel reads them (causal makes the window's
+    right 0; the cap's scales; no sink: use_sink 0 and lse's address, never read); a window
+    of (-1, 0) alone takes the plain causal row."""
+    import math
+
+    import fa4_aot.dense as api
+
+    from fa4_aot.launch.arrays import DeviceArray
+
+    from .test_inputs import bshd, fresh
+
+    library = _RecordingLibrary(built[0])
+    captured = library.last
+    monkeypatch.setattr(api, "device_of", lambda arrays: 0)
+    b, sq, sk, hq, hkv, d = 2, 100, 300, 4, 2, 64
+    q, out = bshd(b, sq, hq, d), bshd(b, sq, hq, d)
+    k, v = bshd(b, sk, hkv, d), bshd(b, sk, hkv, d)
+    lse = DeviceArray(fresh(), (b, hq, sq), (hq * sq, sq, 1), "fp32")
+    sink = DeviceArray(fresh(), (hq,), (1,), "fp32")
+    api.forward(q, k, v, out, lse, causal=True, window_size=(128, 5), softcap=30.0, learnable_sink=sink,
+                library=library)
+    values, tensors, row = captured["values"], captured["tensors"], captured["row"]
+    assert row["name"] == "fwd.sm90a.bf16.d64.local.softcap"
+    (launch,) = row["launches"]
+    assert not loader.missing_sources(launch, values, tensors)
+    slots = {s["name"]: s for s in launch["params"]}
+    assert {"window_left", "window_right", "sink", "use_sink", "softcap_scale"} <= set(slots)
+    scale = 1 / math.sqrt(d)
+    assert (values["window_left"], values["window_right"], values["use_sink"]) == (128, 0, 1)
+    assert math.isclose(values["scale_log2"], 30.0 * math.log2(math.e))
+    assert math.isclose(values["softcap_scale"], scale / 30.0)
+    assert tensors["sink"]["ptr"] == sink.ptr
+    monkeypatch.setattr(loader.tma, "encode", lambda *a, **kw: bytes(128))  # tensor maps need a driver
+    buffer, _ = pack_params(row, launch, values, tensors)
+    raw = bytes(buffer)
+    at = {n: slots[n]["offset"] for n in ("window_left", "window_right", "use_sink", "sink")}
+    assert int.from_bytes(raw[at["window_left"]:at["window_left"] + 4], "little", signed=True) == 128
+    assert int.from_bytes(raw[at["window_right"]:at["window_right"] + 4], "little", signed=True) == 0
+    assert int.from_bytes(raw[at["sink"]:at["sink"] + 8], "little") == sink.ptr
+    with pytest.raises(Fa4AotError):  # the local row is built only here with softcap: a typed refusal
+        api.forward(q, k, v, out, lse, window_size=(128, 0), library=library)
+    with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d64\.causal is not built"):
+        api.forward(q, k, v, out, lse, window_size=(-1, 0), library=library)  # the plain causal kernel's
+    api.forward(q, k, v, out, lse, window_size=(None, None), library=library)
+    assert captured["row"]["name"] == "fwd.sm90a.bf16.d64"
+    api.forward(q, k, v, out, lse, softcap=30.0, library=library)
+    assert captured["row"]["name"] == "fwd.sm90a.bf16.d64.local.softcap"
+    assert (captured["values"]["use_sink"], captured["values"]["window_left"]) == (0, -1)
+    assert captured["tensors"]["sink"]["ptr"] == lse.ptr
