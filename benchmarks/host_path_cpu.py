@@ -129,12 +129,21 @@ def main():
 
         torch_dense.current_stream = lambda device: 7
         torch_dense.stream_of = lambda t: 7
-        torch_dense.as_device_array = lambda t: DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()),
-                                                            DTYPES[t.dtype], 0)
+        # the host's allocator aligns less than CUDA's: the pointers are rounded up (never read)
+        torch_dense.as_device_array = lambda t: DeviceArray((t.data_ptr() + 255) // 256 * 256, tuple(t.shape),
+                                                            tuple(t.stride()), DTYPES[t.dtype], 0)
         tq, tk, tv, tout = (torch.empty(b, s, h, d, dtype=torch.bfloat16) for _ in range(4))
         tlse = torch.empty(b, h, s)
         paths["fa4_aot.torch.flash_attn_fwd (outputs given)"] = (
             lambda: fa4_torch.flash_attn_fwd(tq, tk, tv, out=tout, lse=tlse))
+        # a training step's attention: autograd forward and backward, outputs and gradients
+        # new each step (here at new addresses, so every call takes the checked path)
+        gq, gk, gv = (torch.randn(b, s, 8, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+
+        def step():
+            out = fa4_torch.flash_attn_func(gq, gk, gv, causal=True)
+            out.backward(torch.ones_like(out))
+        paths["fa4_aot.torch.flash_attn_func forward + backward (checked path)"] = step
     for name, fn in paths.items():
         print(f"{name}: {per_call_us(fn, args.calls):.2f} us a call (Python only, driver stubbed)")
         if args.profile:

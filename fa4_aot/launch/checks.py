@@ -297,9 +297,10 @@ def check_no_overlap(outputs: dict, inputs: dict) -> None:
     another output or with any of ``inputs`` (arrays it reads). Views of one packed tensor
     (the q, k, v or dq, dk, dv of a (b, s, 3, h, d) buffer) share none and pass."""
     names = list(outputs)
+    spans = {id(t): _span(t) for t in (*outputs.values(), *inputs.values())}  # each once: the host path's cost
     for i, name in enumerate(names):
         for other, t in [(n, outputs[n]) for n in names[i + 1:]] + list(inputs.items()):
-            if may_share(outputs[name], t):
+            if may_share(outputs[name], t, spans[id(outputs[name])], spans[id(t)]):
                 raise OverlapError(f"{name} shares memory with {other} ({name} at {outputs[name].ptr:#x}, "
                                    f"{other} at {t.ptr:#x}): writing {name} would corrupt {other}; give it its "
                                    "own memory")
@@ -314,11 +315,12 @@ def _span(t: DeviceArray) -> tuple[int, int] | None:
     return t.ptr + low * t.itemsize, t.ptr + high * t.itemsize
 
 
-def may_share(a: DeviceArray, b: DeviceArray) -> bool:
+def may_share(a: DeviceArray, b: DeviceArray, span_a=False, span_b=False) -> bool:
     """Whether ``a`` and ``b`` may have a byte in common: exactly for two views of one
     layout (same strides and item size: the parts of a packed tensor), else whether their
-    byte ranges meet."""
-    span_a, span_b = _span(a), _span(b)
+    byte ranges meet (``span_a``, ``span_b``: their ``_span``s where known)."""
+    span_a = _span(a) if span_a is False else span_a
+    span_b = _span(b) if span_b is False else span_b
     if span_a is None or span_b is None or span_a[1] <= span_b[0] or span_b[1] <= span_a[0]:
         return False
     delta, rem = divmod(b.ptr - a.ptr, a.itemsize)
