@@ -208,3 +208,20 @@ def test_local_func_refuses_a_backward_it_cannot_take(gen):
     with torch.no_grad():
         out, lse = flash_attn_func(q, k, v, window_size=(16, 0), return_lse=True)
     check_attention(out, lse, q.detach(), k.detach(), v.detach(), False, window=(16, 0))
+
+
+def test_local_func_traces_under_torch_compile(gen):
+    """flash_attn_func with a window, sinks and a cap under torch.compile(fullgraph=True):
+    the custom op takes them (no graph break), with the eager call's results."""
+    from fa4_aot.torch import flash_attn_func
+
+    q, k, v = _inputs((2, 300, 300, 4, 2), 64, torch.bfloat16, gen)
+    sinks = _sinks(4, gen)
+
+    def attend(q, k, v, sinks):
+        return flash_attn_func(q, k, v, causal=True, window_size=(100, 0), learnable_sink=sinks)
+
+    with torch.no_grad():
+        eager = attend(q, k, v, sinks)
+        traced = torch.compile(attend, fullgraph=True)(q, k, v, sinks)
+    assert torch.equal(eager, traced)
