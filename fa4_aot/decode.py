@@ -38,7 +38,7 @@ from .launch.checks import (
 )
 from .launch.loader import KernelLibrary
 
-OPTIONAL = ("page_table", "workspace")  # arrays a call may leave out (None)
+OPTIONAL = ("page_table", "workspace", "sink")  # arrays a call may leave out (None)
 WRITTEN = ("out", "lse", "workspace")  # what the launches write (the workspace: the splits' partials)
 
 
@@ -123,14 +123,20 @@ def _check_splits(value, most: int | None = None) -> None:
         raise OptionError(f"num_splits must be an int in 1..{most or 'the kernels’ most'} or None; got {value!r}")
 
 
-def _splits(value, sizes: dict, row: dict, sm_count: int) -> int:
+def _splits(value, sizes: dict, row: dict, sm_count: int, mods=None) -> int:
+    """The call's splits: ``value``, or the policy's for the key tiles a row tile reads
+    (with a window ``mods``, no more than without: the workspace is sized without it)."""
     most = row["limits"]["max_splits"]
     _check_splits(value, most)
     if value is not None:
         return value
     cfg = row["config"]
-    return policy.decode_splits(_ctas(sizes, cfg["tile_m"]), -(-sizes["max_seqlen_k"] // cfg["tile_n"]), sm_count,
-                                most)
+    ctas, tiles = _ctas(sizes, cfg["tile_m"]), -(-sizes["max_seqlen_k"] // cfg["tile_n"])
+    splits = policy.decode_splits(ctas, tiles, sm_count, most)
+    if mods is not None and mods.left >= 0 and mods.right >= 0:
+        span = mods.left + mods.right + sizes["seqlen_q"]  # keys a row tile's windows cover
+        splits = min(splits, policy.decode_splits(ctas, min(tiles, -(-span // cfg["tile_n"]) + 1), sm_count, most))
+    return splits
 
 
 def _ctas(sizes: dict, tile_m: int) -> int:
@@ -170,36 +176,43 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
 
 def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
+                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
                     stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v and lse, each sequence against its cache.
 
     Layouts and metadata: see the module's docstring. ``workspace``: contiguous device
     memory of ``forward_kvcache_workspace_bytes(...)`` bytes, 256-byte aligned, any
-    contents; may be None where that is 0 (one split). ``stream``: a raw CUstream handle.
-    Asynchronous and allocation-free; bad arguments raise a Fa4AotError before anything
-    is launched.
+    contents; may be None where that is 0 (one split). ``window_size``, ``softcap``,
+    ``learnable_sink``: as ``fa4_aot.forward``'s, each sequence's queries at the end of its
+    cache (key tiles wholly outside the windows are not read). ``stream``: a raw CUstream
+    handle. Asynchronous and allocation-free; bad arguments raise a Fa4AotError before
+    anything is launched.
     """
     library = library or default_library()
     _check_splits(num_splits)
     # a repeated call of DeviceArrays on an int stream: its launches again, as packed
     # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.launch.calls.repeat_key)
-    given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table) if a is not None)
-    repeat = repeat_key("decode", given, (workspace is None, page_table is None, causal, softmax_scale, num_splits,
+    given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table, learnable_sink)
+                  if a is not None)
+    repeat = repeat_key("decode", given, (workspace is None, page_table is None, learnable_sink is None, causal,
+                                          softmax_scale, num_splits, window_size, softcap,
                                           policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
-             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
+             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace),
+             ("sink", learnable_sink))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     # the decode and its combine are kept as one plan under the arrays' values (and the
     # repeat key's ids): a call with the same ones is launched again as packed
-    key = ("decode", *arrays.items(), causal, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
+    key = ("decode", *arrays.items(), mods, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
     aliases = ((repeat, given),) if repeat is not None else ()
     if library.launch_again(key, waits, aliases):
         return
-    _prepare(arrays, causal, scale, num_splits, stream, library).issue(key, waits, aliases)
+    _prepare(arrays, mods, scale, num_splits, stream, library).issue(key, waits, aliases)
 
 
 class PreparedDecode(NamedTuple):
@@ -214,6 +227,7 @@ class PreparedDecode(NamedTuple):
 
 def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
+                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
                     stream: int = 0, library: KernelLibrary | None = None) -> PreparedDecode:
     """``forward_kvcache``'s every check and its launches packed, not issued: for a caller
     that writes something once the call is known good (fa4_aot.torch's cache append),
@@ -221,27 +235,33 @@ def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     library = library or default_library()
     _check_splits(num_splits)
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
-             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace))
+             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace),
+             ("sink", learnable_sink))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     if waits:
         raise DeviceError("prepare_kvcache takes arrays of its stream (no __cuda_array_interface__ of another)")
-    return _prepare(arrays, causal, scale, num_splits, stream, library)
+    return _prepare(arrays, mods, scale, num_splits, stream, library)
 
 
-def _prepare(arrays: dict, causal: bool, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
-    """Every check of a decode call whose arrays and options are read, and its launches
-    (the decode, and the combine where split) packed."""
+def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
+    """Every check of a decode call whose arrays and options (``mods``: checks.ScoreMods)
+    are read, and its launches (the decode, and the combine where split) packed."""
     sizes = check_forward_kvcache(arrays)
+    if mods.sink:
+        checks.check_sink(arrays["sink"], sizes["heads_q"])
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
-    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal)
+    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=mods.causal)
+    if mods.local:
+        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
     check_built(library.manifest, axes, 1)
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
     arch = library.arch(device)
     row = library.manifest.find(**axes, arch=arch, q_tiles=1)
-    splits = _splits(num_splits, sizes, row, library.sm_count(device))
+    splits = _splits(num_splits, sizes, row, library.sm_count(device), mods if mods.local else None)
     tensors = {}
     if splits > 1:
         if "workspace" not in arrays:
@@ -258,6 +278,9 @@ def _prepare(arrays: dict, causal: bool, scale, num_splits, stream: int, library
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
               "turn_stride": policy.DECODE_TURN_STRIDE}
+    if mods.local:
+        values.update(mods.values(scale, LOG2E))
+        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
     # the combine found, and both packed, before anything is launched: a call refused
     # after the decode ran would have kept a plan of the decode alone for its repeats
     then = ()

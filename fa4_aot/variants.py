@@ -55,6 +55,7 @@ KINDS = {
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
     "bwd": {"local": (False,), "softcap": (False,)},
+    # decode local/softcap: written, not yet run on a GPU (NOT_BUILT_REASONS)
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "local": (False,), "softcap": (False,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
                 "local": (False,), "softcap": (False,)},
@@ -71,14 +72,13 @@ NOT_BUILT_REASONS = {
     "kind=decode,varlen=True": "decode takes each sequence's cache length (cache_seqlens) and pages instead",
     "kind=decode,deterministic=True": "decode is deterministic for a given num_splits already",
     "kind=decode,q_tiles=2": "decode packs query tokens and heads into one 64-row tile per KV head",
-    "kind=fwd,local=True,causal=True": "the local kernels take causal as a window (right = 0)",
+    "local=True,causal=True": "the local kernels take causal as a window (right = 0)",
     "kind=fwd,local=True,q_tiles=2": "a window takes one query tile per CTA",
-    "kind=fwd,local=False,softcap=True": "softcap is built into the local kernels, which serve every window "
+    "local=False,softcap=True": "softcap is built into the local kernels, which serve every window "
     "(unbounded and causal included)",
     "kind=bwd,local=True": "the backward of a window or sinks is not written yet",
     "kind=bwd,softcap=True": "the backward through a softcap is not written yet",
-    "kind=decode,local=True": "decode with a window or sinks is not written yet",
-    "kind=decode,softcap=True": "decode with a softcap is not written yet",
+    "kind=decode,local=True": "decode with a window, sinks or softcap is written but has not run on a GPU yet",
     "kind=combine,local=True": "the combine merges rows whatever the mask was",
     "kind=combine,softcap=True": "the combine merges rows whatever the scores were",
     "kind=combine,causal=True": "the combine merges rows whatever the mask was",

@@ -43,13 +43,16 @@ def _append(k_cache, v_cache, k, v, cache_seqlens, page_table):
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, page_table=None,
                             softmax_scale: float | None = None, causal: bool = False, num_splits: int | None = None,
-                            return_lse: bool = False):
+                            return_lse: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                            learnable_sink=None):
     """flash-attn's decode: q (batch, seqlen_q, heads_q, head_dim); k_cache, v_cache
     (batch, max_cache, heads_kv, head_dim) or, with page_table int32 (batch, max_pages),
     (num_pages, page_size, heads_kv, head_dim); cache_seqlens int32 (batch,) on the device
-    (None: every cache full); see fa4_aot.forward_kvcache. Returns out, and lse (batch,
-    heads_q, seqlen_q) float32 too where ``return_lse``."""
-    check_tensors({"q": q, "k_cache": k_cache, "v_cache": v_cache}, passed(page_table=page_table))
+    (None: every cache full); see fa4_aot.forward_kvcache (``window_size``, ``softcap``,
+    ``learnable_sink`` too). Returns out, and lse (batch, heads_q, seqlen_q) float32 too
+    where ``return_lse``."""
+    check_tensors({"q": q, "k_cache": k_cache, "v_cache": v_cache},
+                  passed(page_table=page_table, learnable_sink=learnable_sink))
     given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
     if (k is None) != (v is None):
         raise ShapeError("k and v are appended together: give both or neither")
@@ -81,6 +84,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
                                as_device_array(workspace) if workspace is not None else None,
                                page_table=as_device_array(page_table) if page_table is not None else None,
                                causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                               window_size=window_size, softcap=softcap,
+                               learnable_sink=as_device_array(learnable_sink) if learnable_sink is not None else None,
                                stream=current_stream(q.get_device()))
     if k is not None:
         _append(k_cache, v_cache, k, v, cache_seqlens, page_table)

@@ -225,3 +225,56 @@ def test_local_func_traces_under_torch_compile(gen):
         eager = attend(q, k, v, sinks)
         traced = torch.compile(attend, fullgraph=True)(q, k, v, sinks)
     assert torch.equal(eager, traced)
+
+
+DECODE_LOCAL = [v for v in MATRIX if v.kind == "decode" and v.local]
+# (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None), as test_decode's
+DECODE_CASES = [(4, 1, 32, 8, 1000, None), (3, 4, 8, 8, 640, 128), (4, 16, 16, 1, 300, 48), (5, 64, 4, 2, 2048, 16)]
+
+
+def test_local_decode_matches_reference_where_built(gen):
+    """Decode with a window (starting mid-page, ragged cache lengths, random page tables),
+    sinks and softcap, split and not, against the reference over each sequence's cache
+    (its queries at the end); where no local decode is built, the call is refused before
+    anything is written."""
+    from .test_decode import _cache, _lengths
+
+    if not DECODE_LOCAL:
+        q = torch.randn(1, 1, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((1, 4, 1), float("nan"), device="cuda")
+        lengths = torch.tensor([64], dtype=torch.int32, device="cuda")
+        with pytest.raises(UnsupportedVariantError):
+            fa4_aot.forward_kvcache(q, k, k, out, lse, lengths, window_size=(16, 0),
+                                    stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        assert out.isnan().all() and lse.isnan().all()
+        return
+    for variant in DECODE_LOCAL:
+        dtype, d = DTYPES[variant.dtype], variant.head_dim
+        cap = 30.0 if variant.softcap else 0.0
+        for (batch, sq, hq, hkv, max_cache, page), window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0)]):
+            q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+            k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, dtype, page, gen)
+            lengths = _lengths(batch, max_cache, sq, gen)
+            sinks = _sinks(hq, gen)
+            for splits in (None, 1, 3):
+                out = torch.full_like(q, float("nan"))
+                lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+                reach = k.shape[1] * (table.shape[1] if table is not None else 1)
+                need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, reach, num_splits=splits)
+                space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+                fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table,
+                                        num_splits=splits, window_size=window, softcap=cap, learnable_sink=sinks,
+                                        stream=torch.cuda.current_stream().cuda_stream)
+                torch.cuda.synchronize()
+                for b, n in enumerate(lengths.tolist()):
+                    what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
+                    got, got_lse = out[b:b + 1], lse[b:b + 1]
+                    if n:
+                        check_attention(got, got_lse, q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], False,
+                                        what=what, window=window, softcap=cap, sink=sinks)
+                    else:  # no key: out 0, lse the sink
+                        assert torch.equal(got, torch.zeros_like(got)), what
+                        _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))

@@ -120,8 +120,8 @@ class OnlineSoftmax:
     def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor, sink_log2=None):
         """1/rowsum (0 for an empty row) and the natural-log LSE (-inf for an empty row).
 
-        ``sink_log2``: an attention sink's logit in the exp2 domain (-inf: none), a term of
-        every row's denominator that adds no value: O's factor exp2(m - top) / total and
+        ``sink_log2``: an attention sink's logit in the exp2 domain (-inf: none), or a
+        register tensor of one per row, a term of every row's denominator that adds no value: O's factor exp2(m - top) / total and
         the LSE over the keys and the sink, where top, the larger of the row's maximum
         and the sink, keeps both exponentials at most 1; a row that saw no key gets O 0
         and the sink as its LSE."""
@@ -136,14 +136,15 @@ class OnlineSoftmax:
                     inv_sum[r] = cute.arch.rcp_approx(total)
                     lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
             else:
+                sink = sink_log2[r] if cutlass.const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
                 m_log2 = select_f32(m == -Float32.inf, -Float32.inf, m * self.scale_log2)
-                top = cute.arch.fmax(m_log2, sink_log2)
+                top = cute.arch.fmax(m_log2, sink)
                 if top == -Float32.inf:  # no key and no sink
                     inv_sum[r] = Float32(0.0)
                     lse[r] = -Float32.inf
                 else:
                     keys = cute.math.exp2(m_log2 - top, fastmath=True)  # 0 for a row that saw no key
-                    total = total * keys + cute.math.exp2(sink_log2 - top, fastmath=True)
+                    total = total * keys + cute.math.exp2(sink - top, fastmath=True)
                     inv_sum[r] = keys * cute.arch.rcp_approx(total)
                     lse[r] = (top + cute.math.log2(total, fastmath=True)) * LN2
 

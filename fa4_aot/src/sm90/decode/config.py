@@ -36,6 +36,8 @@ class DecodeConfig:
     threads: int
     producer_regs: int
     consumer_regs: int
+    local: bool = False  # a sliding window (left, right at run time) and sinks
+    softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
 
     @classmethod
     def of(cls, variant) -> "DecodeConfig":
@@ -44,7 +46,7 @@ class DecodeConfig:
         tile_n, stages = TILES[variant.head_dim]
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
                    tile_n=tile_n, stages=stages, threads=2 * WARPGROUP, producer_regs=PRODUCER_REGS,
-                   consumer_regs=CONSUMER_REGS)
+                   consumer_regs=CONSUMER_REGS, local=variant.local, softcap=variant.softcap)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -20,6 +20,12 @@ tiles from the last (the one that may need masking) to the first; warpgroup 1 lo
 (plain loads: packed rows are not a TMA box), then per key tile S = Q K^T (SS-wgmma),
 masking, online softmax (conditional rescaling, exp2), O += P V (RS-wgmma), and writes.
 
+Local (a sliding window and sinks, run-time values) and softcap: as the forward's
+(docs/design.md, "Local attention, sinks, softcap"): a row tile's key tiles start at its
+first token's window, so pages wholly outside the windows are not read and the splits
+divide the window's tiles only; every key tile is masked (the window's both edges); the
+sink joins split 0's rows' denominators (the combine's merge by LSE then counts it once).
+
 Nothing is read out of bounds whatever the device-side metadata says: cache_seqlens is
 clamped to the cache's rows (or the page table's), page numbers to the pages, and TMA
 fills a box past the tensor with zeros.
@@ -27,6 +33,8 @@ fills a box past the tensor with zeros.
 Constraints: head_dim in {64, 96, 128, 192, 256}; bf16 or fp16; heads_q a multiple of
 heads_kv. Build with ``build_kernels.py``.
 """
+
+import math
 
 import cutlass
 import cutlass.cute as cute
@@ -38,13 +46,15 @@ from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..primitives import (
     DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, tiled_mma, tma_pipeline, wgmma,
 )
-from ..softmax import OnlineSoftmax, rescale_rows, scale_rows
+from ..mask import Window
+from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
 from ...common import symbols
 from ...common.params import Tma
 from ...interfaces import DECODE, DECODE_INPUTS
 from .config import DecodeConfig
 
 Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory
+LOG2E = math.log2(math.e)
 
 
 def _key_tile(i, n_end, steps, turn):
@@ -135,7 +145,8 @@ class DecodeSm90:
         reach = cutlass.select_(paged != 0, max_pages * page_rows, page_rows)
         seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
         seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
-        n_begin, n_end = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k)
+        window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k) if const_expr(cfg.local) else None
+        n_begin, n_end = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
         # Where in its key range a CTA starts (it wraps around): every (sequence, split)
         # elsewhere, the KV heads of one together. CTAs that walk ranges a power of two
         # apart in step read addresses that the memory's channel hash maps alike and queue
@@ -157,22 +168,35 @@ class DecodeSm90:
             ctidx = tidx - WARPGROUP
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
             self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place)
+            softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
             acc_o, softmax = self.attend(ctidx, sQ, sK, sV, (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
-                                         turn, scale_log2)
+                                         turn, scale_log2, (window, softcap_scale))
             out = (o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
-            self.epilogue(ctidx, acc_o, softmax, place, out)
+            sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
+            self.epilogue(ctidx, acc_o, softmax, place, out, sinks)
 
     @cute.jit
-    def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k):
+    def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k, window=None):
         """[n_begin, n_end): the key tiles of split ``split`` of row tile ``m_block``.
-        Causal, the tile sees keys up to its last token's diagonal."""
+        Causal, the tile sees keys up to its last token's diagonal; local, from its first
+        token's window start to its last token's window end (the splits share those)."""
         limit = seqlen_k
-        if const_expr(self.cfg.causal):
+        if const_expr(self.cfg.causal or self.cfg.local):
             last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
-            limit = cutlass.max(seqlen_k - seqlen_q + last_token + 1, Int32(0))
+            last_key = seqlen_k - seqlen_q + last_token + 1  # exclusive
+            if const_expr(self.cfg.local):
+                last_key = cutlass.min(last_key + window.right, seqlen_k)
+            limit = cutlass.max(last_key, Int32(0))
         n_tiles = cute.ceil_div(limit, self.cfg.tile_n)
-        per = cute.ceil_div(n_tiles, splits)
-        n_begin = cutlass.min(split * per, n_tiles)
+        if const_expr(self.cfg.local):
+            first_token = (m_block * self.cfg.tile_m) // group
+            n_low = cutlass.min(cutlass.max(seqlen_k - seqlen_q + first_token - window.left, Int32(0))
+                                // self.cfg.tile_n, n_tiles)
+            per = cute.ceil_div(n_tiles - n_low, splits)
+            n_begin = cutlass.min(n_low + split * per, n_tiles)
+        else:
+            per = cute.ceil_div(n_tiles, splits)
+            n_begin = cutlass.min(split * per, n_tiles)
         n_end = cutlass.min(n_begin + per, n_tiles)
         return n_begin, n_end
 
@@ -254,9 +278,11 @@ class DecodeSm90:
         cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def attend(self, tidx, sQ, sK, sV, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2):
+    def attend(self, tidx, sQ, sK, sV, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None)):
         """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1,
-        in ``_key_tile`` order."""
+        in ``_key_tile`` order; ``mods``: (the window where local, softcap's scale where
+        softcap)."""
+        window, softcap_scale = mods
         cfg = self.cfg
         pipe_k, pipe_v = pipes
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
@@ -275,13 +301,19 @@ class DecodeSm90:
         softmax = OnlineSoftmax(scale_log2, nrows)
         softmax.reset()
         row_scale = cute.make_rmem_tensor((nrows,), Float32)
-        # each row's key limit (exclusive): its token's diagonal when causal
+        # each row's key limit (exclusive): its token's diagonal when causal, its window's
+        # end when local; local, its window's first key too
         limits = cute.make_rmem_tensor((nrows,), Int32)
+        lows = cute.make_rmem_tensor((nrows,), Int32)
         for r in cutlass.range_constexpr(nrows):
             limits[r] = seqlen_k
             if const_expr(cfg.causal):
                 token = (first_row + coords[r, 0][0]) // group
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1)
+            if const_expr(cfg.local):
+                token = (first_row + coords[r, 0][0]) // group
+                limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1 + window.right)
+                lows[r] = seqlen_k - seqlen_q + token - window.left
         # key tiles from the first whose end passes the lowest limit need the mask
         lowest = seqlen_k
         if const_expr(cfg.causal):
@@ -295,12 +327,22 @@ class DecodeSm90:
             pipe_k.consumer_wait(state)
             wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
             pipe_k.consumer_release(state)
-            if (n_block + 1) * cfg.tile_n > lowest:
+            if const_expr(cfg.softcap):
+                cap_scores(acc_s, softcap_scale)
+            if const_expr(cfg.local):  # every tile: decode reads, it barely computes
                 s = acc_as_rows_cols(acc_s)
                 for r in cutlass.range_constexpr(nrows):
                     for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                         key = n_block * cfg.tile_n + coords[r, c][1]
-                        s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+                        s[r, c] = select_f32(key < lows[r], -Float32.inf,
+                                             select_f32(key >= limits[r], -Float32.inf, s[r, c]))
+            else:
+                if (n_block + 1) * cfg.tile_n > lowest:
+                    s = acc_as_rows_cols(acc_s)
+                    for r in cutlass.range_constexpr(nrows):
+                        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                            key = n_block * cfg.tile_n + coords[r, c][1]
+                            s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
             softmax_step(acc_s, row_scale)
             rescale_rows(acc_o, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
@@ -311,20 +353,31 @@ class DecodeSm90:
         return acc_o, softmax
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, softmax, place, out):
+    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
-        packed rows are not written. Pairs of adjacent columns per store."""
+        packed rows are not written. Pairs of adjacent columns per store. ``sinks``
+        (local): the sinks' address and use_sink; split 0 counts each row's head's sink."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
         nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         inv_sum = cute.make_rmem_tensor((nrows,), Float32)
         lse = cute.make_rmem_tensor((nrows,), Float32)
-        softmax.finalize(inv_sum, lse)
-        scale_rows(acc_o, inv_sum)
         thr_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True).get_slice(tidx)
         coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        sink_log2 = None
+        if const_expr(sinks is not None):
+            sink_ptr, use_sink = sinks
+            sink_log2 = cute.make_rmem_tensor((nrows,), Float32)
+            for r in cutlass.range_constexpr(nrows):
+                sink_log2[r] = -Float32.inf
+                if use_sink != 0:
+                    if split == 0:  # the head of row p: head_kv * group + p % group, within heads_q
+                        head = head_kv * group + (first_row + coords[r, 0][0]) % group
+                        sink_log2[r] = cute.make_tensor(sink_ptr, cute.make_layout(heads_q))[head] * Float32(LOG2E)
+        softmax.finalize(inv_sum, lse, sink_log2)
+        scale_rows(acc_o, inv_sum)
         o = acc_as_rows_cols(acc_o)
         ncols = cute.size(o, mode=[1])
         for r in cutlass.range_constexpr(nrows):
