@@ -166,12 +166,13 @@ def decode_cases():
         table = as_i32([[0, 1, 2, 3], [-4, 6, 2**30, 5], [6, 5, 4, 3]])
         for tokens, heads_q in ((5, 8), (16, 16)):
             q = torch.randn(3, tokens, heads_q, d, device="cuda", dtype=dtype)
+            mods = _mods(v, heads_q, WINDOWS[0])  # local: a window, sinks (a cap)
             for lengths in ([0, 1, 200], [-7, 2**30, 150]):
                 for splits in (1, 3):
                     flash_attn_with_kvcache(q, k, val, cache_seqlens=as_i32(lengths), causal=v.causal,
-                                            num_splits=splits)
+                                            num_splits=splits, **mods)
                     flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
-                                            causal=v.causal, num_splits=splits)
+                                            causal=v.causal, num_splits=splits, **mods)
 
 
 if __name__ == "__main__":
