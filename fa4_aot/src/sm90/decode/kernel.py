@@ -169,7 +169,7 @@ class DecodeSm90:
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
             self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place)
             softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
-            acc_o, softmax = self.attend(ctidx, sQ, sK, sV, (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
+            acc_o, softmax = self.attend(ctidx, (sQ, sK, sV), (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
                                          turn, scale_log2, (window, softcap_scale))
             out = (o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
             sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
@@ -278,10 +278,11 @@ class DecodeSm90:
         cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
 
     @cute.jit
-    def attend(self, tidx, sQ, sK, sV, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None)):
+    def attend(self, tidx, smem, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None)):
         """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1,
-        in ``_key_tile`` order; ``mods``: (the window where local, softcap's scale where
-        softcap)."""
+        in ``_key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
+        softcap's scale where softcap)."""
+        sQ, sK, sV = smem
         window, softcap_scale = mods
         cfg = self.cfg
         pipe_k, pipe_v = pipes

@@ -182,11 +182,8 @@ class FlashFwdSm90:
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.attend(
-                tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks,
-                seqlen_q, seqlen_k, scale_log2, tma_o, gO[None, None, head, batch],
-                mLSE[None, head, batch], opts,
-            )
+            self.attend(tidx - WARPGROUP, (sQ, sK, sV), (pipe_q, pipe_k, pipe_v), m_blocks, (seqlen_q, seqlen_k),
+                        scale_log2, (tma_o, gO[None, None, head, batch], mLSE[None, head, batch]), opts)
 
     @cute.kernel
     def kernel_varlen(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
@@ -231,8 +228,8 @@ class FlashFwdSm90:
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.attend(tidx - WARPGROUP, sQ, sK, sV, (pipe_q, pipe_k, pipe_v), m_blocks, seqlen_q, seqlen_k,
-                        scale_log2, None, out, None, opts)
+            self.attend(tidx - WARPGROUP, (sQ, sK, sV), (pipe_q, pipe_k, pipe_v), m_blocks, (seqlen_q, seqlen_k),
+                        scale_log2, (None, out, None), opts)
 
     @cute.jit
     def _score_options(self, p, head, heads_q, seqlen_q, seqlen_k):
@@ -397,18 +394,19 @@ class FlashFwdSm90:
         tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((self.cfg.tile_m, self.cfg.tile_n)))
         s_shape = thr_qk.partition_shape_C((self.cfg.tile_m, self.cfg.tile_n))
         s_coords = thr_qk.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.tile_n)))
-        return mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords
+        return Fragments(mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords)
 
     @cute.jit
-    def attend(
-        self, tidx: Int32, sQ, sK, sV, pipes, m_blocks,
-        seqlen_q: Int32, seqlen_k: Int32, scale_log2: Float32, tma_o, gO, mLSE, opts,
-    ):
-        """tidx: 0..255 over the consumer warpgroups; pipes: Q's, K's, V's; m_blocks: this
-        CTA's query tiles, in order; gO: (s_q, d); mLSE: (s_q,); opts: ScoreOptions."""
+    def attend(self, tidx: Int32, smem, pipes, m_blocks, seqlens, scale_log2: Float32, out, opts):
+        """tidx: 0..255 over the consumer warpgroups; smem: sQ, sK, sV; pipes: Q's, K's,
+        V's; m_blocks: this CTA's query tiles, in order; seqlens: (seqlen_q, seqlen_k); out:
+        O's TMA atom, gO (s_q, d) and mLSE (s_q,) (varlen: None, its RowsOut, None); opts:
+        ScoreOptions."""
+        sQ, sK, sV = smem
+        seqlen_q, seqlen_k = seqlens
         pipe_q, pipe_k, pipe_v = pipes
-        mma_qk, mma_pv, wg, wg_qk, thr_pv, tSrK, tOrVt, tOrP, s_shape, s_coords = self._fragments(tidx, sK, sV)
-        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, self.cfg.local)
+        f = self._fragments(tidx, sK, sV)
+        wg = f.wg
         window = opts.window
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.q_tiles)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
@@ -420,18 +418,14 @@ class FlashFwdSm90:
             m_block = m_blocks[t]
             n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k, window)
             n_min = self._first_key_tile(m_block, seqlen_q, seqlen_k, window)
-            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(sQ[None, None, t]))
-            acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim)), Float32)
+            tSrQ = f.wg_qk.make_fragment_A(f.wg_qk.partition_A(sQ[None, None, t]))
+            acc_o = cute.make_rmem_tensor(f.thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim)), Float32)
             acc_o.fill(0.0)
             rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
             first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window)
-
-            # Bound methods: the DSL would treat a method call on a local object inside a
-            # run-time loop as a write of that object and try to carry it through the loop.
-            apply_mask, softmax_step = mask.apply, softmax.step
             pipe_q.consumer_wait(q_state)
             q_state.advance()
             # A warpgroup whose 64 rows all lie past seqlen_q (the last tile of a sequence
@@ -439,112 +433,133 @@ class FlashFwdSm90:
             # tiles, two of its three warpgroups) computes nothing: it keeps only its part
             # in the K/V pipelines and the scheduler barriers, so the one warpgroup with real
             # rows runs alone (its output rows are the only ones stored).
-            # Causal, a warpgroup's rows may need fewer key tiles than the tile's last row
-            # (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles, none
-            # at all for rows that see no key): it passes over the tile's highest key tile
-            # without computing it (_skip_key_tile), or over all of them.
-            # Local, the tile's key tiles run from n_min (its first row's window) up, and a
-            # warpgroup computes only its own rows' range [n_low, n_own): it passes over the
-            # tiles above it first and the ones below it last (_pass_key_tile), so that a
-            # narrow window costs each warpgroup its own span, not the tile's.
             n_low = self._own_first_key_tile(m_block, wg, seqlen_q, seqlen_k, window)
             n_own, idle = self._own_key_tiles(m_block, wg, n_blocks, seqlen_q, seqlen_k, window, n_low)
             if n_blocks > n_min:
                 if idle:
                     kv_state = self._idle_tile(pipe_k, pipe_v, kv_state, self._less(n_blocks, n_min), wg)
                 else:
-                    if const_expr(self.cfg.local):
-                        for _ in cutlass.range(n_blocks - n_own, unroll=1):
-                            self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
-                            kv_state.advance()
-                    elif const_expr(self.cfg.masks_right):
-                        if n_own < n_blocks:
-                            kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
-                    # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
-                    acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                    pipe_k.consumer_wait(kv_state)
-                    wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=True)
-                    pipe_k.consumer_release(kv_state)
-                    if const_expr(self.cfg.softcap):
-                        cap_scores(acc_s, opts.softcap_scale)
-                    apply_mask(acc_s, s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
-                    softmax_step(acc_s, row_scale)
-                    self._to_operand(acc_s, tOrP)
-                    # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
-                    # loops, so the unmasked one carries neither mask code nor a branch on it.
-                    # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
-                    # Local: a third loop, masked, for the key tiles at the windows' left edges.
-                    masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.masks_right) else 0
-                    phases, steps_by_phase = 2, None
-                    if const_expr(self.cfg.local):
-                        total = n_own - 1 - n_low
-                        masked_steps = cutlass.min(masked_steps, total)
-                        left_steps = cutlass.min(cutlass.max(
-                            self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0),
-                            total - masked_steps)
-                        phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
-                    for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
-                        if const_expr(self.cfg.local):
-                            steps = steps_by_phase[phase]
-                        else:
-                            steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
-                        for i in cutlass.range(steps, unroll=1):
-                            # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
-                            # are in flight together; softmax of S(j+1) runs while P(j) V(j)
-                            # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
-                            # the other does softmax, handing over through the scheduler barriers.
-                            n_block = n_own - 2 - i - (0 if phase == 0 else masked_steps)
-                            if const_expr(phase == 2):
-                                n_block = n_block - steps_by_phase[1]
-                            v_state = kv_state.clone()
-                            kv_state.advance()
-                            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                            pipe_k.consumer_wait(kv_state)
-                            cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
-                            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, kv_state.index], False, wait=False)
-                            pipe_v.consumer_wait(v_state)
-                            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
-                            cute.arch.barrier_arrive(
-                                barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.cfg.num_consumers,
-                                number_of_threads=2 * WARPGROUP,
-                            )
-                            warpgroup.wait_group(1)
-                            pipe_k.consumer_release(kv_state)
-                            if const_expr(self.cfg.softcap):
-                                cap_scores(acc_s, opts.softcap_scale)
-                            if const_expr(phase != 1):
-                                apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
-                            softmax_step(acc_s, row_scale)
-                            # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
-                            wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
-                            pipe_v.consumer_release(v_state)
-                            # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
-                            self._to_operand(acc_s, tOrP, acc_o, row_scale)
-                    pipe_v.consumer_wait(kv_state)
-                    wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, kv_state.index], True, wait=True)
-                    pipe_v.consumer_release(kv_state)
-                    if const_expr(self.cfg.local):
-                        for _ in cutlass.range(n_low - n_min, unroll=1):
-                            kv_state.advance()
-                            self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
+                    keys = KeyRange(m_block, n_min, n_blocks, n_low, n_own, first_masked)
+                    kv_state = self._key_loop(f, tSrQ, (pipe_k, pipe_v), kv_state, keys, seqlens, opts,
+                                              (acc_o, softmax, row_scale))
                 if const_expr(t + 1 < self.cfg.q_tiles):
                     kv_state.advance()  # the next tile's first K
 
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
-            self._finish_tile(tidx, acc_o, softmax, rows, mma_pv, thr_pv, sQ[None, None, t], (tma_o, gO, mLSE),
-                              m_block, seqlen_q, t == self.cfg.q_tiles - 1, opts.sink_log2)
+            self._finish_tile(tidx, (acc_o, softmax), f, sQ[None, None, t], out, m_block, seqlen_q,
+                              t == self.cfg.q_tiles - 1, opts.sink_log2)
 
     @cute.jit
-    def _finish_tile(self, tidx, acc_o, softmax, rows, mma_pv, thr_pv, sO, out, m_block, seqlen_q,
-                     wait_read: cutlass.Constexpr[bool], sink_log2=None):
+    def _key_loop(self, f, tSrQ, pipes, kv_state, keys, seqlens, opts, acc):
+        """One query tile's key tiles for a warpgroup that computes: S, mask, online
+        softmax and O += P V over its key tiles (``keys``: KeyRange), the pipelines'
+        other tiles passed over; ``acc``: (O, its OnlineSoftmax, the rows' rescale
+        factors). Returns kv_state at the last key tile.
+
+        Causal, a warpgroup's rows may need fewer key tiles than the tile's last row
+        (n_own: one fewer for the warpgroups of earlier rows on many diagonal tiles): it
+        passes over the tile's highest key tile without computing it (_skip_key_tile).
+        Local, the tile's key tiles run from n_min (its first row's window) up, and a
+        warpgroup computes only its own rows' range [n_low, n_own): it passes over the
+        tiles above it first and the ones below it last (_pass_key_tile), so that a
+        narrow window costs each warpgroup its own span, not the tile's."""
+        pipe_k, pipe_v = pipes
+        m_block, n_min, n_blocks, n_low, n_own, first_masked = keys
+        seqlen_q, seqlen_k = seqlens
+        acc_o, softmax, row_scale = acc
+        window, wg, rows = opts.window, f.wg, cute.size(row_scale)
+        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, self.cfg.local)
+        # Bound methods: the DSL would treat a method call on a local object inside a
+        # run-time loop as a write of that object and try to carry it through the loop.
+        apply_mask, softmax_step = mask.apply, softmax.step
+        if const_expr(self.cfg.local):
+            for _ in cutlass.range(n_blocks - n_own, unroll=1):
+                self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
+                kv_state.advance()
+        elif const_expr(self.cfg.masks_right):
+            if n_own < n_blocks:
+                kv_state = self._skip_key_tile(pipe_k, pipe_v, kv_state, wg)
+        # Key tile n_own-1 (always masked): S only; its P V is issued with the next S.
+        acc_s = cute.make_rmem_tensor(f.s_shape, Float32)
+        pipe_k.consumer_wait(kv_state)
+        wgmma(f.mma_qk, acc_s, tSrQ, f.tSrK[None, None, None, kv_state.index], False, wait=True)
+        pipe_k.consumer_release(kv_state)
+        if const_expr(self.cfg.softcap):
+            cap_scores(acc_s, opts.softcap_scale)
+        apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        softmax_step(acc_s, row_scale)
+        self._to_operand(acc_s, f.tOrP)
+        # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
+        # loops, so the unmasked one carries neither mask code nor a branch on it.
+        # (Non-causal, only the last key tile needs the mask: no masked loop at all.)
+        # Local: a third loop, masked, for the key tiles at the windows' left edges.
+        masked_steps = cutlass.max(n_own - 1 - first_masked, 0) if const_expr(self.cfg.masks_right) else 0
+        phases, steps_by_phase = 2, None
+        if const_expr(self.cfg.local):
+            total = n_own - 1 - n_low
+            masked_steps = cutlass.min(masked_steps, total)
+            left_steps = cutlass.min(cutlass.max(
+                self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0), total - masked_steps)
+            phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
+        for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
+            if const_expr(self.cfg.local):
+                steps = steps_by_phase[phase]
+            else:
+                steps = masked_steps if phase == 0 else n_own - 1 - masked_steps
+            for i in cutlass.range(steps, unroll=1):
+                # Overlap within the warpgroup: S(j+1) = Q K(j+1)^T and O += P(j) V(j)
+                # are in flight together; softmax of S(j+1) runs while P(j) V(j)
+                # finishes. Across warpgroups (ping-pong): one issues its GEMMs while
+                # the other does softmax, handing over through the scheduler barriers.
+                n_block = n_own - 2 - i - (0 if phase == 0 else masked_steps)
+                if const_expr(phase == 2):
+                    n_block = n_block - steps_by_phase[1]
+                v_state = kv_state.clone()
+                kv_state.advance()
+                acc_s = cute.make_rmem_tensor(f.s_shape, Float32)
+                pipe_k.consumer_wait(kv_state)
+                cute.arch.barrier(barrier_id=SCHEDULER_BARRIER + wg, number_of_threads=2 * WARPGROUP)
+                wgmma(f.mma_qk, acc_s, tSrQ, f.tSrK[None, None, None, kv_state.index], False, wait=False)
+                pipe_v.consumer_wait(v_state)
+                wgmma(f.mma_pv, acc_o, f.tOrP, f.tOrVt[None, None, None, v_state.index], True, wait=False)
+                cute.arch.barrier_arrive(
+                    barrier_id=SCHEDULER_BARRIER + (wg + 1) % self.cfg.num_consumers,
+                    number_of_threads=2 * WARPGROUP,
+                )
+                warpgroup.wait_group(1)
+                pipe_k.consumer_release(kv_state)
+                if const_expr(self.cfg.softcap):
+                    cap_scores(acc_s, opts.softcap_scale)
+                if const_expr(phase != 1):
+                    apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                softmax_step(acc_s, row_scale)
+                # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
+                wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
+                pipe_v.consumer_release(v_state)
+                # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
+                self._to_operand(acc_s, f.tOrP, acc_o, row_scale)
+        pipe_v.consumer_wait(kv_state)
+        wgmma(f.mma_pv, acc_o, f.tOrP, f.tOrVt[None, None, None, kv_state.index], True, wait=True)
+        pipe_v.consumer_release(kv_state)
+        if const_expr(self.cfg.local):
+            for _ in cutlass.range(n_low - n_min, unroll=1):
+                kv_state.advance()
+                self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
+        return kv_state
+
+    @cute.jit
+    def _finish_tile(self, tidx, acc, f, sO, out, m_block, seqlen_q, wait_read: cutlass.Constexpr[bool],
+                     sink_log2=None):
         """O normalized by the row sums (and the sink, where local) and written with LSE
-        (``out``: O's TMA atom and coordinates, LSE's row)."""
-        tma_o, gO, mLSE = out
+        (``acc``: O and its OnlineSoftmax; ``f``: Fragments; ``out``: O's TMA atom and
+        coordinates, LSE's row)."""
+        acc_o, softmax = acc
+        rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         inv_sum = cute.make_rmem_tensor((rows,), Float32)
         lse = cute.make_rmem_tensor((rows,), Float32)
         softmax.finalize(inv_sum, lse, sink_log2)
         scale_rows(acc_o, inv_sum)
-        self.epilogue(tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q, wait_read)
+        self.epilogue(tidx, acc_o, lse, (f.mma_pv, f.thr_pv), sO, out, m_block, seqlen_q, wait_read)
 
     @cute.jit
     def _first_masked(self, m_block, seqlen_q, seqlen_k, window=None):
@@ -651,10 +666,12 @@ class FlashFwdSm90:
             rescale_rows(acc_o, row_scale)
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, tma_o, gO, mLSE, m_block, seqlen_q,
-                 wait_read: cutlass.Constexpr[bool]):
-        """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows.
+    def epilogue(self, tidx, acc_o, lse, mmas, sO, out, m_block, seqlen_q, wait_read: cutlass.Constexpr[bool]):
+        """O: registers -> shared (over Q) -> one TMA store; LSE: quad leaders write rows
+        (``mmas``: the P V GEMM and this thread's slice; ``out``: O's TMA atom, gO, mLSE).
         Varlen (``gO``: the sequence's RowsOut): O's rows written from shared memory."""
+        mma_pv, thr_pv = mmas
+        tma_o, gO, mLSE = out
         if const_expr(self.cfg.varlen):
             self._epilogue_rows(tidx, acc_o, lse, mma_pv, thr_pv, sO, gO, m_block, seqlen_q)
         else:
@@ -715,6 +732,34 @@ class ScoreOptions(NamedTuple):
     window: object
     sink_log2: object
     softcap_scale: object
+
+
+class Fragments(NamedTuple):
+    """A consumer's GEMMs, warpgroup and fragments (``_fragments``)."""
+
+    mma_qk: object
+    mma_pv: object
+    wg: object  # the warpgroup, warp-uniform
+    wg_qk: object
+    thr_pv: object
+    tSrK: object
+    tOrVt: object
+    tOrP: object
+    s_shape: object
+    s_coords: object
+
+
+class KeyRange(NamedTuple):
+    """A query tile's key tiles as a warpgroup takes them: the tile's [n_min, n_blocks),
+    the warpgroup's own [n_low, n_own) (n_low None where not local), and the first that
+    needs a mask at the right edge."""
+
+    m_block: object
+    n_min: object
+    n_blocks: object
+    n_low: object
+    n_own: object
+    first_masked: object
 
 
 class RowsOut(NamedTuple):
