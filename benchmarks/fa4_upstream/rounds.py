@@ -1,7 +1,8 @@
-"""What the same-process runs (same_run_varlen.py, same_run_decode.py) share: a cell's
-peers timed once per round in turns (the order reversed every other round), failures
-noted and the run going on, a cell's median and range over rounds, and the results
-written out."""
+"""What the same-process runs (same_run_varlen.py, same_run_decode.py, same_run_local.py)
+share: the rounds over their cells (a failing cell noted and the run going on, the
+results written after each round), a cell's peers timed once per round in turns (the
+order reversed every other round), a cell's median and range over rounds, and the
+results written out."""
 import json
 import statistics
 import traceback
@@ -13,6 +14,24 @@ def note(res, key, e):
     res["errors"].setdefault(key, f"{type(e).__name__}: {str(e)[:300]}")
     print(f"ERROR {key}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     traceback.print_exc(limit=3)
+
+
+def run_rounds(res, out_json, rounds, cells, run, name, before_round=None):
+    """``rounds`` times: ``before_round(r)`` where given, then ``run(cell, r)`` for each of
+    ``cells``, a failing one noted under ``name(cell)`` (the run goes on), torch's cache
+    emptied after each; ``res`` written to ``out_json`` after every round."""
+    import torch
+
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
+        for c in cells:
+            try:
+                run(c, r)
+            except Exception as e:  # noqa: BLE001 (the cell's setup or ours failed)
+                note(res, name(c), e)
+            torch.cuda.empty_cache()
+        Path(out_json).write_text(json.dumps(res, indent=1))
 
 
 def time_round(key, peers, r, res, bench, rate):

@@ -14,7 +14,6 @@ call re-launches its packed kernels), its split count by its heuristic. FA4: one
 (its interface asserts split-KV unsupported on sm90), pack_gqa, seqused_k = the cache
 lengths, its LSE written. Environment: PAGES=128,16 keeps those page sizes.
 """
-import json
 import math
 import os
 import statistics
@@ -25,7 +24,7 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, summary, time_round  # noqa: E402
+from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
 
 DEV = "cuda"
 PAGES = (128, 256, 64, 16)
@@ -171,18 +170,14 @@ def main(argv):
            "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name()}
     cells = [(shape, None) for shape in ISSUE if "dense" in forms]
     cells += [(shape, p) for shape in ISSUE for p in pages if "paged" in forms]
-    for r in range(rounds):
+    def copy_round(r):
         try:
             res["copy_bytes_per_s"].append(copy_bandwidth(bench))
         except Exception as e:  # noqa: BLE001
             note(res, "copy", e)
-        for shape, page in cells:
-            try:
-                cell(shape, page, r, res, bench)
-            except Exception as e:  # noqa: BLE001 (the cell's setup or ours failed)
-                note(res, f"{shape[0]}|{page or 'dense'}", e)
-            torch.cuda.empty_cache()
-        Path(out_json).write_text(json.dumps(res, indent=1))
+
+    run_rounds(res, out_json, rounds, cells, lambda c, r: cell(*c, r, res, bench),
+               lambda c: f"{c[0][0]}|{c[1] or 'dense'}", copy_round)
     finish(res, out_json, table(res, [f"{s[0]}|{p or 'dense'}" for s, p in cells]))
 
 

@@ -13,7 +13,6 @@ Ours: fa4_aot.forward on DeviceArrays made once (a repeated call re-launches its
 kernel), window_size=(window, 0). FA4: window (window, 0) at run time, its sinks, its
 softcap score_mod (tanh.approx), pack_gqa, its interface's local tiles.
 """
-import json
 import math
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, summary, time_round  # noqa: E402
+from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
 
 TOKENS = 128 * 1024
 SEQLENS = (4096, 16384, 65536, 131072)
@@ -130,14 +129,7 @@ def main(argv):
     res = {"flops_per_s": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
            "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name(), "tokens": TOKENS}
     cells = [(layer, s) for layer in LAYERS for s in SEQLENS]
-    for r in range(rounds):
-        for layer, seqlen in cells:
-            try:
-                cell(layer, seqlen, r, res, bench)
-            except Exception as e:  # noqa: BLE001 (the cell's setup or ours failed)
-                note(res, f"{layer[0]}|{seqlen}", e)
-            torch.cuda.empty_cache()
-        Path(out_json).write_text(json.dumps(res, indent=1))
+    run_rounds(res, out_json, rounds, cells, lambda c, r: cell(*c, r, res, bench), lambda c: f"{c[0][0]}|{c[1]}")
     finish(res, out_json, table(res, [f"{layer[0]}|{s}" for layer, s in cells]))
 
 

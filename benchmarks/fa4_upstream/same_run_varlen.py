@@ -15,7 +15,6 @@ offsets (each sequence from a tile-aligned row: (total + (batch + 1) * tile - 1)
 allocates them with torch.zeros) and two more postprocess calls. Ours: the same calls as
 bench_varlen (outputs and workspace given).
 """
-import json
 import math
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, summary, time_round  # noqa: E402
+from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
 
 DEV = "cuda"
 D = 128
@@ -206,19 +205,17 @@ def main(argv):
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     res = {"tflops": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
            "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name()}
-    for r in range(rounds):
-        for label, (lengths, hq, hkv) in mixes().items():
-            for causal in (False, True):
-                for kind in kinds:
-                    try:
-                        if kind == "fwd":
-                            fwd_cell(label, lengths, hq, hkv, causal, r, res, bench, flops)
-                        else:
-                            bwd_cell(label, lengths, hq, hkv, causal, r, res, bench, flops, spec)
-                    except Exception as e:  # noqa: BLE001 (the cell's setup or ours failed)
-                        note(res, f"{kind}|{label}|{int(causal)}", e)
-                    torch.cuda.empty_cache()
-        Path(out_json).write_text(json.dumps(res, indent=1))
+    cells = [(kind, label, mix, causal) for label, mix in mixes().items() for causal in (False, True)
+             for kind in kinds]
+
+    def run(c, r):
+        kind, label, (lengths, hq, hkv), causal = c
+        if kind == "fwd":
+            fwd_cell(label, lengths, hq, hkv, causal, r, res, bench, flops)
+        else:
+            bwd_cell(label, lengths, hq, hkv, causal, r, res, bench, flops, spec)
+
+    run_rounds(res, out_json, rounds, cells, run, lambda c: f"{c[0]}|{c[1]}|{int(c[3])}")
     finish(res, out_json, table(res, kinds, list(mixes())))
 
 
