@@ -199,13 +199,9 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
                                           policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
-    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
-    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    stream = checks.stream_handle(stream)
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
-             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace),
-             ("sink", learnable_sink))
-    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
+    arrays, waits, mods, scale, stream = _read_call(
+        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink), causal, softmax_scale,
+        window_size, softcap, stream)
     # the decode and its combine are kept as one plan under the arrays' values (and the
     # repeat key's ids): a call with the same ones is launched again as packed
     key = ("decode", *arrays.items(), mods, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
@@ -234,16 +230,26 @@ def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     then calls ``.issue()``. A bad argument raises here, before anything is written."""
     library = library or default_library()
     _check_splits(num_splits)
-    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
-    mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    stream = checks.stream_handle(stream)
-    named = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("out", out), ("lse", lse),
-             ("cache_seqlens", cache_seqlens), ("page_table", page_table), ("workspace", workspace),
-             ("sink", learnable_sink))
-    arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
+    arrays, waits, mods, scale, stream = _read_call(
+        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink), causal, softmax_scale,
+        window_size, softcap, stream)
     if waits:
         raise DeviceError("prepare_kvcache takes arrays of its stream (no __cuda_array_interface__ of another)")
     return _prepare(arrays, mods, scale, num_splits, stream, library)
+
+
+ARRAY_NAMES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table", "workspace", "sink")
+
+
+def _read_call(given: tuple, causal, softmax_scale, window_size, softcap, stream):
+    """A decode call's options checked and its arrays (``given`` in ARRAY_NAMES' order)
+    read on its stream: (arrays, waits, ScoreMods, scale, stream)."""
+    scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
+    mods = checks.score_mods(causal, window_size, softcap, given[-1] is not None)
+    stream = checks.stream_handle(stream)
+    arrays, waits = as_device_arrays({name: x for name, x in zip(ARRAY_NAMES, given)
+                                      if x is not None or name not in OPTIONAL}, stream)
+    return arrays, waits, mods, scale, stream
 
 
 def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
@@ -253,9 +259,7 @@ def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: Kernel
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
-    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=mods.causal)
-    if mods.local:
-        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
+    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], **mods.axes())
     check_built(library.manifest, axes, 1)
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
@@ -278,9 +282,7 @@ def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: Kernel
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
               "turn_stride": policy.DECODE_TURN_STRIDE}
-    if mods.local:
-        values.update(mods.values(scale, LOG2E))
-        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
+    mods.add_launch_values(values, tensors, scale, LOG2E)
     # the combine found, and both packed, before anything is launched: a call refused
     # after the decode ran would have kept a plan of the decode alone for its repeats
     then = ()

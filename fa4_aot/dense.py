@@ -101,21 +101,14 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     if mods.sink:
         checks.check_sink(arrays["sink"], problem.heads_q)
     check_no_overlap(written(arrays, "out", "lse"), read(arrays, "out", "lse"))
-    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=mods.causal)
-    if mods.local:
-        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
-        if q_tiles == 2:
-            raise checks.OptionError("q_tiles=2 is not built with a window, sinks or softcap (one query tile per CTA)")
-    check_built(library.manifest, axes, 1 if mods.local else q_tiles)
+    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
+    check_built(library.manifest, axes, q_tiles)  # local q_tiles=2: not built, and says why
     device = device_of(arrays)
-    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k,
-                      1 if mods.local else q_tiles)
+    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     scale = default_scale(problem.head_dim) if scale is None else scale
     values = {**problem.sizes, "scale_log2": scale * LOG2E}
     tensors = launch_tensors(arrays)
-    if mods.local:
-        values.update(mods.values(scale, LOG2E))
-        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
+    mods.add_launch_values(values, tensors, scale, LOG2E)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
 
 

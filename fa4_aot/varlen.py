@@ -167,9 +167,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     if "workspace" in arrays:
         _check_order_workspace(arrays["workspace"], sizes["batch"], library)
     check_no_overlap(written(arrays, *WRITTEN_FORWARD), read(arrays, *WRITTEN_FORWARD))
-    axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=mods.causal, varlen=True)
-    if mods.local:
-        axes.update(causal=False, local=True, softcap=mods.softcap > 0)
+    axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], varlen=True, **mods.axes())
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
@@ -187,9 +185,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     values = {**{n: v for n, v in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E,
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
               "lpt": int(walk == "lpt")}
-    if mods.local:
-        values.update(mods.values(scale, LOG2E))
-        tensors.setdefault("sink", tensors["lse"])  # not read (use_sink 0)
+    mods.add_launch_values(values, tensors, scale, LOG2E)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)
 
 

@@ -174,12 +174,23 @@ class ScoreMods(NamedTuple):
         """Where not local: whether the plain kernel is the causal one."""
         return self.right == 0
 
-    def values(self, scale: float, log2e: float) -> dict:
-        """The local kernels' run-time values for softmax_scale ``scale``."""
+    def axes(self) -> dict:
+        """The variant axes of the kernel that serves the call: causal or not, or local."""
+        if self.local:
+            return {"causal": False, "local": True, "softcap": self.softcap > 0}
+        return {"causal": self.causal}
+
+    def add_launch_values(self, values: dict, tensors: dict, scale: float, log2e: float) -> None:
+        """Where local, the kernels' run-time values for softmax_scale ``scale`` into
+        ``values`` (the softmax's scale replaced by the cap's where capped), and, without
+        sinks, lse's address for the sinks' (use_sink 0: never read)."""
+        if not self.local:
+            return
         cap = self.softcap
-        return {"window_left": self.left, "window_right": self.right, "use_sink": int(self.sink),
-                "scale_log2": (cap if cap > 0 else scale) * log2e,
-                "softcap_scale": scale / cap if cap > 0 else 0.0}
+        values.update({"window_left": self.left, "window_right": self.right, "use_sink": int(self.sink),
+                       "scale_log2": (cap if cap > 0 else scale) * log2e,
+                       "softcap_scale": scale / cap if cap > 0 else 0.0})
+        tensors.setdefault("sink", tensors["lse"])
 
 
 def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:

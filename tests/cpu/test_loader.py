@@ -730,6 +730,8 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     assert int.from_bytes(raw[at["sink"]:at["sink"] + 8], "little") == sink.ptr
     with pytest.raises(Fa4AotError):  # the local row is built only here with softcap: a typed refusal
         api.forward(q, k, v, out, lse, window_size=(128, 0), library=library)
+    with pytest.raises(UnsupportedVariantError, match="one query tile per CTA"):  # no local q2 kernel
+        api.forward(q, k, v, out, lse, softcap=30.0, q_tiles=2, library=library)
     with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d64\.causal is not built"):
         api.forward(q, k, v, out, lse, window_size=(-1, 0), library=library)  # the plain causal kernel's
     api.forward(q, k, v, out, lse, window_size=(None, None), library=library)

@@ -188,7 +188,7 @@ def test_local_bad_options_are_refused_before_launch(gen):
            ({"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}, DTypeError),
            ({"learnable_sink": torch.zeros(8, device="cuda")[::2]}, fa4_aot.Fa4AotError),
            ({"learnable_sink": torch.zeros(4)}, fa4_aot.Fa4AotError),
-           ({"learnable_sink": good, "q_tiles": 2}, OptionError),
+           ({"learnable_sink": good, "q_tiles": 2}, UnsupportedVariantError),
            ({"learnable_sink": lse.view(-1)[:4]}, fa4_aot.Fa4AotError)]  # over lse, which is written
     for options, error in bad:
         with pytest.raises(error):
