@@ -19,13 +19,17 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     (``learnable_sink``: float32 (h_q,)). Every option is keyword-only."""
     repeat, stream = None, None
     if (type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and type(v) is torch.Tensor and q.is_cuda and learnable_sink is None):
+            and type(v) is torch.Tensor and q.is_cuda
+            and (learnable_sink is None or type(learnable_sink) is torch.Tensor)):
         device = q.get_device()
         stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
                   v.data_ptr(), v.shape, v.stride(), v.dtype, out.data_ptr(), out.shape, out.stride(), out.dtype,
                   lse.data_ptr(), lse.shape, lse.stride(), lse.dtype, softmax_scale, causal, q_tiles, window_size,
                   softcap, device, stream)
+        if learnable_sink is not None:  # gpt-oss's layers all give sinks: their repeats too
+            repeat += (learnable_sink.data_ptr(), learnable_sink.shape, learnable_sink.stride(), learnable_sink.dtype,
+                       learnable_sink.device)
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
     check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))

@@ -368,3 +368,24 @@ def test_the_torch_adapters_refuse_with_typed_errors_and_leave_every_tensor_as_i
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"{name} spoilt at {spoilt}: {type(e).__name__}: {e}")
     assert refused > 60
+
+
+def test_a_repeated_torch_forward_with_sinks_takes_the_repeat_path(adapters, monkeypatch):
+    """flash_attn_fwd with outputs and sinks given, called again with the same tensors:
+    launched again from its kept plan, not checked and packed anew (gpt-oss gives sinks
+    on every layer); a sink at another address is a new call."""
+    from fa4_aot.torch import dense as torch_dense
+
+    fake, _ = adapters
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.Tensor, "get_device", lambda self: 0)
+    monkeypatch.setattr(torch_dense, "current_stream", lambda device: 0)
+    checked, run_forward = [], torch_dense.run_forward
+    monkeypatch.setattr(torch_dense, "run_forward", lambda *a: (checked.append(a[-1]), run_forward(*a)))
+    q, k, v, out = _t(2, 100, 4, 64), _t(2, 300, 2, 64), _t(2, 300, 2, 64), _t(2, 100, 4, 64)
+    lse, sink = _t(2, 4, 100, dtype=torch.float32), _t(4, dtype=torch.float32)
+    for _ in range(3):
+        torch_dense.flash_attn_fwd(q, k, v, out=out, lse=lse, softcap=30.0, learnable_sink=sink)
+    assert len(checked) == 1 and len(fake.launched) == 3
+    torch_dense.flash_attn_fwd(q, k, v, out=out, lse=lse, softcap=30.0, learnable_sink=_t(4, dtype=torch.float32))
+    assert len(checked) == 2
