@@ -14,10 +14,9 @@ import math
 
 import torch
 
-from ..errors import UnsupportedVariantError
 from ..launch import checks
 from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
-from .tensors import check_tensors
+from .tensors import check_tensors, refuse_local_gradient
 
 
 class FlashAttention(torch.autograd.Function):
@@ -64,10 +63,7 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    if mods.local and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
-        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
-                                      "torch.no_grad() or with tensors that need no gradient")
+    refuse_local_gradient(mods, q, k, v, learnable_sink)
     if not mods.local:
         causal = mods.causal  # a window of (-1, 0) is causal
     options = (causal, scale, deterministic, mods.left, mods.right, mods.softcap, learnable_sink)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DeviceError, DTypeError, ShapeError
+from ..errors import DeviceError, DTypeError, ShapeError, UnsupportedVariantError
 from ..launch.arrays import DeviceArray
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -49,6 +49,14 @@ def repeat_key(kind: str, tensors, options) -> tuple:
         key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
     key += options
     return tuple(key)
+
+
+def refuse_local_gradient(mods, *tensors) -> None:
+    """UnsupportedVariantError where a call with a window, sinks or softcap (``mods``:
+    checks.ScoreMods) would need a gradient: their backward is not built."""
+    if mods.local and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
+                                      "torch.no_grad() or with tensors that need no gradient")
 
 
 def passed(**named) -> dict:

@@ -17,9 +17,8 @@ import torch
 from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
-from ..errors import UnsupportedVariantError
 from ..launch import checks
-from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed
+from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed, refuse_local_gradient
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -150,10 +149,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
     causal = checks.flag("causal", causal)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    if mods.local and torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (q, k, v, learnable_sink)):
-        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
-                                      "torch.no_grad() or with tensors that need no gradient")
+    refuse_local_gradient(mods, q, k, v, learnable_sink)
     out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
                               causal if mods.local else mods.causal, scale, checks.flag("deterministic", deterministic),
                               mods.left, mods.right, mods.softcap, learnable_sink)

@@ -389,3 +389,25 @@ def test_a_repeated_torch_forward_with_sinks_takes_the_repeat_path(adapters, mon
     assert len(checked) == 1 and len(fake.launched) == 3
     torch_dense.flash_attn_fwd(q, k, v, out=out, lse=lse, softcap=30.0, learnable_sink=_t(4, dtype=torch.float32))
     assert len(checked) == 2
+
+
+def test_the_torch_layers_refuse_a_local_gradient_they_cannot_compute(adapters):
+    """flash_attn_func and flash_attn_varlen_func with a window, sinks or a cap where a
+    gradient would be needed: UnsupportedVariantError, nothing launched (no local
+    backward is built); under no_grad the call launches (the capped kernel, built here)."""
+    from fa4_aot.errors import UnsupportedVariantError
+    from fa4_aot.torch import flash_attn_func
+
+    fake, _ = adapters
+    q, k, v = (_t(1, 64, 2, 64).requires_grad_() for _ in range(3))
+    for options in ({"window_size": (16, 0)}, {"softcap": 30.0}, {"learnable_sink": _t(2, dtype=torch.float32)}):
+        fake.launched.clear()
+        with pytest.raises(UnsupportedVariantError):
+            flash_attn_func(q, k, v, **options)
+        assert not fake.launched
+    with pytest.raises(UnsupportedVariantError):  # a learnable sink alone needs its gradient
+        flash_attn_func(q.detach(), k.detach(), v.detach(),
+                        learnable_sink=_t(2, dtype=torch.float32).requires_grad_())
+    with torch.no_grad():
+        flash_attn_func(q, k, v, softcap=30.0)
+    assert fake.launched
