@@ -20,21 +20,6 @@ SEQLENS = (16384, 131072)
 NO_CAP = ("gemma-d256-w1024-nocap", 256, 16, 8, 1024, 0.0, False)
 
 
-def ours(layer, t, library):
-    import fa4_aot
-    from fa4_aot.torch import as_device_array
-
-    _, d, _, _, window, cap, sinks = layer
-    arrays = [as_device_array(t[n]) for n in ("q", "k", "v", "out_ours", "lse_ours")]
-    sink = as_device_array(t["sink"]) if sinks else None
-    s = torch.cuda.current_stream().cuda_stream
-
-    def go():
-        fa4_aot.forward(*arrays, window_size=(window, 0), softcap=cap, learnable_sink=sink, stream=s, library=library)
-    go.keep = (arrays, sink)
-    return go
-
-
 def main(argv):
     import triton.testing
     from fa4_aot.launch.loader import KernelLibrary
@@ -56,7 +41,7 @@ def main(argv):
                 for name, lib in libs.items():
                     if lib.manifest.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=layer[1], causal=False,
                                           local=True, softcap=layer[5] > 0, q_tiles=1):
-                        peers[name] = ours(layer, t, lib)
+                        peers[name] = srl.ours_launch(layer, t, lib)
                 if layer[5] or layer[0] == "gpt-oss":
                     try:
                         peers["fa4"] = srl.fa4_launch(layer, t)

@@ -56,7 +56,7 @@ def setup(layer, seqlen, seed=0):
     return t
 
 
-def ours_launch(layer, t):
+def ours_launch(layer, t, library=None):
     import fa4_aot
     from fa4_aot.torch import as_device_array
 
@@ -66,7 +66,8 @@ def ours_launch(layer, t):
     s = torch.cuda.current_stream().cuda_stream
 
     def ours():
-        fa4_aot.forward(*arrays, window_size=(window, 0), softcap=cap, learnable_sink=sink, stream=s)
+        fa4_aot.forward(*arrays, window_size=(window, 0), softcap=cap, learnable_sink=sink, stream=s,
+                        library=library)
     ours.keep = (arrays, sink)
     return ours
 
