@@ -5,9 +5,7 @@ upstream's, on same_run_local.py's gpt-oss and Gemma head_dim 256 cells, plus th
 
     PYTHONPATH=$PWD python benchmarks/experiments/local_tiles.py FA4_DIR ROUNDS OUT_JSON NAME=DIR ...
 """
-import json
 import sys
-from pathlib import Path
 
 sys.path.insert(0, "benchmarks/fa4_upstream")
 import torch  # noqa: E402
