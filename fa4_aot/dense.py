@@ -17,7 +17,7 @@ from .launch.calls import LOG2E, backward_rows, check_built, default_library, la
 from .launch.checks import check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written
 from .launch.loader import KernelLibrary
 
-WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace")
+WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
 
 
 def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
@@ -114,7 +114,7 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
                              deterministic: bool = False, seqlen_k: int | None = None,
-                             heads_kv: int | None = None, dtype: str | None = None,
+                             heads_kv: int | None = None, dtype: str | None = None, local: bool = False,
                              library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
@@ -123,11 +123,12 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     tiles (none with GQA); without, for the most the kernels split. Read from the
     manifest's workspace rules (no GPU needed): the most that any built backward of this
     head_dim, causal, deterministic (and ``dtype``, "bf16" or "fp16", where given) needs,
-    so enough for whichever the backward picks."""
+    so enough for whichever the backward picks. ``local``: for a backward with a window or
+    sinks (the local kernels: causal or not, they share one layout)."""
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, head_dim=head_dim,
                        **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
-    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=False)
+    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=False, local=local)
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "head_dim": head_dim}
     if seqlen_k is not None:
         sizes["seqlen_k"] = seqlen_k
@@ -146,8 +147,9 @@ def _workspace_names(row: dict, sizes: dict) -> dict:
 
 
 def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: float | None = None,
-             causal: bool = False, deterministic: bool = False, q_tiles: int | None = None,
-             stream: int = 0, library: KernelLibrary | None = None) -> None:
+             causal: bool = False, deterministic: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+             learnable_sink=None, dsink=None, q_tiles: int | None = None, stream: int = 0,
+             library: KernelLibrary | None = None) -> None:
     """Gradients dq, dk, dv of ``forward``'s out for the upstream gradient dout.
 
     q, k, v, out, lse: as given to and produced by ``forward`` (same causal, same scale).
@@ -159,40 +161,53 @@ def backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale: f
     dv of a shared KV head sum every query head of its group. ``q_tiles``: query tiles
     per step where the variant has both kernels (head_dim 64 causal, not deterministic),
     None picks by seqlen_k (backward_row). ``stream``: as for ``forward``. Asynchronous,
-    allocation-free; bad arguments raise as in ``forward``.
+    allocation-free; bad arguments raise as in ``forward``. ``window_size``, ``softcap``,
+    ``learnable_sink``: the forward's (a softcap's backward is not built: refused);
+    ``dsink``: float32 (heads_q,), where given the sinks' gradient, the sum over every
+    row of -exp(sink - lse) rowsum(dout * out), in a fixed order (the same bits every run).
     """
-    arrays = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
-    repeat = repeat_key("bwd", arrays, (softmax_scale, causal, deterministic, q_tiles), stream)
+    arrays = (q, k, v, out, dout, lse, dq, dk, dv, workspace, learnable_sink, dsink)
+    repeat = repeat_key("bwd", tuple(a for a in arrays if a is not None),
+                        (softmax_scale, causal, deterministic, q_tiles, window_size, softcap,
+                         learnable_sink is None, dsink is None), stream)
     if repeat is not None and (library or default_library()).launch_again(repeat):
         return
     run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
-                 stream, library, ((repeat, arrays),) if repeat else ())
+                 stream, library, ((repeat, arrays),) if repeat else (), window_size, softcap, learnable_sink, dsink)
 
 
 def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, causal, deterministic, q_tiles,
-                 stream, library, aliases=()) -> None:
+                 stream, library, aliases=(), window_size=(-1, -1), softcap=0.0, learnable_sink=None,
+                 dsink=None) -> None:
     """``backward``; its launches kept under ``aliases`` too (as ``run_forward``)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
+    mods = checks.backward_mods(causal, window_size, softcap, learnable_sink, dsink)
     q_tiles, stream = checks.q_tiles(q_tiles), checks.stream_handle(stream)
-    arrays, waits = as_device_arrays({"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dq": dq,
-                                      "dk": dk, "dv": dv, "workspace": workspace}, stream)
+    given = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": lse, "dq": dq, "dk": dk, "dv": dv,
+             "workspace": workspace}
+    given.update({n: a for n, a in (("sink", learnable_sink), ("dsink", dsink)) if a is not None})
+    arrays, waits = as_device_arrays(given, stream)
     library = library or default_library()
-    key = ("bwd", *arrays.values(), causal, scale, deterministic, q_tiles, stream)
+    key = ("bwd", *arrays.values(), causal, mods, scale, deterministic, q_tiles, stream)
     if library.launch_again(key, waits, aliases):  # as in forward
         return
-    problem = check_backward(**{n: a for n, a in arrays.items() if n != "workspace"})
+    problem = check_backward(**{n: a for n, a in arrays.items() if n not in ("workspace", "sink", "dsink")})
+    for name in ("sink", "dsink"):
+        if name in arrays:
+            checks.check_sink(arrays[name], problem.heads_q, name)
     space = arrays["workspace"]
     checks.check_workspace(space)
     check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
-    axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, causal=causal,
-                deterministic=deterministic)
+    axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, deterministic=deterministic,
+                **(mods.axes() if mods.local else {"causal": causal}))
     check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
     row = backward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
     config, rule = row["config"], row["workspace"]
     sizes = problem.sizes
-    tensors = ws.carve(rule, _workspace_names(row, sizes), space.ptr, math.prod(space.shape) * space.itemsize)
+    names = _workspace_names(row, sizes)
+    tensors = ws.carve(rule, names, space.ptr, math.prod(space.shape) * space.itemsize)
     tensors.update(launch_tensors(arrays))
     scale = default_scale(problem.head_dim) if scale is None else scale
     turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
@@ -201,4 +216,5 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
               "first_write": int(first_write), "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}
+    checks.add_backward_values(mods, values, tensors, names["batch"] * names["m_blocks"])
     library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)

@@ -54,9 +54,8 @@ KINDS = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "bwd": {"local": (False,), "softcap": (False,)},
-    # decode local/softcap: written, not yet run on a GPU (NOT_BUILT_REASONS)
-    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "local": (False,), "softcap": (False,)},
+    "bwd": {"softcap": (False,)},
+    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
                 "local": (False,), "softcap": (False,)},
 }
@@ -76,9 +75,7 @@ NOT_BUILT_REASONS = {
     "kind=fwd,local=True,q_tiles=2": "a window takes one query tile per CTA",
     "local=False,softcap=True": "softcap is built into the local kernels, which serve every window "
     "(unbounded and causal included)",
-    "kind=bwd,local=True": "the backward of a window or sinks is not written yet",
     "kind=bwd,softcap=True": "the backward through a softcap is not written yet",
-    "kind=decode,local=True": "decode with a window, sinks or softcap is written but has not run on a GPU yet",
     "kind=combine,local=True": "the combine merges rows whatever the mask was",
     "kind=combine,softcap=True": "the combine merges rows whatever the scores were",
     "kind=combine,causal=True": "the combine merges rows whatever the mask was",

@@ -30,9 +30,9 @@ from .launch.checks import (
 from .launch.loader import KernelLibrary, grid_of
 
 
-OPTIONAL = ("seqused_q", "seqused_k", "workspace", "sink")  # arrays a call may leave out (None)
+OPTIONAL = ("seqused_q", "seqused_k", "workspace", "sink", "dsink")  # arrays a call may leave out (None)
 WRITTEN_FORWARD = ("out", "lse", "workspace")  # what the launches write (the workspace: the order)
-WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace")
+WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
 
 
 def _as_packed(t: DeviceArray) -> DeviceArray:
@@ -223,15 +223,16 @@ def _workspace_bytes(rule: dict, values: dict) -> int:
 
 
 def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head_dim: int, *, causal: bool = False,
-                                    deterministic: bool = False, dtype: str | None = None,
+                                    deterministic: bool = False, dtype: str | None = None, local: bool = False,
                                     library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``backward_varlen`` needs as its ``workspace``: for packed
     queries of ``total_q`` rows in ``batch`` sequences (called with the same ``causal`` and
     ``deterministic``), with room for the heaviest-first order (batch int32). The most any
-    built varlen backward of this head_dim (and dtype, where given) needs; no GPU needed."""
+    built varlen backward of this head_dim (and dtype, where given) needs; no GPU needed.
+    ``local``: for a backward with a window or sinks."""
     checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
     library = library or default_library()
-    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True)
+    rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True, local=local)
     sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
     return max(_workspace_bytes(r["workspace"], _varlen_workspace_values(r["workspace"], sizes, True)) for r in rows)
 
@@ -257,7 +258,8 @@ def _lse_4d(lse: DeviceArray) -> DeviceArray:
 def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                     max_seqlen_k: int, workspace, *, seqused_q=None, seqused_k=None, causal: bool = False,
                     softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
-                    library: KernelLibrary | None = None, order: str | None = None) -> None:
+                    library: KernelLibrary | None = None, order: str | None = None, window_size=(-1, -1),
+                    softcap: float = 0.0, learnable_sink=None, dsink=None) -> None:
     """Gradients dq, dk, dv of ``forward_varlen``'s out for the upstream gradient dout.
 
     q, k, v, out, lse, the metadata, causal and the scale: as given to and produced by
@@ -273,24 +275,30 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     the workspace has room for the order (batch int32 more than the plain order needs),
     else "plain". The order moves CTAs, not their math: deterministic, the same bits either
     way. Asynchronous and allocation-free; bad arguments raise before any launch.
+    ``window_size``, ``softcap``, ``learnable_sink``, ``dsink``: as ``fa4_aot.backward``'s.
     """
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
+    mods = checks.backward_mods(causal, window_size, softcap, learnable_sink, dsink)
     stream = checks.stream_handle(stream)
     named = (("q", q), ("k", k), ("v", v), ("out", out), ("dout", dout), ("lse", lse), ("dq", dq), ("dk", dk),
              ("dv", dv), ("workspace", workspace), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-             ("seqused_q", seqused_q), ("seqused_k", seqused_k))
+             ("seqused_q", seqused_q), ("seqused_k", seqused_k), ("sink", learnable_sink), ("dsink", dsink))
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     library = library or default_library()
-    key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, scale, deterministic, stream, order)
+    key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, mods, scale, deterministic, stream,
+           order)
     if library.launch_again(key, waits):
         return
     sizes = check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    for name in ("sink", "dsink"):
+        if name in arrays:
+            checks.check_sink(arrays[name], sizes["heads_q"], name)
     space = arrays["workspace"]
     checks.check_workspace(space)
     check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
-    axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], causal=causal,
-                deterministic=deterministic, varlen=True)
+    axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], deterministic=deterministic,
+                varlen=True, **(mods.axes() if mods.local else {"causal": causal}))
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
@@ -315,4 +323,5 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
                    "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
                    "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
                    "lpt": int(walk == "lpt")})
+    checks.add_backward_values(mods, values, tensors, values["ws_tiles"])
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)

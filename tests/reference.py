@@ -59,12 +59,13 @@ def _bmm32(x, y):
     return out.reshape(*lead, m, n)
 
 
-def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None):
+def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None, window=None, sink=None):
     """(dq, dk, dv) in float32 by the recipe of attention_bwd_from_out with P and dS rounded
     to the inputs' dtype, every GEMM on the tensor cores as a kernel's: 16-bit operands,
     float32 accumulation (``_bmm32``). The recipe's float32 GEMMs accumulate exactly
     rounded FMAs; the tensor cores do not, which shows where the exact gradient is 0 and
-    every figure is rounding: a one-key sequence (P = 1, dS = dP - D)."""
+    every figure is rounding: a one-key sequence (P = 1, dS = dP - D). ``window``,
+    ``sink``: as attention_ref's."""
     dtype = q.dtype
     s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
@@ -73,9 +74,7 @@ def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=N
     qh, doh = heads(q), heads(dout)
     kh, vh = heads(k.repeat_interleave(group, dim=2)), heads(v.repeat_interleave(group, dim=2))
     scores = _bmm32(qh, kh.transpose(-1, -2)) * scale
-    if causal:
-        scores = _causal_masked(scores)
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    p = _probs(scores, causal, window, sink)
     dp = _bmm32(doh, vh.transpose(-1, -2))
     dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     p16, ds16 = p.to(dtype), (p * (dp - dsum[..., None])).to(dtype)
@@ -86,22 +85,21 @@ def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=N
     return heads(dq), by_group(dk), by_group(dv)
 
 
-def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None):
+def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None, window=None,
+                           sink=None):
     """(dq, dk, dv) in float32 by the flash-attention backward recipe from a given ``out``:
     P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). ``operands``: a dtype
     that P and dS are rounded to as GEMM operands (as a tensor-core backward's are; the
     GEMMs accumulate in float32), else they stay float32. From a backward's own 16-bit
     ``out`` and operands, the same math as its kernel; with the exact output rounded to
-    16 bits, the cost of storing the output alone."""
+    16 bits, the cost of storing the output alone. ``window``, ``sink``: as attention_ref's."""
     q, k, v, dout, out = (x.float() for x in (q, k, v, dout, out))
     s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     k_q, v_q = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
     scores = torch.einsum("bshd,bthd->bhst", q, k_q) * scale
-    if causal:
-        scores = _causal_masked(scores)
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows that see no key: 0
+    p = _probs(scores, causal, window, sink)  # rows that see no key: 0
     dp = torch.einsum("bshd,bthd->bhst", dout, v_q)
     dsum = (dout * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
     ds = p * (dp - dsum[..., None])
@@ -112,6 +110,19 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None,
     dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
     by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
     return dq, by_group(dk), by_group(dv)
+
+
+def _probs(scores, causal, window=None, sink=None):
+    """softmax of float32 scores (b, h, s_q, s_k) under the masks, with the sinks (h,) in
+    each row's denominator; 0 in rows that see nothing."""
+    if causal:
+        scores = _causal_masked(scores)
+    if window is not None:
+        scores = _window_masked(scores, *window)
+    if sink is None:
+        return torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    column = sink.float()[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1].nan_to_num(0.0)
 
 
 def _causal_masked(scores):

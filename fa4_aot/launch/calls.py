@@ -71,11 +71,16 @@ def repeat_key(kind: str, arrays, options, stream):
     return (kind, *map(id, arrays), *options, stream)
 
 
-def backward_rows(manifest, head_dim: int, causal, deterministic, dtype: str | None, varlen: bool) -> list:
-    """The built backward rows of these axes (any dtype where None), whose workspace
-    rules size a workspace for whichever the backward picks; a typed error if none."""
+def backward_rows(manifest, head_dim: int, causal, deterministic, dtype: str | None, varlen: bool,
+                  local: bool = False) -> list:
+    """The built backward rows of these axes (any dtype where None; ``local``: the local
+    rows, which serve a window or sinks, causal or not), whose workspace rules size a
+    workspace for whichever the backward picks; a typed error if none."""
     axes = {"kind": "bwd", "head_dim": head_dim, "causal": checks.flag("causal", causal),
             "deterministic": checks.flag("deterministic", deterministic), "varlen": varlen}
+    axes["local"] = checks.flag("local", local)
+    if axes["local"]:
+        axes["causal"] = False
     if dtype is not None:
         axes["dtype"] = dtype
     rows = manifest.matching(**axes)

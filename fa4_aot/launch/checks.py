@@ -193,6 +193,27 @@ class ScoreMods(NamedTuple):
         tensors.setdefault("sink", tensors["lse"])
 
 
+def backward_mods(causal: bool, window_size, softcap, learnable_sink, dsink) -> ScoreMods:
+    """A backward's ScoreMods (``score_mods``, with the forward's options): ``sink`` where
+    the call asks for the sinks' gradient (``dsink`` given, which needs the
+    ``learnable_sink`` it is the gradient of); OptionError for a dsink without sinks."""
+    if dsink is not None and learnable_sink is None:
+        raise OptionError("dsink is the gradient of learnable_sink: give both, or neither")
+    return score_mods(causal, window_size, softcap, learnable_sink is not None)
+
+
+def add_backward_values(mods: ScoreMods, values: dict, tensors: dict, slots: int) -> None:
+    """Where local, a backward's run-time values: the window, and where ``tensors`` has a
+    dsink, use_sink 1 and the sink_partial slots per head (the preprocess's blocks);
+    absent arrays read as lse's address (never read where use_sink is 0)."""
+    if not mods.local:
+        return
+    values.update({"window_left": mods.left, "window_right": mods.right, "use_sink": int("dsink" in tensors),
+                   "sink_slots": slots})
+    tensors.setdefault("sink", tensors["lse"])
+    tensors.setdefault("dsink", tensors["lse"])
+
+
 def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:
     """A call's ScoreMods from flash-attn's options: ``window_size`` (left, right), ints of
     at least -1 (None for -1), within int32; causal makes right 0; ``softcap`` a finite
@@ -217,16 +238,16 @@ def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:
     return ScoreMods(left, right, float(softcap), bool(sink))
 
 
-def check_sink(sink: DeviceArray, heads_q: int) -> None:
-    """The sinks: float32 (heads_q,), contiguous, 4-byte aligned."""
+def check_sink(sink: DeviceArray, heads_q: int, name: str = "learnable_sink") -> None:
+    """The sinks (or, ``name`` dsink, their gradient): float32 (heads_q,), contiguous, 4-byte aligned."""
     if sink.dtype != "fp32":
-        raise DTypeError(f"learnable_sink must be float32; got {sink.dtype}")
+        raise DTypeError(f"{name} must be float32; got {sink.dtype}")
     if tuple(sink.shape) != (heads_q,):
-        raise ShapeError(f"learnable_sink {sink.shape} must be (heads_q,) = ({heads_q},)")
+        raise ShapeError(f"{name} {sink.shape} must be (heads_q,) = ({heads_q},)")
     if heads_q > 1 and sink.strides[0] != 1:
-        raise LayoutError(f"learnable_sink must be contiguous; stride {sink.strides[0]}")
+        raise LayoutError(f"{name} must be contiguous; stride {sink.strides[0]}")
     if sink.ptr % 4:
-        raise LayoutError(f"learnable_sink's data pointer {sink.ptr:#x} is not 4-byte aligned")
+        raise LayoutError(f"{name}'s data pointer {sink.ptr:#x} is not 4-byte aligned")
 
 
 def q_tiles(value, declared=(1, 2)) -> int | None:

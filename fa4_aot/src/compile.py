@@ -29,7 +29,7 @@ from .sm90.decode.kernel import DecodeSm90
 from .sm90.fwd.config import FwdConfig
 from .sm90.fwd.kernel import FlashFwdSm90
 from .interfaces import (
-    BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_LPT,
+    BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS, BWD_SINK, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_LPT,
 )
 from .sm90.primitives import DTYPES
 
@@ -223,6 +223,9 @@ def compile_bwd(variant: Variant) -> dict:
             "kernel": (BWD_MAIN, main_block, _bwd_main_grid(cfg), kernel.smem_bytes, True),
             "postprocess": (BWD_POSTPROCESS, pre_post_block, pre_post, post_smem, True),
         }
+    if cfg.local:
+        # the sinks' gradient, launched last (after the postprocess, not programmatic) where use_sink
+        plans["sink_grad"] = (BWD_SINK, [32, 1, 1], ["heads_q", 1, 1], 0, False, "use_sink")
     return _bwd_result(variant, cfg, kernel, cubin, ptx, symbols, plans)
 
 

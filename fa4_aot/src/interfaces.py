@@ -86,6 +86,13 @@ BWD_INPUTS = Inputs(
     *SEQUENCE_INPUTS,
     Input("seqlen_q", "Int32", when="not varlen"), Input("seqlen_k", "Int32", when="not varlen"),
     Input("heads_q", "Int32"), Input("heads_kv", "Int32", when="varlen"),
+    # local: the forward's window (the sinks are in the forward's LSE already); where
+    # use_sink, the sinks' gradient (h_q,) out, from per-warp partial sums in the workspace
+    # ((h_q, sink_slots, tile_m // 8): sink_slots = the preprocess's blocks per head)
+    Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
+    Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
+    Input("dsink", "f32", 1, when="local"), Input("sink_partial", "f32", 1, when="local"),
+    Input("sink_slots", "Int32", when="local"),
 )
 BWD_LPT = lpt_params(BWD_INPUTS)
 BWD_PREPROCESS = Params(
@@ -97,6 +104,8 @@ BWD_PREPROCESS = Params(
     i32("seqlen_q", when="not varlen"), i32("total_q", when="varlen"), i32("heads_q"), i32("first_write"),
     ptr("cu_seqlens_q", when="varlen"), ptr("seqused_q", when="varlen"), i32("use_seqused_q", when="varlen"),
     i32("batch", when="varlen"),
+    ptr("sink", when="local"), i32("use_sink", when="local"), ptr("sink_partial", when="local"),
+    i32("sink_slots", when="local"),
     inputs=BWD_INPUTS,
 )
 # kernel (dense) and kernel_varlen: dK, dV by TMA, or row by row where packed; the dQ
@@ -114,6 +123,7 @@ BWD_MAIN = Params(
     ptr("tail_counters", when="not varlen"), ptr("dkv_partial", when="not varlen"),
     i32("tail_tiles", when="not varlen"), i32("tail_pieces", when="not varlen"),
     *SEQUENCE_PARAMS, *LPT_PARAMS,
+    i32("window_left", when="local"), i32("window_right", when="local"),
     inputs=BWD_INPUTS,
 )
 BWD_POSTPROCESS = Params(
@@ -125,6 +135,13 @@ BWD_POSTPROCESS = Params(
     ptr("cu_seqlens_q", when="varlen"), ptr("seqused_q", when="varlen"), i32("use_seqused_q", when="varlen"),
     ptr("cu_seqlens_k", when="varlen"), ptr("seqused_k", when="varlen"), i32("use_seqused_k", when="varlen"),
     i32("batch", when="varlen"), i32("total_k", when="varlen"), i32("heads_kv", when="varlen"),
+    i32("window_left", when="local"), i32("window_right", when="local"),
+    inputs=BWD_INPUTS,
+)
+# local, where use_sink: the sinks' gradient from the preprocess's partial sums
+BWD_SINK = Params(
+    "BwdSinkParams",
+    ptr("sink_partial", when="local"), ptr("dsink", when="local"), i32("sink_slots", when="local"),
     inputs=BWD_INPUTS,
 )
 

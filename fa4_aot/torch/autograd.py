@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..launch import checks
-from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
+from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
 from .tensors import check_tensors, refuse_local_gradient
 
 
@@ -32,7 +32,8 @@ class FlashAttention(torch.autograd.Function):
         out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                   window_size=(window_left, window_right), softcap=softcap,
                                   learnable_sink=learnable_sink)
-        setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic), (out, lse))
+        setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                            learnable_sink), (out, lse))
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
         return out, lse
@@ -41,10 +42,13 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         if dout is None:
             return None, None, None, None, None, None, None, None, None, None
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
-                                    causal=ctx.causal, deterministic=ctx.deterministic)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        q, k, v, out, lse, sink = ctx.saved_tensors
+        if not ctx.needs_input_grad[9]:
+            sink = None  # no sinks' gradient asked for: none computed
+        grads = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
+                               causal=ctx.causal, deterministic=ctx.deterministic, learnable_sink=sink,
+                               **backward_options(ctx))
+        return *grads[:3], None, None, None, None, None, None, grads[3] if sink is not None else None
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
@@ -54,9 +58,9 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     (and its lse, float32 (b, h_q, s_q), with ``return_lse``). FA4's names; every option
     is keyword-only; ``window_size``, ``softcap``, ``learnable_sink`` as fa4_aot.forward's.
 
-    The gradient flows to q, k and v through the backward kernels (not through lse). The
-    backward of a window, sinks or softcap is not built: such a call where a gradient
-    would be needed is refused (UnsupportedVariantError) before it launches.
+    The gradient flows to q, k, v and learnable_sink through the backward kernels (not
+    through lse). The backward through a softcap is not built: such a call where a
+    gradient would be needed is refused (UnsupportedVariantError) before it launches.
     """
     check_tensors({"q": q, "k": k, "v": v}, {} if learnable_sink is None else {"learnable_sink": learnable_sink})
     scale = checks.softmax_scale(softmax_scale)

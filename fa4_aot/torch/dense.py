@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..dense import backward_workspace_bytes, run_backward, run_forward
+from ..launch import checks
 from ..launch.calls import default_library
 from .tensors import KERNEL_DTYPES, as_device_array, check_tensors, current_stream, passed, repeat_key, stream_of
 
@@ -50,34 +51,44 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    lse: torch.Tensor, *, softmax_scale: float | None = None, causal: bool = False,
                    deterministic: bool = False, dq: torch.Tensor | None = None, dk: torch.Tensor | None = None,
                    dv: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
-                   q_tiles: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv); see fa4_aot.backward, whose argument order this shares (q, k, v, out,
-    dout, lse; ``q_tiles`` too). Every option is keyword-only. The workspace (uint8, at
-    least ``fa4_aot.backward_workspace_bytes`` bytes, any contents) comes from torch's
-    allocator unless given."""
+                   q_tiles: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                   learnable_sink: torch.Tensor | None = None, dsink: torch.Tensor | None = None) -> tuple:
+    """(dq, dk, dv), and with ``learnable_sink`` (dq, dk, dv, dsink), dsink float32 (h_q,);
+    see fa4_aot.backward, whose argument order this shares (q, k, v, out, dout, lse;
+    ``q_tiles``, ``window_size``, ``softcap`` too). Every option is keyword-only. The
+    workspace (uint8, at least ``fa4_aot.backward_workspace_bytes`` bytes, any contents)
+    and the gradients come from torch's allocator unless given."""
     given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
+    sinks = () if learnable_sink is None else (learnable_sink, dsink)
     repeat, stream = None, None
-    if all(type(t) is torch.Tensor for t in given) and q.is_cuda:
+    if all(type(t) is torch.Tensor for t in given + sinks) and q.is_cuda:
         device = q.get_device()
         stream = current_stream(device)
-        repeat = repeat_key("bwd", given, (softmax_scale, causal, deterministic, q_tiles, device, stream))
+        repeat = repeat_key("bwd", given + sinks, (softmax_scale, causal, deterministic, q_tiles, window_size, softcap,
+                                                   device, stream))
         if default_library().launch_again(repeat):
-            return dq, dk, dv
+            return (dq, dk, dv) + sinks[1:]
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
-                  {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace)})
+                  {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace, learnable_sink=learnable_sink,
+                                        dsink=dsink)})
     dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     b, s_q, h_q, d = q.shape
     if workspace is None:
         size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
-                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=KERNEL_DTYPES.get(q.dtype))
+                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=KERNEL_DTYPES.get(q.dtype),
+                                        local=checks.score_mods(causal, window_size, softcap,
+                                                                learnable_sink is not None).local)
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    if learnable_sink is not None and dsink is None:
+        dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
+    sink_arrays = [None if t is None else as_device_array(t) for t in (learnable_sink, dsink)]
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
-                 ((repeat, ()),) if repeat else ())
-    return dq, dk, dv
+                 ((repeat, ()),) if repeat else (), window_size, softcap, *sink_arrays)
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
 def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
@@ -88,7 +99,15 @@ def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
 
 
 def setup_context(ctx, inputs, output):
-    q, k, v, causal, softmax_scale, deterministic = inputs[:6]
+    """The forward's inputs (q, k, v, causal, softmax_scale, deterministic, window_left,
+    window_right, softcap, learnable_sink) kept for the backward."""
+    q, k, v, causal, softmax_scale, deterministic, left, right, softcap, sink = (*inputs, -1, -1, 0.0, None)[:10]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, sink)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.window, ctx.softcap = (left, right), softcap
+
+
+def backward_options(ctx) -> dict:
+    """The window and softcap flash_attn_bwd takes again (setup_context's)."""
+    return {"window_size": ctx.window, "softcap": ctx.softcap}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .dense import flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
+from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
@@ -27,23 +27,33 @@ def _(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_righ
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
 def bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
-           lse: torch.Tensor, causal: bool, softmax_scale: float,
-           deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
-                          deterministic=deterministic)
+           lse: torch.Tensor, causal: bool, softmax_scale: float, deterministic: bool, window_left: int = -1,
+           window_right: int = -1, softcap: float = 0.0, learnable_sink: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink empty (0,) without sinks."""
+    grads = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=softmax_scale, causal=causal,
+                           deterministic=deterministic, window_size=(window_left, window_right), softcap=softcap,
+                           learnable_sink=learnable_sink)
+    return (*grads, q.new_empty((0,), dtype=torch.float32)) if learnable_sink is None else grads
 
 
 @bwd_op.register_fake
-def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic):
+def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
+      learnable_sink=None):
     return (torch.empty_like(q, memory_format=torch.contiguous_format),
             torch.empty_like(k, memory_format=torch.contiguous_format),
-            torch.empty_like(v, memory_format=torch.contiguous_format))
+            torch.empty_like(v, memory_format=torch.contiguous_format),
+            q.new_empty((0,) if learnable_sink is None else learnable_sink.shape, dtype=torch.float32))
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
-    dq, dk, dv = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, None, None, None, None, None, None, None
+    q, k, v, out, lse, sink = ctx.saved_tensors
+    if not ctx.needs_input_grad[9]:
+        sink = None
+    window = backward_options(ctx)["window_size"]
+    dq, dk, dv, dsink = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic, *window,
+                               ctx.softcap, sink)
+    return dq, dk, dv, None, None, None, None, None, None, dsink if sink is not None else None
 
 
 fwd_op.register_autograd(_backward, setup_context=setup_context)

@@ -52,10 +52,10 @@ def repeat_key(kind: str, tensors, options) -> tuple:
 
 
 def refuse_local_gradient(mods, *tensors) -> None:
-    """UnsupportedVariantError where a call with a window, sinks or softcap (``mods``:
-    checks.ScoreMods) would need a gradient: their backward is not built."""
-    if mods.local and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise UnsupportedVariantError("the backward of a window, sinks or softcap is not built: call under "
+    """UnsupportedVariantError where a call with a softcap (``mods``: checks.ScoreMods)
+    would need a gradient: its backward is not built (windows' and sinks' are)."""
+    if mods.softcap > 0 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise UnsupportedVariantError("the backward through a softcap is not built: call under "
                                       "torch.no_grad() or with tensors that need no gradient")
 
 

@@ -70,62 +70,82 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q
 def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
                           max_seqlen_k: int, *, seqused_q=None, seqused_k=None, causal: bool = False,
                           softmax_scale: float | None = None, deterministic: bool = False, dq=None, dk=None, dv=None,
-                          workspace=None, order: str | None = None):
-    """(dq, dk, dv) like q, k, v; see fa4_aot.backward_varlen. Rows of no sequence are left
-    as allocated (zeroed here, so that autograd sums them as no gradient); the workspace
-    (uint8, with room for the heaviest-first order) comes from torch's allocator unless
-    given; ``order``: the sequences' order (None: the policy's)."""
+                          workspace=None, order: str | None = None, window_size=(-1, -1), softcap: float = 0.0,
+                          learnable_sink=None, dsink=None):
+    """(dq, dk, dv) like q, k, v, and with ``learnable_sink`` dsink (h_q,) float32 too;
+    see fa4_aot.backward_varlen. Rows of no sequence are left as allocated (zeroed here,
+    so that autograd sums them as no gradient); the workspace (uint8, with room for the
+    heaviest-first order) comes from torch's allocator unless given; ``order``: the
+    sequences' order (None: the policy's)."""
     check_packed({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                  {"lse": lse, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
-                  **passed(seqused_q=seqused_q, seqused_k=seqused_k, dq=dq, dk=dk, dv=dv, workspace=workspace)})
+                  **passed(seqused_q=seqused_q, seqused_k=seqused_k, dq=dq, dk=dk, dv=dv, workspace=workspace,
+                           learnable_sink=learnable_sink, dsink=dsink)})
     dq = torch.zeros_like(q, memory_format=torch.contiguous_format) if dq is None else dq
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if workspace is None:
         size = backward_varlen_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
                                                causal=causal, deterministic=deterministic,
-                                               dtype=DTYPES.get(q.dtype))
+                                               dtype=DTYPES.get(q.dtype),
+                                               local=checks.score_mods(causal, window_size, softcap,
+                                                                       learnable_sink is not None).local)
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
-    used = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None}
+    if learnable_sink is not None and dsink is None:
+        dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
+    used = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
+                                                ("learnable_sink", learnable_sink), ("dsink", dsink)) if t is not None}
     backward_varlen(*(as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k)),
                     max_seqlen_q, max_seqlen_k, as_device_array(workspace), causal=causal,
                     softmax_scale=softmax_scale, deterministic=deterministic,
-                    stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, **used)
-    return dq, dk, dv
+                    stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, window_size=window_size,
+                    softcap=softcap, **used)
+    return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
 @torch.library.custom_op("fa4_aot::bwd_varlen", mutates_args=(), device_types="cuda")
 def _bwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, dout: torch.Tensor,
                    lse: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
                    max_seqlen_k: int, seqused_q: torch.Tensor | None, seqused_k: torch.Tensor | None, causal: bool,
-                   softmax_scale: float, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, deterministic: bool, window_left: int = -1, window_right: int = -1,
+                   softcap: float = 0.0, learnable_sink: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, dsink); dsink empty (0,) without sinks."""
     if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
         dout = dout.contiguous()  # last dim contiguous, 16-byte-aligned strides
-    return flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                 seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
-                                 softmax_scale=softmax_scale, deterministic=deterministic)
+    grads = flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                                  softmax_scale=softmax_scale, deterministic=deterministic,
+                                  window_size=(window_left, window_right), softcap=softcap,
+                                  learnable_sink=learnable_sink)
+    return (*grads, q.new_empty((0,), dtype=torch.float32)) if learnable_sink is None else grads
 
 
 @_bwd_varlen_op.register_fake
 def _(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
-      causal, softmax_scale, deterministic):
-    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+      causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
+    return (*(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v)),
+            q.new_empty((0,) if learnable_sink is None else learnable_sink.shape, dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
-     softmax_scale, deterministic) = inputs[:12]
+     softmax_scale, deterministic, left, right, softcap, sink) = (*inputs, -1, -1, 0.0, None)[:16]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    ctx.save_for_backward(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink)
     ctx.max_seqlen = (max_seqlen_q, max_seqlen_k)
     ctx.causal, ctx.softmax_scale, ctx.deterministic = causal, softmax_scale, deterministic
+    ctx.window, ctx.softcap = (left, right), softcap
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k = ctx.saved_tensors
-    dq, dk, dv = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen, seqused_q,
-                                seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic)
-    return dq, dk, dv, *(None,) * 13
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
+    if not ctx.needs_input_grad[15]:
+        sink = None  # no sinks' gradient asked for: none computed
+    dq, dk, dv, dsink = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
+                                       seqused_q, seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic,
+                                       *ctx.window, ctx.softcap, sink)
+    return dq, dk, dv, *(None,) * 12, dsink if sink is not None else None
 
 
 _fwd_varlen_op.register_autograd(_backward, setup_context=_setup_context)
@@ -140,7 +160,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
     torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
     order (the forward always is). ``window_size``, ``softcap``, ``learnable_sink``: as
-    fa4_aot.forward_varlen's; their backward is not built (refused, as flash_attn_func)."""
+    fa4_aot.forward_varlen's; the gradient flows to learnable_sink too; the backward
+    through a softcap is not built (refused, as flash_attn_func)."""
     extra = passed(seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
     check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})

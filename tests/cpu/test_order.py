@@ -150,6 +150,63 @@ def test_first_dq_writer_has_the_lowest_turn_at_its_tile(shape, tiles, run_tiles
                 assert not 0 <= first < n_blocks, (m, chain, first)
 
 
+# (left, right) as given (-1 unbounded): a diagonal key, narrow, off the tiles, one side,
+# causal with a window, wider than the sequences
+WINDOWS = [(0, 0), (1, 1), (5, -1), (-1, 7), (100, 37), (128, 0), (200, 0), (5000, 5000), (-1, -1), (-1, 0)]
+
+
+def clamped(window, seqlen_q, seqlen_k):
+    """The window as the kernels clamp it (sm90.mask.Window.of)."""
+    left, right = window
+    return (seqlen_k if left < 0 else min(left, seqlen_k)), (seqlen_q if right < 0 else min(right, seqlen_q))
+
+
+def touches(m, n, seqlen_q, seqlen_k, tile_m, tile_n, window):
+    """Whether a row of query tile m (padding rows too) sees a key of key tile n."""
+    left, right = window
+    dk = seqlen_k - seqlen_q
+    # rows i of the tile see keys [i + dk - left, i + dk + right]: their union is one range
+    return m * tile_m + dk - left <= (n + 1) * tile_n - 1 and (m + 1) * tile_m - 1 + dk + right >= n * tile_n
+
+
+@pytest.mark.parametrize("window", WINDOWS, ids=lambda w: f"w{w[0]}_{w[1]}")
+@pytest.mark.parametrize("run_tiles", [1, 2])
+@pytest.mark.parametrize("tiles", TILES, ids=lambda t: f"{t[0]}x{t[1]}")
+def test_window_walk_turns_and_first_writers(tiles, run_tiles, window):
+    """Local: each key tile visits exactly the query tiles a row of which sees one of its
+    keys, read from either side (window_query_tiles, window_key_tiles); per run the turns
+    of the key tiles touching it are 0, 1, ... in launch order (highest key tile first);
+    the first writer of each tile is the one with its lowest turn."""
+    tile_m, tile_n = tiles
+    for seqlen_q, seqlen_k in SHAPES:
+        w = clamped(window, seqlen_q, seqlen_k)
+        m_blocks, n_blocks = ceil_div(seqlen_q, tile_m), ceil_div(seqlen_k, tile_n)
+        by_run, touching = {}, {}
+        for launch in range(n_blocks):
+            n_block = bwd.key_tile_of_launch(launch, n_blocks, True, True)
+            first, end = bwd.window_query_tiles(n_block, m_blocks, seqlen_q, seqlen_k, tile_m, tile_n, w)
+            seen = [m for m in range(m_blocks) if touches(m, n_block, seqlen_q, seqlen_k, tile_m, tile_n, w)]
+            assert list(range(first, end)) == seen, (seqlen_q, seqlen_k, n_block)
+            for m in seen:
+                turn = bwd.dq_turn(n_block, m // run_tiles, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k,
+                                   tile_m, tile_n, False, 1, w)
+                touching.setdefault(m, []).append((turn, n_block))
+            for run in sorted({m // run_tiles for m in seen}):
+                turn = bwd.dq_turn(n_block, run, run_tiles, m_blocks, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n,
+                                   False, 1, w)
+                by_run.setdefault(run, []).append((turn, launch))
+        for run, entries in by_run.items():
+            assert sorted(t for t, _ in entries) == list(range(len(entries))), (seqlen_q, seqlen_k, run)
+            launches = [x for _, x in sorted(entries)]
+            assert launches == sorted(launches), f"run {run}: a turn waits for a later launch ({launches})"
+        for m in range(m_blocks):
+            low, high = bwd.window_key_tiles(m, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n, w)
+            assert [n for _, n in sorted(touching.get(m, []), key=lambda e: e[1])] == list(range(low, high + 1))
+            if m in touching:
+                assert bwd.first_dq_key_tile(m, 0, n_blocks, seqlen_q, seqlen_k, tile_m, tile_n, False, w) \
+                    == min(touching[m])[1]
+
+
 def test_semaphore_words_fill_the_workspace_region_once():
     """Every (batch, query head, query tile, accumulator copy) has its own semaphore word,
     and together they are exactly the region fa4_aot.dense sizes (b * h_q * tiles * copies)."""

@@ -33,9 +33,10 @@ RAW = {
     + options(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, q_tiles=None,
               stream=0, library=None),
     "backward": positional("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "workspace")
-    + options(softmax_scale=None, causal=False, deterministic=False, q_tiles=None, stream=0, library=None),
+    + options(softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1), softcap=0.0,
+              learnable_sink=None, dsink=None, q_tiles=None, stream=0, library=None),
     "backward_workspace_bytes": positional("batch", "seqlen_q", "heads_q", "head_dim")
-    + options(causal=False, deterministic=False, seqlen_k=None, heads_kv=None, dtype=None, library=None),
+    + options(causal=False, deterministic=False, seqlen_k=None, heads_kv=None, dtype=None, local=False, library=None),
 }
 
 TORCH = {
@@ -47,7 +48,7 @@ TORCH = {
               learnable_sink=None),
     "flash_attn_bwd": positional("q", "k", "v", "out", "dout", "lse")
     + options(softmax_scale=None, causal=False, deterministic=False, dq=None, dk=None, dv=None, workspace=None,
-              q_tiles=None),
+              q_tiles=None, window_size=(-1, -1), softcap=0.0, learnable_sink=None, dsink=None),
 }
 
 

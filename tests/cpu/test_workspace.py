@@ -21,7 +21,8 @@ from .test_inputs import BASE
 
 config = pytest.importorskip("fa4_aot.src.sm90.bwd.config")
 
-BWD = [v for v in MATRIX if v.kind == "bwd" and not v.varlen]
+BWD = [v for v in MATRIX if v.kind == "bwd" and not v.varlen and not v.local]
+LOCAL = [v for v in MATRIX if v.kind == "bwd" and not v.varlen and v.local]
 
 
 def row_of(v: Variant) -> dict:
@@ -106,6 +107,27 @@ def test_sizes_equal_the_old_formulas(d, causal, det):
                 row = row_of(v)
                 got = ws.regions(row["workspace"], api._workspace_names(row, sizes_of(b, sq, hq, d, sk, hkv)))
                 assert got == old_regions(b, sq, hq, d, causal, det, sk, hkv), v.name
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("det", [False, True])
+def test_local_rows_are_the_causal_layout_and_the_sinks_partial_sums(d, det):
+    """A local backward (window, sinks) lays its workspace out as the causal one, and then
+    the sinks' gradient's partial sums: one float per warp of each preprocess block."""
+    local = RulesLibrary(BWD + LOCAL)
+    for b, sq, hq, sk, hkv in PROBLEMS:
+        causal = old_regions(b, sq, hq, d, True, det, sk, hkv)
+        tile_m = OLD_TILE_M[d]
+        sinks = ("sink_partial", hq * b * -(-sq // tile_m) * (tile_m // 8) * 4)
+        for v in LOCAL:
+            if (v.head_dim, v.deterministic) == (d, det):
+                row = row_of(v)
+                got = ws.regions(row["workspace"], api._workspace_names(row, sizes_of(b, sq, hq, d, sk, hkv)))
+                assert got == causal + [sinks], v.name
+        most = api.backward_workspace_bytes(b, sq, hq, d, deterministic=det, local=True, library=local)
+        assert most == sum(-(-size // 256) * 256 for _, size in causal) + sinks[1]  # each region 256-aligned
+        assert api.backward_workspace_bytes(b, sq, hq, d, causal=True, deterministic=det, library=local) \
+            == old_bytes(b, sq, hq, d, True, det), "a local row sized a plain call"
 
 
 def test_sizes_of_the_built_rows(built):

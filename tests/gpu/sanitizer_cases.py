@@ -55,16 +55,18 @@ def dense_cases():
             q, k, val = _bshd(b, sq, hq, v), _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
             flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=v.q_tiles, **_mods(v, hq, window))
     for v in (v for v in MATRIX if v.kind == "bwd" and not v.varlen):
-        for b, sq, sk, hq, hkv in SHAPES:
+        for (b, sq, sk, hq, hkv), window in itertools.product(SHAPES, WINDOWS if v.local else [None]):
             q, do = _bshd(b, sq, hq, v), _bshd(b, sq, hq, v)
             k, val = _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
-            out, lse = flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=1)
+            mods = _mods(v, hq, window)  # local: a window and sinks, their gradient too
+            out, lse = flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=1, **mods)
             flash_attn_bwd(q, k, val, out, do, lse, causal=v.causal, deterministic=v.deterministic,
-                           q_tiles=v.q_tiles)
+                           q_tiles=v.q_tiles, **mods)
 
 
 def _mods(v, heads_q, window):
-    """A local variant's options: ``window``, sinks, and a cap where softcap; {} otherwise."""
+    """A local variant's options: ``window``, sinks, and a cap where softcap; {} otherwise
+    (a backward's: softcap 0, as its forward's)."""
     if not v.local:
         return {}
     return {"window_size": window, "softcap": 5.0 if v.softcap else 0.0,
@@ -145,10 +147,11 @@ def varlen_backward_cases():
         k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
         out = torch.randn_like(q)
         lse = torch.randn(4, 333, device="cuda")
+        mods = _mods(v, 4, WINDOWS[0])  # local: a window, sinks and their gradient
         for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
             flash_attn_varlen_bwd(q, k, val, out, do, lse, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20,
                                   causal=v.causal, deterministic=v.deterministic, order=order,
-                                  **{n: as_i32(x) for n, x in used.items()})
+                                  **{n: as_i32(x) for n, x in used.items()}, **mods)
 
 
 def decode_cases():

@@ -84,12 +84,22 @@ class BwdConfig:
     # packed sequences (cu_seqlens): one item per (key tile of a sequence, KV head), the
     # workspace's query tiles padded per sequence (docs/design.md, "Variable length")
     varlen: bool = False
+    # a sliding window (left, right at run time; causal is right = 0): shaped as the causal
+    # kernel, each key tile visiting only the query tiles its keys' windows touch
+    local: bool = False
+
+    @property
+    def masked(self) -> bool:
+        """Causal or local: the walks, orders and shapes of a kernel whose key tiles see
+        only some query tiles."""
+        return self.causal or self.local
 
     @classmethod
     def of(cls, variant) -> "BwdConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind bwd, arch sm90a."""
         assert variant.kind == "bwd" and variant.arch == "sm90a", variant
-        d, causal, det, varlen = variant.head_dim, variant.causal, variant.deterministic, variant.varlen
+        d, det, varlen = variant.head_dim, variant.deterministic, variant.varlen
+        causal = variant.causal or variant.local  # the shape decisions: local as causal
         head_on_m = d in (192, 256)
         # two query tiles per step at head_dim 64, except causal and not deterministic,
         # where q_tiles says (both kernels built); varlen, one: a second tile past the
@@ -113,7 +123,7 @@ class BwdConfig:
         tail_split = not causal and not det and d in (64, 96, 128) and not varlen
         assert not (tail_split and (persistent or head_on_m))
         return cls(
-            dtype=variant.dtype, head_dim=d, causal=causal, deterministic=det,
+            dtype=variant.dtype, head_dim=d, causal=variant.causal, deterministic=det,
             tile_m=tile_m, tile_n=tile_n, stages=stages,
             head_on_m=head_on_m, num_consumers=num_consumers, step_tiles=step_tiles,
             step_rows=tile_m * step_tiles, threads=WARPGROUP * (1 + num_consumers),
@@ -127,6 +137,7 @@ class BwdConfig:
             rotate=not causal and not det, head_groups=causal != det and not varlen, persistent=persistent,
             kv_stages=2 if persistent else 1, tail_split=tail_split,
             chains=DET_DQ_CHAINS if det and not causal else 1, tickets=not det, varlen=varlen,
+            local=variant.local,
         )
 
     @property
@@ -166,6 +177,7 @@ def workspace_rule(cfg: BwdConfig) -> dict:
             # the split tiles' dK, dV partial sums
             {"name": "dkv_partial", "itemsize": 4,
              "count": ["partial_tiles", 2, "key_tile", "head_dim"] if cfg.tail_split else [0]},
+            *sink_regions(cfg, ["batch", "m_blocks"]),
         ],
         # the TMA reduce target: copy c of batch i is batch i * chains + c
         "views": {"dq_accum": [["batch", "chains"], ["seqlen_q"], ["heads_q"], ["head_dim"]]},
@@ -199,7 +211,16 @@ def varlen_workspace_rule(cfg: BwdConfig) -> dict:
             # main-kernel CTAs ended: a postprocess block stops waiting for its key tiles once
             # all have, which lying metadata can leave unwalked (docs/design.md, "Variable length")
             {"name": "ctas_done", "itemsize": 8, "count": [1]},
+            *sink_regions(cfg, ["ws_tiles"]),
         ],
         # the TMA reduce target: copy c is batch entry c, ws_tiles * query_tile rows
         "views": {"dq_accum": [["chains"], ["ws_tiles", "query_tile"], ["heads_q"], ["head_dim"]]},
     }
+
+
+def sink_regions(cfg: BwdConfig, slots: list) -> list:
+    """Local: the sinks' gradient's partial sums, one per warp of each preprocess block
+    (``slots`` blocks per head: pre_post.sink_grad sums them); else none."""
+    if not cfg.local:
+        return []
+    return [{"name": "sink_partial", "itemsize": 4, "count": ["heads_q", *slots, cfg.tile_m // 8]}]

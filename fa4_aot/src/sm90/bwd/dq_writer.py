@@ -272,12 +272,14 @@ class DqWriter:
             # the first turn at this tile (in this copy) stores; this turn's release
             # waits for its completion, as for the adds
             first = n_block == first_dq_key_tile(m_block, chain, n_blocks, prob.seqlen_q, prob.seqlen_k,
-                                                 cfg.tile_m, cfg.tile_n, cfg.causal)
+                                                 cfg.tile_m, cfg.tile_n, cfg.causal, prob.window)
         # this CTA's last tile of the run: the run's last, or the head's
         run_ends = m_block % turn_tiles == turn_tiles - 1 or m_block == m_blocks - 1
+        if const_expr(cfg.local):
+            run_ends = run_ends or step % item.span == item.span - 1  # its window's last query tile
         if m_block % turn_tiles == 0 or step % item.span == 0:  # this CTA's first tile of the run
             turn = dq_turn(n_block, run, turn_tiles, m_blocks, n_blocks, prob.seqlen_q, prob.seqlen_k,
-                           cfg.tile_m, cfg.tile_n, cfg.causal, cfg.chains)
+                           cfg.tile_m, cfg.tile_n, cfg.causal, cfg.chains, prob.window)
             if lane == 0:
                 # a plain acquire load: polling CTAs do not queue on the L2 atomic unit
                 if const_expr(cfg.varlen):

@@ -81,7 +81,8 @@ class HeadOnM:
                 lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
                 dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
             warpgroup.wait_group(1)
-            self.scores.probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True)
+            self.scores.probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True,
+                              window=prob.window)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)

@@ -16,6 +16,8 @@
    - warp 1, the dQ writer (dq_writer.py): each staged dQ share added into the fp32
      accumulator by a bulk reduce, in a fixed order when deterministic.
 3. ``postprocess`` (pre_post.py): dQ = accumulator * scale in the input dtype.
+4. local, where the call has sinks: ``sink_grad`` (pre_post.py), the sinks' gradient from
+   the preprocess's partial sums.
 
 Kernels 2 and 3 are launched with programmatic stream serialization (the manifest's
 ``programmatic``): each may start once every block of the one before has; the main
@@ -37,7 +39,7 @@ from cutlass.cute.nvgpu import cpasync
 from ...common import lpt, symbols
 from ..primitives import DTYPES, WARPGROUP, sdhb, smem_buffer, smem_layout, tma_pipeline
 from ...common.params import Tma
-from ...interfaces import BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS
+from ...interfaces import BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS, BWD_SINK
 from .bundles import DqTarget, Inputs, Outputs, Pipes, Scalars, Start, Stats, Tiles
 from .config import PRODUCER_REGS, BwdConfig
 from .dq_writer import DQ_WRITER_WARP, DqBuffers, DqWriter
@@ -147,6 +149,9 @@ class FlashBwdSm90:
                 grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1)
             self.pre_post.postprocess(BWD_POSTPROCESS.bind(cfg, x)).launch(
                 grid=pre_post_grid, block=[self.pre_post.threads, 1, 1], smem=self.pre_post.post_smem_bytes)
+        if const_expr(cfg.local):
+            # where use_sink (the run time leaves it out otherwise): the sinks' gradient
+            self.pre_post.sink_grad(BWD_SINK.bind(cfg, x)).launch(grid=[x.heads_q, 1, 1], block=[32, 1, 1])
 
     @cute.kernel
     def order_varlen(self, p: BWD_LPT.tuple_type):
@@ -226,7 +231,7 @@ class FlashBwdSm90:
         # previous call left there, and the postprocess blocks wait on this call's counts.
         warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv), tma_dq, tma_dq_store,
                                         sq_layout, skv_layout, sds_layout, sdq_layout)
-        prob = self.walk.problem(gQ, gK)
+        prob = self.walk.problem(gQ, gK, (p.window_left, p.window_right))
         prob, work = self.walk.cta_work(prob, gK, tail_tiles, tail_pieces, tail_ptr, partial_ptr)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
@@ -258,7 +263,7 @@ class FlashBwdSm90:
                            ((cu_q_ptr, 1), (cu_k_ptr, 1), (used_q_ptr, 0), (used_k_ptr, 0))),
                          use_used_q, use_used_k, batches)
         prob, work = self.walk.cta_work_varlen(gQ, gK, seqs, cute.make_tensor(order_ptr, cute.make_layout(batches)),
-                                               lpt)
+                                               lpt, (p.window_left, p.window_right))
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
                         Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh), start.sdK,

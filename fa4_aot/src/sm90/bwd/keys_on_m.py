@@ -252,7 +252,7 @@ class KeysOnM:
                 # wgmma (C7512)
                 by_query = self.cfg.stats_by_query
                 self.scores.probs(acc_s, s_coords, sLSE2[None, state.index] if by_query else lse2_col, n_block, m_block,
-                            seqlen_q, seqlen_k, scale_log2, by_query=by_query)
+                            seqlen_q, seqlen_k, scale_log2, by_query=by_query, window=prob.window)
                 ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
                 if const_expr(by_query):
                     # dS^T first, in shared memory before dV's GEMM is issued (the fence
@@ -350,7 +350,8 @@ class KeysOnM:
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
         warpgroup.wait_group(1)  # S^T done
-        self.scores.probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2)
+        self.scores.probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
+                          window=prob.window)
         for j in cutlass.range_constexpr(cute.size(dsum_col)):
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
         tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))

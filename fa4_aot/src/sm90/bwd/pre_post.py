@@ -27,9 +27,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
 from ...common import symbols
-from ...common.bwd_order import first_dq_key_tile, semaphore_word
+from ...common.bwd_order import first_dq_key_tile, semaphore_word, window_key_tiles
 from ...common.seqlen import packed_tile, sequence
-from ...interfaces import BWD_POSTPROCESS, BWD_PREPROCESS
+from ...interfaces import BWD_POSTPROCESS, BWD_PREPROCESS, BWD_SINK
+from ..mask import Window
 from ..primitives import DTYPES, WARPGROUP
 from .config import TAIL_COUNTERS, TAIL_MAX_TILES
 from .scheduler import varlen_grid_x
@@ -149,9 +150,11 @@ class PrePostSm90:
         linear = x + cute.arch.grid_dim()[0] * y
         bidx, head = linear // heads_q, linear % heads_q
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
-        self._preprocess_block(tidx, where, (o_ptr, o_sb, o_ss, o_sh), (do_ptr, do_sb, do_ss, do_sh),
-                               (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write,
-                               (tail_ptr, linear))
+        term = self._preprocess_block(tidx, where, (o_ptr, o_sb, o_ss, o_sh), (do_ptr, do_sb, do_ss, do_sh),
+                                      (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write,
+                                      (tail_ptr, linear), self._sink(p))
+        if const_expr(self.cfg.local):
+            self._store_sink_partial(p, term, tidx, head, batch * cute.ceil_div(seqlen_q, self.cfg.tile_m) + bidx)
 
     @cute.kernel
     def preprocess_varlen(self, p: BWD_PREPROCESS.tuple_type):
@@ -181,9 +184,17 @@ class PrePostSm90:
         if x + head + tidx == 0:
             cute.arch.store(ended_ptr.llvm_ptr, Int64(0))
         where = self._varlen_block(cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q)
-        if where.batch >= 0:
-            self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh),
-                                   (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write, None)
+        stats = (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr)
+        if const_expr(self.cfg.local):
+            term = Float32(0.0)
+            if where.batch >= 0:
+                term = self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
+                                              first_write, None, self._sink(p))
+            self._store_sink_partial(p, term, tidx, head, x)  # every block, whether it has rows or not
+        else:
+            if where.batch >= 0:
+                self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
+                                       first_write, None)
 
     def _varlen_block(self, cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q) -> "RowBlock":
         """The varlen row block's sequence and tile (batch -1 past the last tile)."""
@@ -197,10 +208,12 @@ class PrePostSm90:
                         cute.ceil_div(total_q, self.cfg.tile_m) + batches)
 
     @cute.jit
-    def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, tail):
+    def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, tail, sink=None):
         """The preprocess of one query tile of one head (``where``: a RowBlock); ``tail``:
         (the split tiles' counters, the block's linear index), cleared by the first block,
-        or None (varlen)."""
+        or None (varlen). ``sink``: local, (the sinks, use_sink); returns this thread's
+        term of the sink's gradient, -exp2(sink log2(e) - LSE2) D of its row where
+        use_sink (the row's first thread; 0 elsewhere)."""
         o_ptr, o_sb, o_ss, o_sh = o_rows
         do_ptr, do_sb, do_ss, do_sh = do_rows
         lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr = ptrs
@@ -210,6 +223,7 @@ class PrePostSm90:
         d = self.cfg.head_dim
         vec = 8  # elements of O, dO per 16-byte chunk
         total = Float32(0.0)
+        term = Float32(0.0)
         clear = first_write == 0  # the accumulator (else the main kernel stores first shares)
         if row < seqlen_q:
             o_row = self._io_row(where, row, o_sb, o_ss, o_sh)
@@ -262,6 +276,11 @@ class PrePostSm90:
                 if value == -Float32.inf:
                     lse2_value = Float32.inf
                 self._store_stats(lse2_ptr, dsum_ptr, lse2_value, total, where, row)
+                if const_expr(sink is not None):
+                    sink_ptr, use_sink = sink
+                    if use_sink != 0:
+                        logit = cute.make_tensor(sink_ptr, cute.make_layout(heads_q))[head]
+                        term = -cute.math.exp2(logit * LOG2E - lse2_value, fastmath=False) * total
                 if row == 0:
                     done = cute.make_tensor(done_ptr, cute.make_layout(batch * heads_q + head + 1))
                     done[batch * heads_q + head] = Int32(0)
@@ -276,6 +295,48 @@ class PrePostSm90:
             else:
                 # the padding of the last query tile: P = exp2(s - inf) = 0 and D = 0
                 self._store_stats(lse2_ptr, dsum_ptr, Float32.inf, Float32(0.0), where, row)
+        return term
+
+    def _sink(self, p):
+        """Local: (the sinks, use_sink) of the preprocess's params, else None."""
+        return (p.sink, p.use_sink) if const_expr(self.cfg.local) else None
+
+    @cute.jit
+    def _store_sink_partial(self, p, term, tidx, head, slot):
+        """Local, where use_sink: the sum of each warp's rows' ``term`` at
+        sink_partial[head, slot, warp], (heads_q, slots, tile_m // 8) in the workspace;
+        ``sink_grad`` sums a head's in a fixed order."""
+        if p.use_sink != 0:
+            for offset in (1, 2, 4, 8, 16):
+                term += cute.arch.shuffle_sync_bfly(term, offset=offset)
+            warps = self.threads // 32
+            at = (head * p.sink_slots + slot) * warps + tidx // 32
+            if tidx % 32 == 0:
+                cute.make_tensor(p.sink_partial, cute.make_layout(at + 1))[at] = term
+
+    @cute.kernel
+    def sink_grad(self, p: BWD_SINK.tuple_type):
+        """Local, launched last where use_sink: dsink[h] = the sum of head h's
+        sink_partial entries (slots * tile_m // 8 of them), one warp per head, in a fixed
+        order (each lane four running sums over its strided entries, then a butterfly):
+        the same bits on every run."""
+        lane, _, _ = cute.arch.thread_idx()
+        head, _, _ = cute.arch.block_idx()
+        count = p.sink_slots * (self.threads // 32)
+        base = head * count
+        part = cute.make_tensor(p.sink_partial, cute.make_layout(base + count))
+        sums = cute.make_rmem_tensor((4,), Float32)
+        sums.fill(0.0)
+        for i in cutlass.range(cute.ceil_div(count, 128), unroll=1):
+            for j in cutlass.range_constexpr(4):
+                at = i * 128 + j * 32 + lane
+                if at < count:
+                    sums[j] = sums[j] + part[base + at]
+        total = (sums[0] + sums[1]) + (sums[2] + sums[3])
+        for offset in (1, 2, 4, 8, 16):
+            total += cute.arch.shuffle_sync_bfly(total, offset=offset)
+        if lane == 0:
+            cute.make_tensor(p.dsink, cute.make_layout(head + 1))[head] = total
 
     @cute.jit
     def _store_stats(self, lse2_ptr, dsum_ptr, lse2_value, dsum_value, where, row):
@@ -303,7 +364,8 @@ class PrePostSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
-        self._postprocess_block(tidx, where, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr, (sem_ptr, seqlen_k, first_write),
+        self._postprocess_block(tidx, where, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr, (sem_ptr, seqlen_k, first_write,
+                                                                                  self._window(p)),
                                 done_ptr, scale)
         if bidx + head + batch == 0:
             # this grid must not end before the main kernel (its dK and dV stores) does: the
@@ -329,15 +391,21 @@ class PrePostSm90:
                              cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
             ctas = Int64(varlen_grid_x(total_k, batches, self.cfg.tile_n)) * Int64(heads_kv)
             self._postprocess_block(tidx, where, (dq_ptr, 0, dq_ss, dq_sh), dqacc_ptr,
-                                    (sem_ptr, seq_k.length, first_write), done_ptr, scale, (ended_ptr, ctas))
+                                    (sem_ptr, seq_k.length, first_write, self._window(p)), done_ptr, scale,
+                                    (ended_ptr, ctas))
         x, head, _ = cute.arch.block_idx()
         if x + head == 0:
             cute.arch.griddepcontrol_wait()  # as in postprocess
 
+    def _window(self, p):
+        """Local: the run-time (left, right) of the postprocess's params, else None."""
+        return (p.window_left, p.window_right) if const_expr(self.cfg.local) else None
+
     @cute.jit
     def _postprocess_block(self, tidx, where, dq_out, dqacc_ptr, coverage, done_ptr, scale, ended=None):
         """The postprocess of one query tile of one head (``where``: a RowBlock);
-        ``coverage``: (semaphores, seqlen_k, first_write), what _written reads; ``ended``:
+        ``coverage``: (semaphores, seqlen_k, first_write, local: the run-time window or
+        None), what _written reads; ``ended``:
         varlen, (the count of main-kernel CTAs ended, the grid's CTAs), else None."""
         dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
         batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
@@ -417,7 +485,7 @@ class PrePostSm90:
         where bwd_order.first_dq_key_tile names a key tile. Unwritten: causal rows that see
         no key, or a copy of more than the key tiles (its dQ there is 0, whatever the
         workspace held)."""
-        sem_ptr, seqlen_k, first_write = coverage
+        sem_ptr, seqlen_k, first_write, window = coverage
         seqlen_q = where.seqlen_q
         result = cutlass.Boolean(True)
         if first_write != 0:
@@ -428,11 +496,16 @@ class PrePostSm90:
                 result = cute.make_tensor(sem_ptr, cute.make_layout(at + 1))[at] != 0
             else:
                 n_blocks = cute.ceil_div(seqlen_k, self.cfg.tile_n)
-                key = first_dq_key_tile(m_block, copy, n_blocks, seqlen_q, seqlen_k, self.cfg.tile_m, self.cfg.tile_n,
-                                        self.cfg.causal)
-                result = key >= 0
-                if key >= n_blocks:
-                    result = cutlass.Boolean(False)
+                if const_expr(self.cfg.local):
+                    low, high = window_key_tiles(m_block, n_blocks, seqlen_q, seqlen_k, self.cfg.tile_m,
+                                                 self.cfg.tile_n, Window.of(*window, seqlen_q, seqlen_k))
+                    result = low <= high
+                else:
+                    key = first_dq_key_tile(m_block, copy, n_blocks, seqlen_q, seqlen_k, self.cfg.tile_m,
+                                            self.cfg.tile_n, self.cfg.causal)
+                    result = key >= 0
+                    if key >= n_blocks:
+                        result = cutlass.Boolean(False)
         return result
 
     @cute.jit

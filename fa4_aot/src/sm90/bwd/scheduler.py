@@ -27,9 +27,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from ...common.bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item
+from ...common.bwd_order import first_query_tile, key_tile_of_launch, piece_tiles, tail_item, window_query_tiles
 from ...common.launch_order import backward_head_group, launch_in_head_groups
 from ...common.seqlen import packed_tile_of_cta, sequence
+from ..mask import Window
 from .config import ROTATION_TILES
 
 
@@ -59,6 +60,7 @@ class Problem(NamedTuple):
     k_offset: object = None
     ws_first: object = None
     ws_tiles: object = None
+    window: object = None  # local: the mask.Window of these lengths
 
 
 class Sequences(NamedTuple):
@@ -111,13 +113,17 @@ class TileWalk:
     def __init__(self, cfg):
         self.cfg = cfg
 
-    def problem(self, gQ, gK) -> Problem:
-        """The sizes from the TMA coordinate tensors (s, d, h, b) of Q and K."""
+    def problem(self, gQ, gK, window=None) -> Problem:
+        """The sizes from the TMA coordinate tensors (s, d, h, b) of Q and K; local, the
+        run-time (left, right)."""
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         heads_q = gQ.shape[2]
         group = heads_q // gK.shape[2]
         m_blocks = cute.ceil_div(seqlen_q, self.cfg.tile_m)
-        return Problem(seqlen_q, seqlen_k, heads_q, group, m_blocks, None, None)
+        prob = Problem(seqlen_q, seqlen_k, heads_q, group, m_blocks, None, None)
+        if const_expr(self.cfg.local):
+            prob = prob._replace(window=Window.of(*window, seqlen_q, seqlen_k))
+        return prob
 
     def cta_work(self, prob: Problem, gK, tail_tiles, tail_pieces, tail_ptr, partial_ptr):
         """(the problem with its key tiles, this CTA's ``CtaWork``)."""
@@ -140,7 +146,7 @@ class TileWalk:
             item = self.item_of_block(launch, head_kv, batch, prob)
         return prob, CtaWork(item, tail, None, None, None)
 
-    def cta_work_varlen(self, gQ, gK, seqs: Sequences, order: cute.Tensor, lpt):
+    def cta_work_varlen(self, gQ, gK, seqs: Sequences, order: cute.Tensor, lpt, window=None):
         """Varlen: (the CTA's sequence's problem, its CtaWork). lpt 0: block (x, KV head)
         takes the x-th key tile of all sequences in order; else the blocks in launch order
         take the sequences in ``order`` ((b,) int32, heaviest first), each sequence's KV
@@ -150,7 +156,8 @@ class TileWalk:
         either order a (sequence, KV head)'s CTAs are launched in the order of t, so a
         deterministic CTA waits only for CTAs launched before it (its turns count only
         CTAs of its sequence and KV head: the query heads of a semaphore word are the KV
-        head's). A CTA past the last tile gets a sequence of no rows, batch -1 and no steps."""
+        head's). A CTA past the last tile gets a sequence of no rows, batch -1 and no steps.
+        Local: ``window``, the run-time (left, right), becomes the sequence's Window."""
         cfg = self.cfg
         launch, head_y, _ = cute.arch.block_idx()
         total_q, total_k, heads_q, heads_kv = gQ.shape[0], gK.shape[0], gQ.shape[2], gK.shape[2]
@@ -166,6 +173,8 @@ class TileWalk:
         prob = Problem(seqlen_q, seqlen_k, heads_q, heads_q // heads_kv, cute.ceil_div(seqlen_q, cfg.tile_m),
                        cute.ceil_div(seqlen_k, cfg.tile_n), heads_kv, seq_q.offset, seq_k.offset,
                        seq_q.offset // cfg.tile_m + batch, cute.ceil_div(total_q, cfg.tile_m) + seqs.batches)
+        if const_expr(cfg.local):
+            prob = prob._replace(window=Window.of(*window, seqlen_q, seqlen_k))
         item = self.item_of_block(tile, head_kv, Int32(cutlass.select_(live, batch, -1)), prob)
         # no key tile (n_block -1 when deterministic causal): key tile 0 of no keys, nothing stored
         item = item._replace(n_block=cutlass.max(item.n_block, 0))
@@ -206,9 +215,15 @@ class TileWalk:
             launch, head_kv = launch_in_head_groups(
                 launch, head_kv, prob.n_tiles, prob.heads_kv,
                 backward_head_group(seqlen_q, cfg.head_dim, prob.group, cfg.chains))
-        n_block = key_tile_of_launch(launch, prob.n_tiles, cfg.causal, cfg.deterministic)
-        m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, cfg.tile_m, cfg.tile_n, cfg.causal))
-        span = cutlass.max(m_blocks - m_first, 0)
+        n_block = key_tile_of_launch(launch, prob.n_tiles, cfg.masked, cfg.deterministic)
+        if const_expr(cfg.local):
+            m_first, m_end = window_query_tiles(n_block, m_blocks, seqlen_q, seqlen_k, cfg.tile_m, cfg.tile_n,
+                                                prob.window)
+            m_first = Int32(m_first)
+            span = cutlass.max(m_end - m_first, 0)
+        else:
+            m_first = Int32(first_query_tile(n_block, seqlen_q, seqlen_k, cfg.tile_m, cfg.tile_n, cfg.causal))
+            span = cutlass.max(m_blocks - m_first, 0)
         if const_expr(cfg.rotate):
             # every CTA of a head visits every query tile: each starts at its own tile
             # (spread over the head in steps of ROTATION_TILES) and wraps around

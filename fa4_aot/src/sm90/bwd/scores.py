@@ -19,14 +19,15 @@ class ScoreMath:
     @cute.jit
     def probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
                queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False,
-               m_upper=None):
+               m_upper=None, window=None):
         """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
         LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
         row), or, ``by_query``, is the stage's shared (tile_m,) values, read where used (no
         registers held for them). Only the last key tile (padding) and, causal, tiles that
         cross the diagonal are masked. ``m_upper`` (wide, causal): the query tile of the
         step's queries from tile_m on, which need not follow m_block (a pair of tiles that
-        spans two query heads of a GQA group).
+        spans two query heads of a GQA group). ``window``: local, the problem's mask.Window
+        (tiles that cross either edge are masked).
 
         Keys on rows, the scores are masked (to -inf) before the exponentials, so that no
         branch stands between the exponentials and dS: ptxas then spreads the MUFU.EX2s among
@@ -36,7 +37,8 @@ class ScoreMath:
         and the dS barrier (d256 -3 to -4%)."""
         s = acc_as_rows_cols(acc_s)
         if const_expr(not queries_on_rows):
-            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, -Float32.inf, False, m_upper)
+            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, -Float32.inf, False, m_upper,
+                             window)
         if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 value = lse2[s_coords[0, j][1]]
@@ -48,43 +50,61 @@ class ScoreMath:
                     s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[r if queries_on_rows else j],
                                              fastmath=True)
         if const_expr(queries_on_rows):
-            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, Float32(0.0), True, m_upper)
+            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, Float32(0.0), True, m_upper,
+                             window)
 
     @cute.jit
     def mask_scores(self, s, s_coords, n_block, m_block, seqlen_q, seqlen_k, fill,
-                     queries_on_rows: cutlass.Constexpr[bool], m_upper):
-        """``fill`` where a key lies past its query's limit (``_probs``'s tiles, as rows and
-        columns); a branch around it all, taken only by the last key tile (padding) and,
-        causal, tiles that cross the diagonal."""
+                     queries_on_rows: cutlass.Constexpr[bool], m_upper, window=None):
+        """``fill`` where a key lies past its query's limit, or local before its window's
+        first key (``_probs``'s tiles, as rows and columns); a branch around it all, taken
+        only by the last key tile (padding) and, causal or local, tiles that cross the
+        diagonal or a window's edge."""
+        tm, tn = self.cfg.tile_m, self.cfg.tile_n
         # the last key the tile's first query may see (exclusive bound, as a count)
         visible = seqlen_k
-        if const_expr(self.cfg.causal):
+        if const_expr(self.cfg.masked):
             first_tile = m_block if const_expr(m_upper is None) else cutlass.min(m_block, m_upper)
-            visible = cutlass.min(visible, first_tile * self.cfg.tile_m + 1 + seqlen_k - seqlen_q)
-        if (n_block + 1) * self.cfg.tile_n > visible:
-            # what depends on the row alone (its key, or its query's limit) computed once a row
+            reach = 0 if const_expr(not self.cfg.local) else window.right
+            visible = cutlass.min(visible, first_tile * tm + 1 + seqlen_k - seqlen_q + reach)
+        crosses = (n_block + 1) * tn > visible
+        if const_expr(self.cfg.local):
+            # the first key the tile's last query may see
+            last_tile = m_block if const_expr(m_upper is None) else cutlass.max(m_block, m_upper)
+            crosses = crosses | (n_block * tn < (last_tile + 1) * tm - 1 + seqlen_k - seqlen_q - window.left)
+        if crosses:
+            # what depends on the row alone (its key, or its query's bounds) computed once a row
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 if const_expr(queries_on_rows):
-                    row_limit = self.key_limit(s_coords[r, 0][0], m_block, seqlen_q, seqlen_k)
+                    row_low, row_limit = self.key_bounds(s_coords[r, 0][0], m_block, seqlen_q, seqlen_k, window)
                 else:
-                    row_key = n_block * self.cfg.tile_n + s_coords[r, 0][0]
+                    row_key = n_block * tn + s_coords[r, 0][0]
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     if const_expr(queries_on_rows):
-                        key, limit = n_block * self.cfg.tile_n + s_coords[r, j][1], row_limit
+                        key, low, limit = n_block * tn + s_coords[r, j][1], row_low, row_limit
                     else:
                         query, tile = s_coords[r, j][1], m_block
                         if const_expr(m_upper is not None):
                             # queries tile_m.. of the upper tile: row m_upper * tile_m + (query - tile_m)
-                            tile = cutlass.select_(query < self.cfg.tile_m, m_block, m_upper - 1)
-                        key, limit = row_key, self.key_limit(query, tile, seqlen_q, seqlen_k)
-                    s[r, j] = select_f32(key >= limit, fill, s[r, j])
+                            tile = cutlass.select_(query < tm, m_block, m_upper - 1)
+                        low, limit = self.key_bounds(query, tile, seqlen_q, seqlen_k, window)
+                        key = row_key
+                    if const_expr(self.cfg.local):
+                        s[r, j] = select_f32(key < low, fill, select_f32(key >= limit, fill, s[r, j]))
+                    else:
+                        s[r, j] = select_f32(key >= limit, fill, s[r, j])
 
-    def key_limit(self, query, m_block, seqlen_q, seqlen_k):
-        """The keys query ``query`` of tile m_block may see (an exclusive bound)."""
-        limit = seqlen_k
+    def key_bounds(self, query, m_block, seqlen_q, seqlen_k, window=None):
+        """[low, limit): the keys query ``query`` of tile m_block may see (low: local only,
+        else None)."""
+        limit, low = seqlen_k, None
+        row = m_block * self.cfg.tile_m + query
         if const_expr(self.cfg.causal):
-            limit = cutlass.min(limit, m_block * self.cfg.tile_m + query + 1 + seqlen_k - seqlen_q)
-        return limit
+            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q)
+        if const_expr(self.cfg.local):
+            limit = cutlass.min(limit, row + 1 + seqlen_k - seqlen_q + window.right)
+            low = row + seqlen_k - seqlen_q - window.left
+        return low, limit
 
     @cute.jit
     def grads(self, acc_p, acc_dp, dsum, queries_on_rows: cutlass.Constexpr[bool] = False, s_coords=None,
