@@ -132,10 +132,11 @@ def _splits(value, sizes: dict, row: dict, sm_count: int, mods=None) -> int:
         return value
     cfg = row["config"]
     ctas, tiles = _ctas(sizes, cfg["tile_m"]), -(-sizes["max_seqlen_k"] // cfg["tile_n"])
-    splits = policy.decode_splits(ctas, tiles, sm_count, most)
+    slots = sm_count * cfg.get("ctas_per_sm", 1)  # the CTAs resident at once
+    splits = policy.decode_splits(ctas, tiles, slots, most)
     if mods is not None and mods.left >= 0 and mods.right >= 0:
         span = mods.left + mods.right + sizes["seqlen_q"]  # keys a row tile's windows cover
-        splits = min(splits, policy.decode_splits(ctas, min(tiles, -(-span // cfg["tile_n"]) + 1), sm_count, most))
+        splits = min(splits, policy.decode_splits(ctas, min(tiles, -(-span // cfg["tile_n"]) + 1), slots, most))
     return splits
 
 
@@ -161,13 +162,17 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
         check_built(library.manifest, dict(kind="decode", head_dim=head_dim, dtype="bf16", causal=False), 1)
-    row = rows[0]
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "heads_kv": heads_kv, "head_dim": head_dim,
              "max_seqlen_k": max_seqlen_k}
-    if num_splits is None and sm_count is None:  # policy.decode_splits takes at most this many
-        _check_splits(num_splits)
-        num_splits = max(1, min(row["limits"]["max_splits"], -(-max_seqlen_k // row["config"]["tile_n"])))
-    splits = _splits(num_splits, sizes, row, sm_count or 1)
+    _check_splits(num_splits)
+
+    def most(row):  # the splits a call on this row can take: policy.decode_splits takes at most this many
+        if num_splits is None and sm_count is None:
+            return max(1, min(row["limits"]["max_splits"], -(-max_seqlen_k // row["config"]["tile_n"])))
+        return _splits(num_splits, sizes, row, sm_count or 1)
+
+    # the most of every row of the head dim (their key tiles and CTAs per SM differ: local d64)
+    splits, row = max((most(r), i, r) for i, r in enumerate(rows))[::2]
     if splits == 1:
         return 0
     rule = row["workspace"]

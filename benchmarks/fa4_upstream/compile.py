@@ -3,7 +3,7 @@ export each to C, so the H200 can run them next to ours with no CuTe DSL there
 (benchmark-only: nothing of FA4 enters the package or its tests).
 
     FA4_PATH=<dirs with flash_attn/, quack/, torch/, einops/> CUTE_DSL_ARCH=sm_90a \
-        python benchmarks/fa4_upstream/compile.py OUT [fwd] [bwd] [varlen] [decode]
+        python benchmarks/fa4_upstream/compile.py OUT [fwd] [bwd] [varlen] [decode] [local] [local_bwd]
     benchmarks/fa4_upstream/link.sh OUT      # -> OUT/libfa4.so, carried to the device
 
 FA4_PATH is a colon-separated list put first on sys.path (FA4's source tree and the
@@ -350,6 +350,106 @@ def local_fwd(d, qhpk, softcap):
            kinds=["t:q", "t:k", "t:v", "t:o", "t:lse", "f32", "i32", "i32", "t:sink", "stream"])
 
 
+def local_bwd(d, qhpk):
+    """``local`` (same_run_local_bwd.py): the sm90 backward's main kernel with a sliding
+    window (left, right int32 at run time), not deterministic, its interface's local tiles;
+    GQA (qhead_per_kvhead > 1): dK, dV into float32 accumulators (b, h_k, s_k padded * d),
+    which its interface zeroes per call and converts with two postprocess calls."""
+    cfg = _tile_size_bwd_sm90(d, d, False, True)
+    fa = FlashAttentionBackwardSm90(
+        BF16, d, d, qhpk, False, is_local=True, deterministic=False, tile_m=cfg.m_block_size,
+        tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
+        PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
+        dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
+        AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
+        q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
+    b, s, sk, h, sqr, sqdr = [cute.sym_int() for _ in range(6)]
+    hk = cute.sym_int() if qhpk > 1 else h
+    q, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
+    k, v = fake(BF16, (b, sk, hk, d), 8), fake(BF16, (b, sk, hk, d), 8)
+    if qhpk > 1:
+        dk, dv = fake(Float32, (b, hk, cute.sym_int()), 4), fake(Float32, (b, hk, cute.sym_int()), 4)
+    else:
+        dk, dv = fake(BF16, (b, sk, hk, d), 8), fake(BF16, (b, sk, hk, d), 8)
+    lse2, dpsum = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, sqr), 4)
+    dqacc = fake(Float32, (b, h, sqdr), 4)
+
+    @cute.jit
+    def entry(q: cute.Tensor, k: cute.Tensor, v: cute.Tensor, do: cute.Tensor, lse2: cute.Tensor,
+              dpsum: cute.Tensor, dqacc: cute.Tensor, dk: cute.Tensor, dv: cute.Tensor, scale: Float32,
+              left: Int32, right: Int32, stream: cuda.CUstream):
+        fa(q, k, v, do, lse2, dpsum, dqacc, dk, dv, scale, None, None, None, None, left, right, None, None,
+           None, AuxData(None, None), None, None, stream)
+
+    export(f"fa4_lbwd_d{d}{gqa_tag(qhpk)}", entry, q, k, v, do, lse2, dpsum, dqacc, dk, dv, Float32(0.125),
+           Int32(128), Int32(0), cuda.CUstream(0),
+           kinds=["t:q", "t:k", "t:v", "t:do", "t:lse2", "t:dpsum", "t:dqacc", "t:dk", "t:dv", "f32", "i32", "i32",
+                  "stream"])
+
+
+def local_rows(d):
+    """The local backward's pre- and postprocess (its tile_m), the dQ postprocess that also
+    reduces the sinks' gradient (one CTA per head, as its interface launches it with
+    learnable_sink), and the dense GQA dK / dV postprocess (tile_n rows, the dKV layout)."""
+    from flash_attn.cute.flash_bwd_postprocess import LearnableSinkBwdTensors
+
+    cfg = _tile_size_bwd_sm90(d, d, False, True)
+    tag = f"d{d}_m{cfg.m_block_size}"
+    b, s, h, sqr, sqdr = [cute.sym_int() for _ in range(5)]
+    dqacc = fake(Float32, (b, h, sqdr), 4)
+    dpsum, lse = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, s), 1)
+    if f"fa4_pre_{tag}" not in spec:
+        pre = FlashAttentionBackwardPreprocess(BF16, d, d, cfg.m_block_size)
+        o, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
+        lse2 = fake(Float32, (b, h, sqr), 4)
+
+        @cute.jit
+        def entry_pre(o: cute.Tensor, do: cute.Tensor, dpsum: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
+                      dqacc: cute.Tensor, stream: cuda.CUstream):
+            pre(o, do, dpsum, lse, lse2, dqacc, None, None, None, None, None, Float32(1.0), None, stream)
+
+        export(f"fa4_pre_{tag}", entry_pre, o, do, dpsum, lse, lse2, dqacc, cuda.CUstream(0),
+               kinds=["t:o", "t:do", "t:dpsum", "t:lse", "t:lse2", "t:dqacc", "stream"])
+    threads = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
+    dq = fake(BF16, (b, s, h, d), 8)
+    for sinks in (False, True):
+        name = f"fa4_{'s' if sinks else ''}post_{tag}"
+        if name in spec:
+            continue
+        post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.m_block_size, threads, cfg.AtomLayoutMdQ,
+                                                 cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1)
+        if sinks:
+            sink, dsink = fake(Float32, (h,), 1), fake(Float32, (h,), 1)
+
+            @cute.jit
+            def entry_spost(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, dpsum: cute.Tensor,
+                            lse: cute.Tensor, sink: cute.Tensor, dsink: cute.Tensor, stream: cuda.CUstream):
+                post(dqacc, dq, scale, None, None, LearnableSinkBwdTensors(dpsum, lse, sink, dsink), None, stream)
+
+            export(name, entry_spost, dqacc, dq, Float32(0.125), dpsum, lse, sink, dsink, cuda.CUstream(0),
+                   kinds=["t:dqacc", "t:dq", "f32", "t:dpsum", "t:lse", "t:sink", "t:dsink", "stream"])
+        else:
+            @cute.jit
+            def entry_post(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+                post(dqacc, dq, scale, None, None, None, None, stream)
+
+            export(name, entry_post, dqacc, dq, Float32(0.125), cuda.CUstream(0),
+                   kinds=["t:dqacc", "t:dq", "f32", "stream"])
+    kvtag = f"d{d}_n{cfg.n_block_size}"
+    if f"fa4_postkv_{kvtag}" not in spec:
+        post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV,
+                                                 cfg.dKV_swapAB, use_2cta_instrs=False, cluster_size=1)
+        sk, hk = cute.sym_int(), cute.sym_int()
+        acc, dx = fake(Float32, (b, hk, cute.sym_int()), 4), fake(BF16, (b, sk, hk, d), 8)
+
+        @cute.jit
+        def entry_postkv(acc: cute.Tensor, dx: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+            post(acc, dx, scale, None, None, None, None, stream)
+
+        export(f"fa4_postkv_{kvtag}", entry_postkv, acc, dx, Float32(0.125), cuda.CUstream(0),
+               kinds=["t:acc", "t:dx", "f32", "stream"])
+
+
 def attempt(fn, *args):
     """fn(*args), an FA4 refusal (an assert or an error of its compile) recorded in spec's
     "refused" instead of ending the run."""
@@ -392,6 +492,10 @@ if __name__ == "__main__":
         attempt(local_fwd, 64, 8, 0.0)
         attempt(local_fwd, 128, 2, 50.0)
         attempt(local_fwd, 256, 2, 50.0)
+    if "local_bwd" in what:  # the same layers' backward (no softcap: fa4_aot builds none)
+        for d, qhpk in ((64, 8), (128, 2), (256, 2)):
+            attempt(local_rows, d)
+            attempt(local_bwd, d, qhpk)
     if "decode" in what:
         for paged in (None, "tma", "cpasync"):
             attempt(decode, 128, 4, paged)

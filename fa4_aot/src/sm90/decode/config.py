@@ -19,6 +19,11 @@ ROWS = 64  # packed (query token, query head) rows per CTA: one consumer warpgro
 # of K/V plus the 64-row Q tile within 227 KB (one CTA per SM; 192-224 KB in flight).
 TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3), 192: (64, 4), 256: (64, 3)}
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K registers
+# Local at head_dim 64 (gpt-oss's 128-key windows: a row tile reads two or three key
+# tiles): shallow tiles and three CTAs per SM, so that some CTAs' loads wait while others
+# compute (tile_n, stages, CTAs per SM, consumer registers: (40 + 120) x 128 = 80 a thread
+# of 256) (docs/design.md, "Local attention, sinks, softcap": windowed decode).
+LOCAL_NARROW = {64: (64, 2, 3, 120)}
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
 MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
 MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
@@ -38,15 +43,19 @@ class DecodeConfig:
     consumer_regs: int
     local: bool = False  # a sliding window (left, right at run time) and sinks
     softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
+    ctas_per_sm: int = 1  # the launch's min_blocks_per_mp
 
     @classmethod
     def of(cls, variant) -> "DecodeConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind decode, arch sm90a."""
         assert variant.kind == "decode" and variant.arch == "sm90a", variant
         tile_n, stages = TILES[variant.head_dim]
+        ctas, consumer_regs = 1, CONSUMER_REGS
+        if variant.local and variant.head_dim in LOCAL_NARROW:
+            tile_n, stages, ctas, consumer_regs = LOCAL_NARROW[variant.head_dim]
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
                    tile_n=tile_n, stages=stages, threads=2 * WARPGROUP, producer_regs=PRODUCER_REGS,
-                   consumer_regs=CONSUMER_REGS, local=variant.local, softcap=variant.softcap)
+                   consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -105,9 +105,13 @@ class DecodeSm90:
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
         m_tiles = cute.ceil_div(x.heads_q // k.shape[2] * x.seqlen_q, self.cfg.tile_m)
         grid = (m_tiles * x.splits, k.shape[2], x.batch)
+        # more than one CTA per SM: ptxas caps the launch's registers (setmaxnreg moves them
+        # between the warpgroups within that); the carveout named so that the DSL asks no
+        # device (the driver picks one that fits the CTAs)
+        occupancy = {} if self.cfg.ctas_per_sm == 1 else {"preferred_smem_carveout": 100}
         self.kernel(DECODE.bind(self.cfg, x, tma), sq, skv).launch(
-            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
-        )
+            grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=self.cfg.ctas_per_sm,
+            **occupancy)
 
     @cute.kernel
     def kernel(self, p: DECODE.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):

@@ -1,0 +1,134 @@
+#!/usr/bin/env python3
+"""Decode with a sliding window against a long KV cache, bf16, on an sm_90 GPU:
+gpt-oss-like (head_dim 64, GQA 64:8, window 128 back, sinks) and Gemma-like (head_dim 256
+and 128, GQA 16:8, windows 1024 and 4096 back, softcap 50) layers, one query token per
+sequence, caches of 32k and 128k keys, contiguous and paged (pages of 64 keys, randomly
+placed: the window starts mid-page).
+
+    python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results]
+
+Figure: bytes of the window's K and V (batch x (window + 1) keys x heads_kv x head_dim x
+2 tensors x 2 bytes) per second, and its ratio to the same run's device-to-device copy
+(bench_decode.copy_bandwidth). Peer in the same process: cuDNN through torch SDPA on the
+window's keys sliced out of the contiguous cache (what a caller without a windowed decode
+would do; SDPA takes no window, sinks or cap: it computes plain attention over the slice,
+so its figure is the bandwidth it reaches on the same bytes, not the same math). Our call
+takes DeviceArrays made once. Rounds interleave ours and cuDNN; each cell's median and
+range are reported. Writes decode-local-<date>.json.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fa4_aot
+from fa4_aot.torch import as_device_array
+
+from bench_decode import copy_bandwidth  # noqa: E402 (run from benchmarks/ or with it on the path)
+
+# (name, batch, heads_q, heads_kv, head_dim, window back, softcap, sinks)
+LAYERS = [("gpt-oss", 256, 64, 8, 64, 128, 0.0, True), ("gemma-d256-w1024", 32, 16, 8, 256, 1024, 50.0, False),
+          ("gemma-d256-w4096", 16, 16, 8, 256, 4096, 50.0, False),
+          ("gemma-d128-w4096", 16, 16, 8, 128, 4096, 50.0, False),
+          ("gpt-oss-full", 8, 64, 8, 64, None, 0.0, True)]  # its full layers: sinks, no window
+CACHES = (32768, 131072)
+PAGE = 64
+
+
+def setup(layer, keys, paged):
+    _, batch, hq, hkv, d, window, cap, sinks = layer
+    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    out, lse = torch.empty_like(q), torch.empty(batch, hq, 1, device="cuda")
+    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    sink = torch.randn(hq, device="cuda") if sinks else None
+    table = None
+    if paged:  # pages of random keys at random places (no contiguous twin: the memory)
+        pages = keys // PAGE
+        table = torch.randperm(batch * pages, device="cuda").view(batch, pages).to(torch.int32).contiguous()
+        k_cache, v_cache = (torch.randn(batch * pages, PAGE, hkv, d, device="cuda", dtype=torch.bfloat16)
+                            for _ in range(2))
+    else:
+        k_cache, v_cache = (torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mods = {"window_size": (-1, -1) if window is None else (window, 0), "softcap": cap}
+    window = keys - 1 if window is None else window
+    need = fa4_aot.forward_kvcache_workspace_bytes(batch, 1, hq, hkv, d, keys)
+    space = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
+    args = [as_device_array(t) for t in (q, k_cache, v_cache, out, lse, lengths)]
+    extra = {"page_table": as_device_array(table) if table is not None else None,
+             "learnable_sink": as_device_array(sink) if sink is not None else None}
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def ours_with(library):
+        def ours():
+            fa4_aot.forward_kvcache(*args, space_array, stream=stream, library=library, **mods, **extra)
+        return ours
+
+    space_array = as_device_array(space) if need else None
+
+    qt = q.transpose(1, 2)
+    kt, vt = (x[:, keys - window - 1:].transpose(1, 2) for x in (k_cache, v_cache))
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    return ours_with, (cudnn if not paged else None), (q, k_cache, v_cache, space, table, sink, out, lse)
+
+
+def window_bytes(layer, keys):
+    _, batch, _, hkv, d, window, _, _ = layer
+    return batch * (keys if window is None else window + 1) * hkv * d * 2 * 2
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--kernels", action="append", default=[], metavar="NAME=DIR",
+                    help="a built folder timed beside the package's cubins (an A/B), repeatable")
+    ap.add_argument("--layers", default="", help="comma-separated layer names to keep")
+    args = ap.parse_args()
+    layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
+    libraries = {None: None, **{x.split("=")[0]: fa4_aot.KernelLibrary(Path(x.split("=")[1])) for x in args.kernels}}
+    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
+    copies, cells = [], {}
+    for r in range(args.rounds):
+        copies.append(copy_bandwidth(bench))
+        for layer in layers:
+            for keys in CACHES:
+                for paged in (False, True):
+                    label = f"{layer[0]} {keys // 1024}k{' paged' if paged else ''}"
+                    ours_with, cudnn, keep = setup(layer, keys, paged)
+                    cell = cells.setdefault(label, {"ours": [], "cudnn": []})
+                    timed = [("ours", ours_with(None))] + ([("cudnn", cudnn)] if cudnn else [])
+                    timed += [(f"ours:{n}", ours_with(lib)) for n, lib in libraries.items() if n]
+                    for name, fn in (timed if r % 2 == 0 else timed[::-1]):
+                        cell.setdefault(name, []).append(window_bytes(layer, keys) / (bench(fn) * 1e-3))
+                    del keep
+                    torch.cuda.empty_cache()
+    copy = statistics.median(copies)
+    lines = [f"Windowed decode: GB/s of the window's K and V (median over {args.rounds} rounds, range), and of the "
+             f"copy ({copy / 1e9:.0f} GB/s: {min(copies) / 1e9:.0f}-{max(copies) / 1e9:.0f})", "",
+             "| layer, cache | fa4_aot GB/s | / copy | cuDNN on the slice GB/s | ours / cuDNN |", "|---|---|---|---|---|"]
+    for label, cell in cells.items():
+        o = statistics.median(cell["ours"])
+        c = statistics.median(cell["cudnn"]) if cell["cudnn"] else float("nan")
+        rng = f" ({min(cell['ours']) / 1e9:.0f}-{max(cell['ours']) / 1e9:.0f})"
+        lines.append(f"| {label} | {o / 1e9:.0f}{rng} | {o / copy:.2f} | {c / 1e9:.0f} | {o / c:.2f} |"
+                     + "".join(f" {n}: {statistics.median(x) / 1e9:.0f}" for n, x in cell.items() if ":" in n))
+    table = "\n".join(lines)
+    print(table)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"decode-local-{datetime.date.today()}.json"
+    path.write_text(json.dumps({"copy_bytes_per_s": copies, "cells": cells, "table": table,
+                                "gpu": torch.cuda.get_device_name()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
