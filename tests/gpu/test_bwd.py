@@ -17,7 +17,7 @@ from ..reference import attention_bwd_from_out, attention_bwd_tensor_cores, atte
 from .test_fwd import check_out  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-BWD = [v for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a" and not v.varlen]
+BWD = [v for v in MATRIX if v.kind == "bwd" and v.arch == "sm90a" and not v.varlen and not v.local]  # local: test_local_bwd
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (1, 1, 1, 2, 2),  # one token

@@ -105,6 +105,16 @@ def test_local_backward_matches_reference(variant, case, gen):
         _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks), f"{shape}: ")
 
 
+@pytest.mark.parametrize("variant", [v for v in BWD_LOCAL if v.head_dim == 64], ids=lambda v: v.name)
+@pytest.mark.parametrize("case", [5, 4], ids=[CASE_IDS[5], CASE_IDS[4]])
+def test_local_backward_with_more_items_than_multiprocessors(variant, case, gen):
+    """512 (key tile, KV head, batch) items, about four per SM of an H200: the persistent
+    kernel (head_dim 64 bf16, not deterministic) walks several each, every item its own
+    window range; the others launch past one wave."""
+    q, k, v, dout, out, sinks, got = _run(variant, CASES[case], (8, 2000, 2000, 4, 4), gen)
+    _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks))
+
+
 @pytest.mark.parametrize("variant", [v for v in BWD_LOCAL + BWD_LOCAL_VARLEN if v.deterministic],
                          ids=lambda v: v.name)
 def test_local_deterministic_backward_is_bitwise_repeatable(variant, gen):

@@ -15,7 +15,7 @@ from ..reference import check_attention
 from .test_bwd import check_grads
 
 VARLEN = [v for v in MATRIX if v.kind == "fwd" and v.varlen and not v.local]  # local: test_local.py
-VARLEN_BWD = [v for v in MATRIX if v.kind == "bwd" and v.varlen]
+VARLEN_BWD = [v for v in MATRIX if v.kind == "bwd" and v.varlen and not v.local]  # local: test_local_bwd
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (query lengths, key lengths, heads_q, heads_kv), each mix with its edge
