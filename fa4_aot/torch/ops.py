@@ -48,12 +48,19 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic, window_left
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sink = ctx.saved_tensors
-    if not ctx.needs_input_grad[9]:
+    if not _needs_grad(ctx, 9):
         sink = None
     window = backward_options(ctx)["window_size"]
     dq, dk, dv, dsink = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic, *window,
                                ctx.softcap, sink)
     return dq, dk, dv, None, None, None, None, None, None, dsink if sink is not None else None
+
+
+def _needs_grad(ctx, index: int) -> bool:
+    """Whether input ``index`` needs a gradient (False for an input the call left to its
+    default, which needs_input_grad may not list)."""
+    needs = ctx.needs_input_grad
+    return index < len(needs) and bool(needs[index])
 
 
 fwd_op.register_autograd(_backward, setup_context=setup_context)

@@ -140,7 +140,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
-    if not ctx.needs_input_grad[15]:
+    if not (len(ctx.needs_input_grad) > 15 and ctx.needs_input_grad[15]):
         sink = None  # no sinks' gradient asked for: none computed
     dq, dk, dv, dsink = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
                                        seqused_q, seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic,
