@@ -216,5 +216,5 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
               "first_write": int(first_write), "tail_tiles": tail_tiles, "tail_pieces": tail_pieces}
-    checks.add_backward_values(mods, values, tensors, names["batch"] * names["m_blocks"])
+    checks.add_backward_values(mods, values, tensors, names["batch"] * names["m_blocks"], scale, LOG2E)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)

@@ -54,7 +54,6 @@ KINDS = {
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
     "fwd": {"deterministic": (False,)},
-    "bwd": {"softcap": (False,)},
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
                 "local": (False,), "softcap": (False,)},
@@ -75,7 +74,6 @@ NOT_BUILT_REASONS = {
     "kind=fwd,local=True,q_tiles=2": "a window takes one query tile per CTA",
     "local=False,softcap=True": "softcap is built into the local kernels, which serve every window "
     "(unbounded and causal included)",
-    "kind=bwd,softcap=True": "the backward through a softcap is not written yet",
     "kind=combine,local=True": "the combine merges rows whatever the mask was",
     "kind=combine,softcap=True": "the combine merges rows whatever the scores were",
     "kind=combine,causal=True": "the combine merges rows whatever the mask was",

@@ -323,5 +323,5 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
                    "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
                    "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
                    "lpt": int(walk == "lpt")})
-    checks.add_backward_values(mods, values, tensors, values["ws_tiles"])
+    checks.add_backward_values(mods, values, tensors, values["ws_tiles"], scale, LOG2E)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits)

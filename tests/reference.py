@@ -59,13 +59,14 @@ def _bmm32(x, y):
     return out.reshape(*lead, m, n)
 
 
-def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None, window=None, sink=None):
+def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=None, window=None, sink=None,
+                               softcap=0.0):
     """(dq, dk, dv) in float32 by the recipe of attention_bwd_from_out with P and dS rounded
     to the inputs' dtype, every GEMM on the tensor cores as a kernel's: 16-bit operands,
     float32 accumulation (``_bmm32``). The recipe's float32 GEMMs accumulate exactly
     rounded FMAs; the tensor cores do not, which shows where the exact gradient is 0 and
     every figure is rounding: a one-key sequence (P = 1, dS = dP - D). ``window``,
-    ``sink``: as attention_ref's."""
+    ``sink``, ``softcap``: as attention_ref's (dS then times tanh's derivative)."""
     dtype = q.dtype
     s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
@@ -73,11 +74,11 @@ def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=N
     heads = lambda x: x.transpose(1, 2)  # noqa: E731  (b, s, h, d) -> (b, h, s, d)
     qh, doh = heads(q), heads(dout)
     kh, vh = heads(k.repeat_interleave(group, dim=2)), heads(v.repeat_interleave(group, dim=2))
-    scores = _bmm32(qh, kh.transpose(-1, -2)) * scale
+    scores, dtanh = _capped(_bmm32(qh, kh.transpose(-1, -2)) * scale, softcap)
     p = _probs(scores, causal, window, sink)
     dp = _bmm32(doh, vh.transpose(-1, -2))
     dsum = (dout.float() * out.float()).sum(-1).transpose(1, 2)
-    p16, ds16 = p.to(dtype), (p * (dp - dsum[..., None])).to(dtype)
+    p16, ds16 = p.to(dtype), (p * (dp - dsum[..., None]) * dtanh).to(dtype)
     dv = _bmm32(p16.transpose(-1, -2), doh)
     dk = _bmm32(ds16.transpose(-1, -2), qh) * scale
     dq = _bmm32(ds16, kh) * scale
@@ -86,23 +87,24 @@ def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=N
 
 
 def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None, operands=None, window=None,
-                           sink=None):
+                           sink=None, softcap=0.0):
     """(dq, dk, dv) in float32 by the flash-attention backward recipe from a given ``out``:
     P from the exact LSE, D = rowsum(dO o out), dS = P o (dP - D). ``operands``: a dtype
     that P and dS are rounded to as GEMM operands (as a tensor-core backward's are; the
     GEMMs accumulate in float32), else they stay float32. From a backward's own 16-bit
     ``out`` and operands, the same math as its kernel; with the exact output rounded to
-    16 bits, the cost of storing the output alone. ``window``, ``sink``: as attention_ref's."""
+    16 bits, the cost of storing the output alone. ``window``, ``sink``, ``softcap``: as
+    attention_ref's."""
     q, k, v, dout, out = (x.float() for x in (q, k, v, dout, out))
     s_k, h_q, h_kv, d = k.shape[1], q.shape[2], k.shape[2], q.shape[3]
     group = h_q // h_kv
     scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
     k_q, v_q = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("bshd,bthd->bhst", q, k_q) * scale
+    scores, dtanh = _capped(torch.einsum("bshd,bthd->bhst", q, k_q) * scale, softcap)
     p = _probs(scores, causal, window, sink)  # rows that see no key: 0
     dp = torch.einsum("bshd,bthd->bhst", dout, v_q)
     dsum = (dout * out).sum(-1).transpose(1, 2)  # (b, h, s_q)
-    ds = p * (dp - dsum[..., None])
+    ds = p * (dp - dsum[..., None]) * dtanh
     if operands is not None:
         p, ds = p.to(operands).float(), ds.to(operands).float()
     dv = torch.einsum("bhst,bshd->bthd", p, dout)
@@ -110,6 +112,15 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None,
     dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
     by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
     return dq, by_group(dk), by_group(dv)
+
+
+def _capped(scores, softcap):
+    """(cap * tanh(scores / cap), 1 - tanh^2: the cap's derivative) where softcap, else
+    (scores, 1)."""
+    if not softcap:
+        return scores, 1.0
+    t = torch.tanh(scores / softcap)
+    return softcap * t, 1 - t * t
 
 
 def _probs(scores, causal, window=None, sink=None):

@@ -350,11 +350,14 @@ def local_fwd(d, qhpk, softcap):
            kinds=["t:q", "t:k", "t:v", "t:o", "t:lse", "f32", "i32", "i32", "t:sink", "stream"])
 
 
-def local_bwd(d, qhpk):
+def local_bwd(d, qhpk, softcap=0.0):
     """``local`` (same_run_local_bwd.py): the sm90 backward's main kernel with a sliding
-    window (left, right int32 at run time), not deterministic, its interface's local tiles;
+    window (left, right int32 at run time), not deterministic, its interface's local tiles,
+    and where ``softcap`` its softcap score_mod and score_mod_bwd (the cap compile-time);
     GQA (qhead_per_kvhead > 1): dK, dV into float32 accumulators (b, h_k, s_k padded * d),
     which its interface zeroes per call and converts with two postprocess calls."""
+    from flash_attn.cute import utils
+
     cfg = _tile_size_bwd_sm90(d, d, False, True)
     fa = FlashAttentionBackwardSm90(
         BF16, d, d, qhpk, False, is_local=True, deterministic=False, tile_m=cfg.m_block_size,
@@ -362,7 +365,9 @@ def local_bwd(d, qhpk):
         PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
         dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
         AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
-        q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
+        q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg,
+        **(dict(score_mod=utils.create_softcap_scoremod(softcap), score_mod_bwd=utils.create_softcap_scoremod_bwd(softcap))
+           if softcap else {}))
     b, s, sk, h, sqr, sqdr = [cute.sym_int() for _ in range(6)]
     hk = cute.sym_int() if qhpk > 1 else h
     q, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
@@ -381,7 +386,7 @@ def local_bwd(d, qhpk):
         fa(q, k, v, do, lse2, dpsum, dqacc, dk, dv, scale, None, None, None, None, left, right, None, None,
            None, AuxData(None, None), None, None, stream)
 
-    export(f"fa4_lbwd_d{d}{gqa_tag(qhpk)}", entry, q, k, v, do, lse2, dpsum, dqacc, dk, dv, Float32(0.125),
+    export(f"fa4_lbwd_d{d}{gqa_tag(qhpk)}{f'_cap{int(softcap)}' if softcap else ''}", entry, q, k, v, do, lse2, dpsum, dqacc, dk, dv, Float32(0.125),
            Int32(128), Int32(0), cuda.CUstream(0),
            kinds=["t:q", "t:k", "t:v", "t:do", "t:lse2", "t:dpsum", "t:dqacc", "t:dk", "t:dv", "f32", "i32", "i32",
                   "stream"])
@@ -496,6 +501,8 @@ if __name__ == "__main__":
         for d, qhpk in ((64, 8), (128, 2), (256, 2)):
             attempt(local_rows, d)
             attempt(local_bwd, d, qhpk)
+            if d > 64:
+                attempt(local_bwd, d, qhpk, 50.0)
     if "decode" in what:
         for paged in (None, "tma", "cpasync"):
             attempt(decode, 128, 4, paged)

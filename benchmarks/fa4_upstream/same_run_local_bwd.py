@@ -1,8 +1,8 @@
 """fa4_aot's local backward (sliding window, sinks and their gradient) beside FA4 upstream's
 sm90 backward with the same (compile.py's ``local_bwd`` exports), timed in one process on
-the H200: same_run_local.py's layers without the softcap (no backward through a softcap is
-built here): gpt-oss-like (head_dim 64, GQA 64:8, window 128 back, sinks) and Gemma-like
-(head_dim 256 and 128, GQA 16:8, windows 1024 and 4096 back), bf16, batch x seqlen = 128k
+the H200: same_run_local.py's layers: gpt-oss-like (head_dim 64, GQA 64:8, window 128
+back, sinks) and Gemma-like (head_dim 256 and 128, GQA 16:8, windows 1024 and 4096 back,
+capped at 50, and uncapped), bf16, batch x seqlen = 128k
 tokens, interleaved rounds (the order turns each round), do_bench 50/200 ms medians.
 TFLOP/s count only the keys each query sees: 2.5 times the forward's (10 * head_dim *
 heads * keys seen). cuDNN (torch SDPA) takes no window: not timed. The first round
@@ -27,14 +27,14 @@ from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
 from same_run_local import TOKENS, seen_keys  # noqa: E402
 
 SEQLENS = (4096, 16384, 65536)
-# (name, head_dim, heads_q, heads_kv, window back, sinks)
-LAYERS = [("gpt-oss", 64, 64, 8, 128, True), ("gemma-d256-w1024", 256, 16, 8, 1024, False),
-          ("gemma-d256-w4096", 256, 16, 8, 4096, False), ("gemma-d128-w1024", 128, 16, 8, 1024, False),
-          ("gemma-d128-w4096", 128, 16, 8, 4096, False)]
+# (name, head_dim, heads_q, heads_kv, window back, sinks, softcap)
+LAYERS = [("gpt-oss", 64, 64, 8, 128, True, 0.0)] + [
+    (f"gemma-d{d}-w{w}{'' if cap else '-nocap'}", d, 16, 8, w, False, cap)
+    for cap in (50.0, 0.0) for d in (256, 128) for w in (1024, 4096)]
 
 
 def flops(layer, seqlen):
-    _, d, hq, _, window, _ = layer
+    _, d, hq, _, window, _, _ = layer
     return 10 * d * hq * (TOKENS // seqlen) * seen_keys(seqlen, window)
 
 
@@ -43,13 +43,14 @@ def setup(layer, seqlen, seed=0):
     import fa4_aot
     from fa4_aot.torch import flash_attn_fwd
 
-    _, d, hq, hkv, window, sinks = layer
+    _, d, hq, hkv, window, sinks, cap = layer
     g = torch.Generator(device="cuda").manual_seed(seed)
     b = TOKENS // seqlen
     mk = lambda s, h: torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g)  # noqa: E731
     t = {"q": mk(seqlen, hq), "k": mk(seqlen, hkv), "v": mk(seqlen, hkv), "dout": mk(seqlen, hq),
          "sink": torch.randn(hq, device="cuda", generator=g) if sinks else None}
-    t["out"], t["lse"] = flash_attn_fwd(t["q"], t["k"], t["v"], window_size=(window, 0), learnable_sink=t["sink"])
+    t["out"], t["lse"] = flash_attn_fwd(t["q"], t["k"], t["v"], window_size=(window, 0), learnable_sink=t["sink"],
+                                        softcap=cap)
     for who in ("ours", "fa4"):
         t[f"dq_{who}"], t[f"dk_{who}"], t[f"dv_{who}"] = (torch.empty_like(t[n]) for n in ("q", "k", "v"))
         t[f"dsink_{who}"] = torch.empty(hq, device="cuda") if sinks else None
@@ -62,20 +63,20 @@ def ours_launch(layer, t):
     import fa4_aot
     from fa4_aot.torch import as_device_array
 
-    window, sinks = layer[4], layer[5]
+    window, sinks, cap = layer[4], layer[5], layer[6]
     names = ("q", "k", "v", "out", "dout", "lse", "dq_ours", "dk_ours", "dv_ours", "workspace")
     arrays = [as_device_array(t[n]) for n in names]
     sink = {"learnable_sink": as_device_array(t["sink"]), "dsink": as_device_array(t["dsink_ours"])} if sinks else {}
     s = torch.cuda.current_stream().cuda_stream
 
     def ours():
-        fa4_aot.backward(*arrays, window_size=(window, 0), stream=s, **sink)
+        fa4_aot.backward(*arrays, window_size=(window, 0), softcap=cap, stream=s, **sink)
     ours.keep = (arrays, sink)
     return ours
 
 
 def fa4_launch(layer, t):
-    _, d, hq, hkv, window, sinks = layer
+    _, d, hq, hkv, window, sinks, cap = layer
     spec = ffi.spec["exports"]
     m = int(next(n for n in spec if n.startswith(f"fa4_pre_d{d}_m")).rsplit("_m", 1)[1])
     n_tile = int(next(n for n in spec if n.startswith(f"fa4_postkv_d{d}_n")).rsplit("_n", 1)[1])
@@ -86,7 +87,7 @@ def fa4_launch(layer, t):
     dkacc, dvacc = (torch.zeros(b, hkv, skr * d, device="cuda") for _ in range(2))
     scale, stream = 1 / math.sqrt(d), torch.cuda.current_stream().cuda_stream
     pre = ffi.ex(f"fa4_pre_d{d}_m{m}").launcher(t["out"], t["dout"], dpsum, t["lse"], lse2, dqacc, stream)
-    main = ffi.ex(f"fa4_lbwd_d{d}_g{hq // hkv}").launcher(t["q"], t["k"], t["v"], t["dout"], lse2, dpsum, dqacc,
+    main = ffi.ex(f"fa4_lbwd_d{d}_g{hq // hkv}{f'_cap{int(cap)}' if cap else ''}").launcher(t["q"], t["k"], t["v"], t["dout"], lse2, dpsum, dqacc,
                                                          dkacc, dvacc, scale, window, 0, stream)
     if sinks:
         post = ffi.ex(f"fa4_spost_d{d}_m{m}").launcher(dqacc, t["dq_fa4"], scale, dpsum, t["lse"], t["sink"],

@@ -202,14 +202,20 @@ def backward_mods(causal: bool, window_size, softcap, learnable_sink, dsink) -> 
     return score_mods(causal, window_size, softcap, learnable_sink is not None)
 
 
-def add_backward_values(mods: ScoreMods, values: dict, tensors: dict, slots: int) -> None:
-    """Where local, a backward's run-time values: the window, and where ``tensors`` has a
+def add_backward_values(mods: ScoreMods, values: dict, tensors: dict, slots: int, scale: float,
+                        log2e: float) -> None:
+    """Where local, a backward's run-time values: the window; where ``tensors`` has a
     dsink, use_sink 1 and the sink_partial slots per head (the preprocess's blocks);
-    absent arrays read as lse's address (never read where use_sink is 0)."""
+    where capped, the exponentials' scale cap * log2(e) and softmax_scale / cap (dQ and
+    dK keep ``scale``, the derivative's outer factor). Absent arrays read as lse's
+    address (never read where use_sink is 0)."""
     if not mods.local:
         return
+    cap = mods.softcap
     values.update({"window_left": mods.left, "window_right": mods.right, "use_sink": int("dsink" in tensors),
-                   "sink_slots": slots})
+                   "sink_slots": slots, "softcap_scale": scale / cap if cap > 0 else 0.0})
+    if cap > 0:
+        values["scale_log2"] = cap * log2e
     tensors.setdefault("sink", tensors["lse"])
     tensors.setdefault("dsink", tensors["lse"])
 

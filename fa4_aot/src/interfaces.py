@@ -93,6 +93,7 @@ BWD_INPUTS = Inputs(
     Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
     Input("dsink", "f32", 1, when="local"), Input("sink_partial", "f32", 1, when="local"),
     Input("sink_slots", "Int32", when="local"),
+    Input("softcap_scale", "Float32", when="softcap"),  # softmax_scale / cap (scale_log2: cap * log2(e))
 )
 BWD_LPT = lpt_params(BWD_INPUTS)
 BWD_PREPROCESS = Params(
@@ -123,7 +124,7 @@ BWD_MAIN = Params(
     ptr("tail_counters", when="not varlen"), ptr("dkv_partial", when="not varlen"),
     i32("tail_tiles", when="not varlen"), i32("tail_pieces", when="not varlen"),
     *SEQUENCE_PARAMS, *LPT_PARAMS,
-    i32("window_left", when="local"), i32("window_right", when="local"),
+    i32("window_left", when="local"), i32("window_right", when="local"), f32("softcap_scale", when="softcap"),
     inputs=BWD_INPUTS,
 )
 BWD_POSTPROCESS = Params(

@@ -16,7 +16,7 @@ import torch
 
 from ..launch import checks
 from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
-from .tensors import check_tensors, refuse_local_gradient
+from .tensors import check_tensors
 
 
 class FlashAttention(torch.autograd.Function):
@@ -59,15 +59,13 @@ def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softma
     is keyword-only; ``window_size``, ``softcap``, ``learnable_sink`` as fa4_aot.forward's.
 
     The gradient flows to q, k, v and learnable_sink through the backward kernels (not
-    through lse). The backward through a softcap is not built: such a call where a
-    gradient would be needed is refused (UnsupportedVariantError) before it launches.
+    through lse), through the window and the softcap too.
     """
     check_tensors({"q": q, "k": k, "v": v}, {} if learnable_sink is None else {"learnable_sink": learnable_sink})
     scale = checks.softmax_scale(softmax_scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal, deterministic = checks.flag("causal", causal), checks.flag("deterministic", deterministic)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    refuse_local_gradient(mods, q, k, v, learnable_sink)
     if not mods.local:
         causal = mods.causal  # a window of (-1, 0) is causal
     options = (causal, scale, deterministic, mods.left, mods.right, mods.softcap, learnable_sink)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import DeviceError, DTypeError, ShapeError, UnsupportedVariantError
+from ..errors import DeviceError, DTypeError, ShapeError
 from ..launch.arrays import DeviceArray
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
@@ -49,14 +49,6 @@ def repeat_key(kind: str, tensors, options) -> tuple:
         key += (t.data_ptr(), t.shape, t.stride(), t.dtype)
     key += options
     return tuple(key)
-
-
-def refuse_local_gradient(mods, *tensors) -> None:
-    """UnsupportedVariantError where a call with a softcap (``mods``: checks.ScoreMods)
-    would need a gradient: its backward is not built (windows' and sinks' are)."""
-    if mods.softcap > 0 and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise UnsupportedVariantError("the backward through a softcap is not built: call under "
-                                      "torch.no_grad() or with tensors that need no gradient")
 
 
 def passed(**named) -> dict:

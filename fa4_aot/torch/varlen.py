@@ -18,7 +18,7 @@ from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
 from ..launch import checks
-from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed, refuse_local_gradient
+from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -160,8 +160,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
     torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
     order (the forward always is). ``window_size``, ``softcap``, ``learnable_sink``: as
-    fa4_aot.forward_varlen's; the gradient flows to learnable_sink too; the backward
-    through a softcap is not built (refused, as flash_attn_func)."""
+    fa4_aot.forward_varlen's; the gradient flows to learnable_sink too."""
     extra = passed(seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
     check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
@@ -170,7 +169,6 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
     causal = checks.flag("causal", causal)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    refuse_local_gradient(mods, q, k, v, learnable_sink)
     out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
                               causal if mods.local else mods.causal, scale, checks.flag("deterministic", deterministic),
                               mods.left, mods.right, mods.softcap, learnable_sink)

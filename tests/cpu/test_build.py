@@ -99,12 +99,17 @@ def test_launch_contract_is_complete(built, name):
     assert row["tensormaps"]["k"]["box"][1] == row["tiling"]["tile_n"]
     # Only launches that wait on griddepcontrol may overlap the one before them: the
     # backward's main kernel and postprocess, never a call's first launch (varlen: the
-    # heaviest-first sort, where lpt, then the forward's kernel or the backward's three).
+    # heaviest-first sort, where lpt, then the forward's kernel or the backward's three;
+    # local, the backward's sinks' gradient last, where use_sink, after all of them).
     programmatic = [launch["programmatic"] for launch in row["launches"]]
     sort = [False] if v.varlen else []
-    assert not any(programmatic) if v.kind == "fwd" else programmatic == sort + [False, True, True]
+    sinks = [False] if v.kind == "bwd" and v.local else []
+    assert not any(programmatic) if v.kind == "fwd" else programmatic == sort + [False, True, True] + sinks
+    if sinks:
+        assert row["launches"][-1]["when"] == "use_sink" and "sink_grad" in row["launches"][-1]["symbol"]
     if v.varlen:
-        assert [launch.get("when") for launch in row["launches"]] == ["lpt"] + [None] * (len(programmatic) - 1)
+        assert [launch.get("when") for launch in row["launches"]][:len(programmatic) - len(sinks)] == \
+            ["lpt"] + [None] * (len(programmatic) - len(sinks) - 1)
         assert "order_varlen" in row["launches"][0]["symbol"]
     ptx = (ROOT / "build" / "ptx" / f"{name}.ptx").read_text()
     assert ("griddepcontrol.wait" in ptx) == (v.kind == "bwd")

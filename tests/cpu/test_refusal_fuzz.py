@@ -391,23 +391,20 @@ def test_a_repeated_torch_forward_with_sinks_takes_the_repeat_path(adapters, mon
     assert len(checked) == 2
 
 
-def test_the_torch_layers_refuse_a_local_gradient_they_cannot_compute(adapters):
-    """flash_attn_func and flash_attn_varlen_func with a window, sinks or a cap where a
-    gradient would be needed: UnsupportedVariantError, nothing launched (no local
-    backward is built); under no_grad the call launches (the capped kernel, built here)."""
-    from fa4_aot.errors import UnsupportedVariantError
+def test_the_torch_layer_takes_local_gradients(adapters):
+    """flash_attn_func with a window, sinks and a cap: autograd launches the local
+    backward and its sinks' gradient (the fourth launch, sink_grad), and hands each input
+    a gradient of its shape; with sinks that need no gradient, no sink_grad is launched.
+    (flash_attn_varlen_func refuses CPU tensors: its gradients are tests/gpu's.)"""
     from fa4_aot.torch import flash_attn_func
 
     fake, _ = adapters
-    q, k, v = (_t(1, 64, 2, 64).requires_grad_() for _ in range(3))
-    for options in ({"window_size": (16, 0)}, {"softcap": 30.0}, {"learnable_sink": _t(2, dtype=torch.float32)}):
+    for sink_grad in (True, False):
+        q, k, v = (_t(1, 64, 2, 64).requires_grad_() for _ in range(3))
+        sink = _t(2, dtype=torch.float32).requires_grad_(sink_grad)
+        out = flash_attn_func(q, k, v, window_size=(16, 0), softcap=30.0, learnable_sink=sink)
         fake.launched.clear()
-        with pytest.raises(UnsupportedVariantError):
-            flash_attn_func(q, k, v, **options)
-        assert not fake.launched
-    with pytest.raises(UnsupportedVariantError):  # a learnable sink alone needs its gradient
-        flash_attn_func(q.detach(), k.detach(), v.detach(),
-                        learnable_sink=_t(2, dtype=torch.float32).requires_grad_())
-    with torch.no_grad():
-        flash_attn_func(q, k, v, softcap=30.0)
-    assert fake.launched
+        out.sum().backward()
+        assert fake.launched and any("sink_grad" in str(fn) for fn in fake.launched) == sink_grad, fake.launched
+        assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+        assert (sink.grad is not None and sink.grad.shape == (2,)) == sink_grad

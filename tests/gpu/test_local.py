@@ -197,19 +197,6 @@ def test_local_bad_options_are_refused_before_launch(gen):
         assert out.isnan().all() and lse.isnan().all(), options
 
 
-def test_local_func_refuses_a_backward_it_cannot_take(gen):
-    """flash_attn_func with a softcap where a gradient would be needed: refused before any
-    launch (no backward through a softcap is built); without one, the forward."""
-    from fa4_aot.torch import flash_attn_func
-
-    q, k, v = (t.requires_grad_() for t in _inputs((1, 64, 64, 2, 2), 64, torch.bfloat16, gen))
-    with pytest.raises(UnsupportedVariantError):
-        flash_attn_func(q, k, v, window_size=(16, 0), softcap=30.0)
-    with torch.no_grad():
-        out, lse = flash_attn_func(q, k, v, window_size=(16, 0), softcap=30.0, return_lse=True)
-    check_attention(out, lse, q.detach(), k.detach(), v.detach(), False, window=(16, 0), softcap=30.0)
-
-
 def test_local_func_traces_under_torch_compile(gen):
     """flash_attn_func with a window, sinks and a cap under torch.compile(fullgraph=True):
     the custom op takes them (no graph break), with the eager call's results."""

@@ -1,6 +1,6 @@
-"""The local backward kernels (sliding windows, attention sinks) against float32 autograd of
-the reference with the window and sinks applied, on an sm_90 GPU: dense and varlen, every
-built local backward, the forward tests' windows (0, 1, inside a tile, off the tile sizes,
+"""The local backward kernels (sliding windows, attention sinks, softcap) against float32
+autograd of the reference with the window, sinks and cap applied, on an sm_90 GPU: dense
+and varlen, every built local backward (the capped ones at caps 50 and 2), the forward tests' windows (0, 1, inside a tile, off the tile sizes,
 past the sequence, left-only, right-only, both, with causal, sinks alone), GQA/MQA,
 seqlen_q != seqlen_k, rows that see no key, varlen mixes with empty sequences; the sinks'
 gradient; bitwise repeats where deterministic; the torch layer's autograd and its
@@ -13,13 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa4_aot  # noqa: E402
-from fa4_aot.errors import DTypeError, OptionError, OverlapError, ShapeError, UnsupportedVariantError  # noqa: E402
+from fa4_aot.errors import DTypeError, OptionError, OverlapError, ShapeError  # noqa: E402
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 from fa4_aot.variants import MATRIX  # noqa: E402
 
 from ..reference import attention_bwd_from_out, attention_bwd_tensor_cores, attention_ref, check_attention  # noqa: E402
 from .test_fwd import DTYPES, _inputs  # noqa: E402
-from .test_local import CASE_IDS, CASES, MIXES, SHAPES, _sinks  # noqa: E402
+from .test_local import CASE_IDS, CASES, MIXES, SHAPES, _cap, _sinks  # noqa: E402
 from .test_varlen import _lengths_to_cu, _packed  # noqa: E402
 
 BWD_LOCAL = [v for v in MATRIX if v.kind == "bwd" and v.local and not v.varlen]
@@ -31,26 +31,26 @@ def _window(case):
     return left, 0 if causal else right
 
 
-def _reference(q, k, v, dout, window, sinks, upcast):
+def _reference(q, k, v, dout, window, sinks, upcast, cap=0.0):
     """Autograd through attention_ref: [dq, dk, dv, dsink or None] and the LSE."""
     leaves = [x.detach().clone().float() if upcast else x.detach().clone() for x in (q, k, v)]
     sink = None if sinks is None else sinks.detach().clone()
     for x in leaves + ([sink] if sink is not None else []):
         x.requires_grad_(True)
-    out, lse = attention_ref(*leaves, window=window, sink=sink, upcast=upcast)
+    out, lse = attention_ref(*leaves, window=window, sink=sink, upcast=upcast, softcap=cap)
     out.backward(dout.float() if upcast else dout)
     return [x.grad for x in leaves] + [None if sink is None else sink.grad], lse.detach()
 
 
-def grad_errors(got, q, k, v, dout, out, window, sinks):
+def grad_errors(got, q, k, v, dout, out, window, sinks, cap=0.0):
     """[(error, tolerance)] of dq, dk, dv (and dsink where ``sinks``): test_bwd.check_grads'
     rule with the window and sinks. dsink's own recipe: -sum exp(sink - lse) rowsum(dO o
     out) over the rows, from the kernels' 16-bit out (what the kernels compute, with
     float32 sums); its floor 1e-6 of the terms' magnitude (the order of the float32 sum)."""
-    ref, lse = _reference(q, k, v, dout, window, sinks, True)
-    low, _ = _reference(q, k, v, dout, window, sinks, False)
-    recipe = attention_bwd_from_out(q, k, v, dout, out, operands=q.dtype, window=window, sink=sinks)
-    cores = attention_bwd_tensor_cores(q, k, v, dout, out, window=window, sink=sinks)
+    ref, lse = _reference(q, k, v, dout, window, sinks, True, cap)
+    low, _ = _reference(q, k, v, dout, window, sinks, False, cap)
+    recipe = attention_bwd_from_out(q, k, v, dout, out, operands=q.dtype, window=window, sink=sinks, softcap=cap)
+    cores = attention_bwd_tensor_cores(q, k, v, dout, out, window=window, sink=sinks, softcap=cap)
     err = lambda x, r: (x.float() - r).abs().max().item()  # noqa: E731
     checks = []
     for g, r, lo, re, tc in zip(got[:3], ref, low, recipe, cores):
@@ -78,20 +78,21 @@ def _workspace(q, deterministic):
     return torch.full((size,), 0xFF, dtype=torch.uint8, device=q.device)
 
 
-def _run(variant, case, shape, gen):
+def _run(variant, case, shape, gen, cap=0.0):
     """Forward and backward of one case (the forward checked against the reference first,
     so the recipe measures the math): (q, k, v, dout, out, sinks, grads)."""
     left, right, causal, sink = case
     q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
     dout = torch.randn_like(q)
     sinks = _sinks(shape[3], gen) if sink else None
-    out, lse = flash_attn_fwd(q, k, v, causal=causal, window_size=(left, right), learnable_sink=sinks)
-    check_attention(out, lse, q, k, v, False, what=f"forward {shape}: ", window=_window(case), sink=sinks)
+    out, lse = flash_attn_fwd(q, k, v, causal=causal, window_size=(left, right), learnable_sink=sinks, softcap=cap)
+    check_attention(out, lse, q, k, v, False, what=f"forward {shape}: ", window=_window(case), sink=sinks,
+                    softcap=cap)
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
     dsink = None if sinks is None else torch.full_like(sinks, float("nan"))
     got = flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=variant.deterministic,
                          window_size=(left, right), learnable_sink=sinks, dsink=dsink, dq=grads[0], dk=grads[1],
-                         dv=grads[2], workspace=_workspace(q, variant.deterministic))
+                         dv=grads[2], workspace=_workspace(q, variant.deterministic), softcap=cap)
     torch.cuda.synchronize()
     assert all(g is h for g, h in zip(got, grads + ([dsink] if sink else [])))
     return q, k, v, dout, out, sinks, got
@@ -100,9 +101,10 @@ def _run(variant, case, shape, gen):
 @pytest.mark.parametrize("variant", BWD_LOCAL, ids=lambda v: v.name)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=CASE_IDS)
 def test_local_backward_matches_reference(variant, case, gen):
+    cap = _cap(variant, case)
     for shape in SHAPES:
-        q, k, v, dout, out, sinks, got = _run(variant, CASES[case], shape, gen)
-        _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks), f"{shape}: ")
+        q, k, v, dout, out, sinks, got = _run(variant, CASES[case], shape, gen, cap)
+        _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks, cap), f"{shape}: ")
 
 
 @pytest.mark.parametrize("variant", [v for v in BWD_LOCAL if v.head_dim == 64], ids=lambda v: v.name)
@@ -111,8 +113,9 @@ def test_local_backward_with_more_items_than_multiprocessors(variant, case, gen)
     """512 (key tile, KV head, batch) items, about four per SM of an H200: the persistent
     kernel (head_dim 64 bf16, not deterministic) walks several each, every item its own
     window range; the others launch past one wave."""
-    q, k, v, dout, out, sinks, got = _run(variant, CASES[case], (8, 2000, 2000, 4, 4), gen)
-    _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks))
+    cap = _cap(variant, case)
+    q, k, v, dout, out, sinks, got = _run(variant, CASES[case], (8, 2000, 2000, 4, 4), gen, cap)
+    _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks, cap))
 
 
 @pytest.mark.parametrize("variant", [v for v in BWD_LOCAL + BWD_LOCAL_VARLEN if v.deterministic],
@@ -122,7 +125,8 @@ def test_local_deterministic_backward_is_bitwise_repeatable(variant, gen):
     shape = (2, 1000, 1000, 4, 2)
     q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
     dout, sinks = torch.randn_like(q), _sinks(4, gen)
-    options = {"causal": True, "window_size": (300, 0), "learnable_sink": sinks}
+    options = {"causal": True, "window_size": (300, 0), "learnable_sink": sinks,
+               "softcap": 30.0 if variant.softcap else 0.0}
     if variant.varlen:
         from fa4_aot.torch import flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
@@ -147,6 +151,7 @@ def test_local_varlen_backward_matches_reference(variant, case, gen):
     from fa4_aot.torch import flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
     left, right, causal, sink = CASES[case]
+    cap = _cap(variant, case)
     dtype, d = DTYPES[variant.dtype], variant.head_dim
     for lq, lk, hq, hkv in MIXES:
         q, k, v = _packed(lq, hq, d, dtype, gen), _packed(lk, hkv, d, dtype, gen), _packed(lk, hkv, d, dtype, gen)
@@ -154,12 +159,12 @@ def test_local_varlen_backward_matches_reference(variant, case, gen):
         sinks = _sinks(hq, gen) if sink else None
         cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
         out, lse = flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal,
-                                         window_size=(left, right), learnable_sink=sinks)
+                                         window_size=(left, right), learnable_sink=sinks, softcap=cap)
         grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
         dsink = None if sinks is None else torch.full_like(sinks, float("nan"))
         flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), causal=causal,
                               deterministic=variant.deterministic, window_size=(left, right), learnable_sink=sinks,
-                              dsink=dsink, dq=grads[0], dk=grads[1], dv=grads[2])
+                              dsink=dsink, dq=grads[0], dk=grads[1], dv=grads[2], softcap=cap)
         torch.cuda.synchronize()
         dq, dk, dv = grads
         at_q = at_k = 0
@@ -173,11 +178,11 @@ def test_local_varlen_backward_matches_reference(variant, case, gen):
                 if sinks is not None:
                     got.append(torch.zeros_like(sinks))  # the sum is checked below
                 checks = grad_errors(got, one(q, rows_q), one(k, rows_k), one(v, rows_k), one(dout, rows_q),
-                                     one(out, rows_q), _window(CASES[case]), sinks)
+                                     one(out, rows_q), _window(CASES[case]), sinks, cap)
                 _assert_within(checks[:3], what)
                 if sinks is not None:
                     ref, _ = _reference(one(q, rows_q), one(k, rows_k), one(v, rows_k), one(dout, rows_q),
-                                        _window(CASES[case]), sinks, True)
+                                        _window(CASES[case]), sinks, True, cap)
                     sink_ref, sink_tol = sink_ref + ref[3], sink_tol + checks[3][1]
             else:  # no keys: dq 0; no queries: dk, dv 0
                 assert torch.equal(dq[rows_q], torch.zeros_like(dq[rows_q])), what
@@ -191,22 +196,22 @@ def test_local_varlen_backward_matches_reference(variant, case, gen):
 
 
 def test_local_func_gradients_reach_q_k_v_and_the_sinks(gen):
-    """flash_attn_func (GQA, causal with a window, sinks): autograd gives q, k, v and the
-    sinks their gradients, as the reference's; flash_attn_varlen_func the same."""
+    """flash_attn_func (GQA, causal with a window, sinks, a cap of 30): autograd gives q,
+    k, v and the sinks their gradients, as the reference's; flash_attn_varlen_func the same."""
     from fa4_aot.torch import flash_attn_func, flash_attn_varlen_func
 
     shape = (2, 700, 700, 8, 2)
     q, k, v = _inputs(shape, 64, torch.bfloat16, gen)
     dout, sinks = torch.randn_like(q), _sinks(8, gen)
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
-    out = flash_attn_func(*leaves[:3], causal=True, window_size=(128, 0), learnable_sink=leaves[3])
+    out = flash_attn_func(*leaves[:3], causal=True, window_size=(128, 0), learnable_sink=leaves[3], softcap=30.0)
     out.backward(dout)
-    _assert_within(grad_errors([x.grad for x in leaves], q, k, v, dout, out.detach(), (128, 0), sinks))
+    _assert_within(grad_errors([x.grad for x in leaves], q, k, v, dout, out.detach(), (128, 0), sinks, 30.0))
     packed = [x.detach().clone().reshape(-1, *x.shape[2:]).requires_grad_() for x in (q, k, v)]
     sink_leaf = sinks.detach().clone().requires_grad_()
     cu = _lengths_to_cu([700, 700])
     flat = flash_attn_varlen_func(*packed, cu, cu, 700, 700, causal=True, window_size=(128, 0),
-                                  learnable_sink=sink_leaf)
+                                  learnable_sink=sink_leaf, softcap=30.0)
     flat.backward(dout.reshape(-1, 8, 64))
     for name, a, b in zip(("dq", "dk", "dv", "dsink"), [x.grad.reshape(y.shape) for x, y in zip(packed, leaves)]
                           + [sink_leaf.grad], [x.grad for x in leaves]):
@@ -223,7 +228,8 @@ def test_local_func_backward_traces_under_torch_compile(gen):
     sinks = _sinks(4, gen)
 
     def loss(q, k, v, sinks):
-        out = flash_attn_func(q, k, v, causal=True, window_size=(100, 0), learnable_sink=sinks, deterministic=True)
+        out = flash_attn_func(q, k, v, causal=True, window_size=(100, 0), learnable_sink=sinks, deterministic=True,
+                              softcap=30.0)
         return (out.float() ** 2).sum()
 
     grads = []
@@ -236,15 +242,13 @@ def test_local_func_backward_traces_under_torch_compile(gen):
 
 
 def test_local_backward_refusals_write_nothing(gen):
-    """Typed errors before any launch: a softcap's backward (not built), a dsink without
-    sinks, a dsink of the wrong shape, dtype or place (over dq); the gradients stay NaN."""
-    from fa4_aot.torch import flash_attn_func
-
+    """Typed errors before any launch: a dsink without sinks, a dsink of the wrong shape,
+    dtype or place (over dq), a bad window or cap; the gradients stay NaN."""
     q, k, v = _inputs((1, 64, 64, 4, 2), 64, torch.bfloat16, gen)
     out, lse = flash_attn_fwd(q, k, v, window_size=(16, 0))
     sinks = torch.zeros(4, device="cuda")
     grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-    bad = [({"softcap": 30.0}, UnsupportedVariantError),
+    bad = [({"softcap": -1.0}, OptionError), ({"softcap": float("nan")}, OptionError),
            ({"dsink": torch.zeros(4, device="cuda")}, OptionError),
            ({"learnable_sink": sinks, "dsink": torch.zeros(3, device="cuda")}, ShapeError),
            ({"learnable_sink": sinks, "dsink": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}, DTypeError),
@@ -256,6 +260,3 @@ def test_local_backward_refusals_write_nothing(gen):
                            **{"window_size": (16, 0), **options})
         torch.cuda.synchronize()
         assert all(g.isnan().all() for g in grads), options
-    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    with pytest.raises(UnsupportedVariantError):
-        flash_attn_func(*leaves, window_size=(16, 0), softcap=30.0)

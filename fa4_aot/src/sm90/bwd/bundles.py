@@ -84,6 +84,7 @@ class Scalars(NamedTuple):
     scale_log2: object  # softmax_scale * log2(e)
     turn_tiles: object  # deterministic: query tiles per ordered turn
     first_write: object  # 1: no accumulator clear, each tile's first share stored
+    softcap_scale: object = None  # softcap: softmax_scale / cap (scale_log2 is then cap * log2(e))
 
 
 class Start(NamedTuple):

@@ -87,6 +87,9 @@ class BwdConfig:
     # a sliding window (left, right at run time; causal is right = 0): shaped as the causal
     # kernel, each key tile visiting only the query tiles its keys' windows touch
     local: bool = False
+    # scores capped as cap * tanh(s / cap) (local only; the cap at run time): P from the
+    # capped scores, dS times tanh's derivative (scores.py)
+    softcap: bool = False
 
     @property
     def masked(self) -> bool:
@@ -137,7 +140,7 @@ class BwdConfig:
             rotate=not causal and not det, head_groups=causal != det and not varlen, persistent=persistent,
             kv_stages=2 if persistent else 1, tail_split=tail_split,
             chains=DET_DQ_CHAINS if det and not causal else 1, tickets=not det, varlen=varlen,
-            local=variant.local,
+            local=variant.local, softcap=variant.softcap,
         )
 
     @property

@@ -82,11 +82,11 @@ class HeadOnM:
                 dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
             warpgroup.wait_group(1)
             self.scores.probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True,
-                              window=prob.window)
+                              window=prob.window, softcap_scale=scalars.softcap_scale)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)
-            self.scores.grads(acc_s, acc_dp, dsum_row, True)
+            self.scores.grads(acc_s, acc_dp, dsum_row, True, lse2=lse2_row, scale_log2=scale_log2)
             ds16 = cute.make_rmem_tensor_like(acc_dp, self.dtype)
             ds16.store(acc_dp.load().to(self.dtype))
             self._share_p_ds(pds_copy, thr_pds, p16, ds16, tP_smem, tdS_smem)

@@ -237,8 +237,12 @@ class FlashBwdSm90:
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
                         Outputs(tma_dk, gdK, start.sdK, tma_dv, gdV, start.sdV),
                         DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr),
-                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write), prob, work,
-                        sds_layout)
+                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write, self._softcap(p)), prob,
+                        work, sds_layout)
+
+    def _softcap(self, p):
+        """softcap: softmax_scale / cap from the params, else None."""
+        return p.softcap_scale if const_expr(self.cfg.softcap) else None
 
     @cute.kernel
     def kernel_varlen(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout,
@@ -269,8 +273,8 @@ class FlashBwdSm90:
                         Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh), start.sdK,
                                 None, PackedRows(dv_ptr, dv_ss, dv_sh), start.sdV),
                         DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, ended_ptr),
-                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write), prob, work,
-                        sds_layout)
+                        (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write, self._softcap(p)),
+                        prob, work, sds_layout)
 
     @cute.jit
     def _start(self, loads, tma_dq, tma_dq_store, sq_layout, skv_layout, sds_layout, sdq_layout):

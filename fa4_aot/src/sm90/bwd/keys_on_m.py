@@ -252,7 +252,8 @@ class KeysOnM:
                 # wgmma (C7512)
                 by_query = self.cfg.stats_by_query
                 self.scores.probs(acc_s, s_coords, sLSE2[None, state.index] if by_query else lse2_col, n_block, m_block,
-                            seqlen_q, seqlen_k, scale_log2, by_query=by_query, window=prob.window)
+                            seqlen_q, seqlen_k, scale_log2, by_query=by_query, window=prob.window,
+                            softcap_scale=scalars.softcap_scale)
                 ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
                 if const_expr(by_query):
                     # dS^T first, in shared memory before dV's GEMM is issued (the fence
@@ -261,7 +262,8 @@ class KeysOnM:
                     # 16-bit P^T all live (228 registers with dV and dK), and serializes
                     # every wgmma (C7512)
                     warpgroup.wait_group(0)  # dP^T done
-                    self.scores.grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
+                    self.scores.grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True,
+                                      lse2=sLSE2[None, state.index], scale_log2=scale_log2)
                     convert_into(acc_dp, ds)
                     tKrdS.store(acc_as_operand_a(ds).load())
                     cute.copy(ds_copy, thr_ds.retile(ds), tdS_smem[None, None, None, ds_stage])
@@ -271,7 +273,7 @@ class KeysOnM:
                 else:
                     tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
                     warpgroup.wait_group(1 if late_dq else 0)  # dP^T done
-                    self.scores.grads(acc_s, acc_dp, dsum_col)
+                    self.scores.grads(acc_s, acc_dp, dsum_col, lse2=lse2_col, scale_log2=scale_log2)
                     wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
                     ds.store(acc_dp.load().to(self.dtype))
                     tKrdS.store(acc_as_operand_a(ds).load())
@@ -351,12 +353,12 @@ class KeysOnM:
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
         warpgroup.wait_group(1)  # S^T done
         self.scores.probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
-                          window=prob.window)
+                          window=prob.window, softcap_scale=scalars.softcap_scale)
         for j in cutlass.range_constexpr(cute.size(dsum_col)):
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
         tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
         warpgroup.wait_group(0)  # dP^T done
-        self.scores.grads(acc_s, acc_dp, dsum_col)
+        self.scores.grads(acc_s, acc_dp, dsum_col, lse2=lse2_col, scale_log2=scale_log2)
         wgmma(mma_dkv, acc_dv, tVrP, tVrdOt[None, None, None, state.index], True, wait=False)
         ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
         ds.store(acc_dp.load().to(self.dtype))

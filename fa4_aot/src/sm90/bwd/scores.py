@@ -10,6 +10,7 @@ from cutlass import Float32, const_expr
 
 from ..fragments import acc_as_rows_cols
 from ..primitives import select_f32
+from ..softmax import cap_scores
 
 
 class ScoreMath:
@@ -19,7 +20,7 @@ class ScoreMath:
     @cute.jit
     def probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
                queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False,
-               m_upper=None, window=None):
+               m_upper=None, window=None, softcap_scale=None):
         """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
         LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
         row), or, ``by_query``, is the stage's shared (tile_m,) values, read where used (no
@@ -27,7 +28,9 @@ class ScoreMath:
         cross the diagonal are masked. ``m_upper`` (wide, causal): the query tile of the
         step's queries from tile_m on, which need not follow m_block (a pair of tiles that
         spans two query heads of a GQA group). ``window``: local, the problem's mask.Window
-        (tiles that cross either edge are masked).
+        (tiles that cross either edge are masked). ``softcap_scale``: softcap, the scores
+        first become tanh(S * softmax_scale / cap) (softmax.cap_scores, as the forward's),
+        and ``scale_log2`` is cap * log2(e).
 
         Keys on rows, the scores are masked (to -inf) before the exponentials, so that no
         branch stands between the exponentials and dS: ptxas then spreads the MUFU.EX2s among
@@ -36,6 +39,8 @@ class ScoreMath:
         after (to 0): there the other order let ptxas sink the exponentials behind dP's wait
         and the dS barrier (d256 -3 to -4%)."""
         s = acc_as_rows_cols(acc_s)
+        if const_expr(self.cfg.softcap):
+            cap_scores(acc_s, softcap_scale)
         if const_expr(not queries_on_rows):
             self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, -Float32.inf, False, m_upper,
                              window)
@@ -108,17 +113,36 @@ class ScoreMath:
 
     @cute.jit
     def grads(self, acc_p, acc_dp, dsum, queries_on_rows: cutlass.Constexpr[bool] = False, s_coords=None,
-               by_query: cutlass.Constexpr[bool] = False):
+               by_query: cutlass.Constexpr[bool] = False, lse2=None, scale_log2=None):
         """dP^T -> dS^T (or, ``queries_on_rows``, dP -> dS) in place: P (dP - D); ``dsum``
         holds this thread's queries' D values, as ``_probs`` takes LSE2 (``by_query``: the
-        stage's shared values, at s_coords' queries)."""
+        stage's shared values, at s_coords' queries). softcap: times tanh's derivative,
+        1 - t^2, t recovered from P itself, t = (log2(P) + LSE2) / (cap log2(e)) (``lse2``
+        as ``probs`` took it, ``scale_log2`` = cap log2(e)): no register holds t between
+        the two (where P is 0, so is dS)."""
         p, dp = acc_as_rows_cols(acc_p), acc_as_rows_cols(acc_dp)
+        inv = None
+        if const_expr(self.cfg.softcap):
+            inv = cute.arch.rcp_approx(scale_log2)
         if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
                 value = dsum[s_coords[0, j][1]]
+                shift = lse2[s_coords[0, j][1]] if const_expr(self.cfg.softcap) else None
                 for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                     dp[r, j] = p[r, j] * (dp[r, j] - value)
+                    if const_expr(self.cfg.softcap):
+                        dp[r, j] = dp[r, j] * self._dtanh(p[r, j], shift, inv)
         else:
             for r in cutlass.range_constexpr(cute.size(p, mode=[0])):
                 for j in cutlass.range_constexpr(cute.size(p, mode=[1])):
-                    dp[r, j] = p[r, j] * (dp[r, j] - dsum[r if queries_on_rows else j])
+                    at = r if queries_on_rows else j
+                    shift = lse2[at] if const_expr(self.cfg.softcap) else None
+                    dp[r, j] = p[r, j] * (dp[r, j] - dsum[at])
+                    if const_expr(self.cfg.softcap):
+                        dp[r, j] = dp[r, j] * self._dtanh(p[r, j], shift, inv)
+
+    def _dtanh(self, p, lse2_value, inv):
+        """softcap: 1 - t^2 of the score whose probability is ``p`` (0 where p is 0: its dS
+        is 0 whatever t was, and log2(0) would make it NaN)."""
+        t = (cute.math.log2(p, fastmath=True) + lse2_value) * inv
+        return select_f32(p > Float32(0.0), Float32(1.0) - t * t, Float32(0.0))

@@ -85,9 +85,11 @@ class TwoQueryTiles:
             # the step (the mask is the last key tile's padding); causal, each half masked
             # by its own tile (the halves of a GQA group's pair may be two heads' tiles)
             self.scores.probs(acc_s, s_coords, sLSE2[None, state.index], n_block, m_a, seqlen_q, seqlen_k, scale_log2,
-                        by_query=True, m_upper=m_b if const_expr(self.cfg.masked) else None, window=prob.window)
+                        by_query=True, m_upper=m_b if const_expr(self.cfg.masked) else None, window=prob.window,
+                        softcap_scale=scalars.softcap_scale)
             warpgroup.wait_group(0)  # dP^T done
-            self.scores.grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True)
+            self.scores.grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True,
+                              lse2=sLSE2[None, state.index], scale_log2=scale_log2)
             # dS^T to shared memory before P^T is made 16-bit and dV's GEMM issued (fewer
             # registers live: with the fp32 and 16-bit P^T and dP^T all live ptxas serialized
             # every wgmma, C7512), and its fence after that issue: fenced before, dV waited
