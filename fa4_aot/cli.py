@@ -38,7 +38,7 @@ def main(ctx, folder):
 
 # list's columns; smem and regs are those of the variant's launch with the most shared memory
 COLUMNS = ("variant", "size KiB", "kernels", "smem KiB", "regs", "local B")
-WIDTHS = (-40, 8, 7, 8, 4, 7)  # negative: left-aligned (the longest name: fwd.sm90a.fp16.d256.varlen.local.softcap)
+WIDTHS = (-44, 8, 7, 8, 4, 7)  # negative: left-aligned (the longest name: bwd.sm90a.fp16.d256.varlen.det.local.softcap)
 
 
 def _line(cells) -> str:
