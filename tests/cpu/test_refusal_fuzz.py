@@ -160,9 +160,21 @@ def local_varlen_forward():
     return fn, arrays, {**options, "window_size": (-1, 7), "learnable_sink": arr((8,), "fp32")}
 
 
+def local_backward():
+    """The capped local backward (SUBSET's bwd bf16 d64 local softcap) with sinks and their gradient."""
+    b, sq, sk, hq, hkv, d = 2, 100, 300, 4, 2, 64
+    size = fa4_aot.backward_workspace_bytes(b, sq, hq, d, local=True)
+    q, out, dout, dq = (arr((b, sq, hq, d), "bf16") for _ in range(4))
+    k, v, dk, dv = (arr((b, sk, hkv, d), "bf16") for _ in range(4))
+    arrays = {"q": q, "k": k, "v": v, "out": out, "dout": dout, "lse": arr((b, hq, sq), "fp32"), "dq": dq, "dk": dk,
+              "dv": dv, "workspace": arr((size,), "u8")}
+    return fa4_aot.backward, arrays, {"window_size": (128, 0), "softcap": 30.0, "learnable_sink": arr((4,), "fp32"),
+                                      "dsink": arr((4,), "fp32")}
+
+
 CALLS = {"forward": dense_forward, "backward": dense_backward, "forward_varlen": varlen_forward,
          "backward_varlen": varlen_backward, "forward_kvcache": decode, "forward_local": local_forward,
-         "forward_varlen_local": local_varlen_forward}
+         "forward_varlen_local": local_varlen_forward, "backward_local": local_backward}
 
 
 # ------------------------------------------------------------------ spoiling
@@ -200,6 +212,8 @@ SPOILED_OPTIONS = {
     "softcap": [float("inf"), float("nan"), -1.0, True, "50", [50.0], 1e39],
     "learnable_sink": [3, "sink", arr((3,), "fp32"), arr((4, 1), "fp32"), arr((4,), "bf16"),
                        arr((4,), "fp32", strides=(2,)), arr((4,), "fp32", ptr=fresh() + 2)],
+    "dsink": [3, "dsink", arr((3,), "fp32"), arr((4, 1), "fp32"), arr((4,), "bf16"),
+              arr((4,), "fp32", strides=(2,)), arr((4,), "fp32", ptr=fresh() + 2)],
 }
 
 
@@ -408,3 +422,21 @@ def test_the_torch_layer_takes_local_gradients(adapters):
         assert fake.launched and any("sink_grad" in str(fn) for fn in fake.launched) == sink_grad, fake.launched
         assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
         assert (sink.grad is not None and sink.grad.shape == (2,)) == sink_grad
+
+
+def test_every_bad_sink_gradient_is_refused(driver):
+    """The local backward's dsink: each bad one (not an array, wrong shape, dtype, stride
+    or alignment, over dq or q, or without the sinks it is the gradient of) is refused with a
+    typed error and nothing launched; the good call launches the sinks' gradient too."""
+    fake, _ = driver
+    fn, arrays, options = local_backward()
+    over = [DeviceArray(arrays[n].ptr, (4,), (1,), "fp32", arrays[n].device) for n in ("dq", "q")]
+    bad = [dict(options, dsink=x) for x in SPOILED_OPTIONS["dsink"] + over]
+    bad.append({k: x for k, x in options.items() if k != "learnable_sink"})
+    for kwargs in bad:
+        fake.launched.clear()
+        with pytest.raises(Fa4AotError):
+            fn(*arrays.values(), **kwargs)
+        assert not fake.launched, kwargs
+    fn(*arrays.values(), **options)
+    assert any("sink_grad" in str(f) for f in fake.launched), fake.launched
