@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""The plot of same_run_local.py's results, from their JSON (no GPU: only matplotlib):
-time per sequence against sequence length for each fixed-window layer, fa4_aot beside FA4
-upstream (same process), on log axes: a local kernel's time grows with the sequence (slope
-1), not its square.
+"""The plot of same_run_local.py's (or, ``--backward``, same_run_local_bwd.py's) results,
+from their JSON (no GPU: only matplotlib): time per sequence against sequence length for
+each fixed-window layer, fa4_aot beside FA4 upstream (same process), on log axes: a local
+kernel's time grows with the sequence (slope 1), not its square.
 
     python benchmarks/plot_local.py benchmarks/results/2026-12-03-fa4-same-process-local.json
+    python benchmarks/plot_local.py --backward benchmarks/results/2026-12-03-fa4-same-process-local-bwd.json
 
 Writes the plot beside the JSON (.png)."""
 
@@ -19,10 +20,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent / "fa4_upstream"))
-from same_run_local import LAYERS, flops  # noqa: E402  (the FLOP model the figures were taken with)
 
 
-def main(path):
+def main(path, backward=False):
+    # the layers and FLOP model the figures were taken with
+    if backward:
+        from same_run_local_bwd import LAYERS, flops
+    else:
+        from same_run_local import LAYERS, flops
     res = json.loads(Path(path).read_text())
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for i, layer in enumerate(LAYERS):
@@ -40,9 +45,11 @@ def main(path):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("sequence length (tokens)")
-    ax.set_ylabel("forward time per sequence, ms (all heads)")
-    ax.set_title(f"local forward, bf16, {res['gpu']}: fixed windows (gpt-oss 128 + sinks; Gemma 1024 / 4096, "
-                 "softcap 50)\nmedian over rounds, FA4 upstream in the same process", fontsize=9)
+    what = "backward" if backward else "forward"
+    ax.set_ylabel(f"{what} time per sequence, ms (all heads)")
+    ax.set_title(f"local {what}, bf16, {res['gpu']}: fixed windows (gpt-oss 128 + sinks; Gemma 1024 / 4096, "
+                 f"softcap 50{' and none' if backward else ''})\nmedian over rounds, FA4 upstream in the same process",
+                 fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -50,4 +57,4 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[-1], backward="--backward" in sys.argv[1:-1])
