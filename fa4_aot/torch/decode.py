@@ -17,28 +17,10 @@ from __future__ import annotations
 
 import torch
 
-from ..decode import forward_kvcache_workspace_bytes, prepare_kvcache
-from ..errors import DeviceError, DTypeError, ShapeError
+from ..errors import ShapeError
 from ..launch import checks
-from ..launch.calls import default_library
-from .tensors import as_device_array, check_tensors, current_stream, passed
-
-
-def _append(k_cache, v_cache, k, v, cache_seqlens, page_table):
-    """k, v into the cache at each sequence's end (see the module's docstring)."""
-    batch, new = k.shape[0], k.shape[1]
-    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]  # (b, new)
-    if page_table is None:
-        positions = positions.clamp(0, k_cache.shape[1] - 1)
-        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
-        k_cache[rows, positions] = k
-        v_cache[rows, positions] = v
-        return
-    page_size, max_pages = k_cache.shape[1], page_table.shape[1]
-    entry = (positions // page_size).clamp(0, max_pages - 1)
-    pages = torch.gather(page_table.long(), 1, entry).clamp(0, k_cache.shape[0] - 1)
-    k_cache[pages, positions % page_size] = k
-    v_cache[pages, positions % page_size] = v
+from .kvcache import attend_with_cache
+from .tensors import check_on_gpu, check_tensors, passed
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, page_table=None,
@@ -50,57 +32,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     (num_pages, page_size, heads_kv, head_dim); cache_seqlens int32 (batch,) on the device
     (None: every cache full); see fa4_aot.forward_kvcache (``window_size``, ``softcap``,
     ``learnable_sink`` too). Returns out, and lse (batch, heads_q, seqlen_q) float32 too
-    where ``return_lse``."""
+    where ``return_lse``. Under torch.compile a custom op that mutates the caches
+    (``fa4_aot::kvcache`` in ops.py, traced without a graph break); eagerly the same code, called
+    directly (a custom op's dispatch costs host time); capturable in a CUDA graph either way
+    (the lengths stay on the device, nothing synchronizes)."""
     check_tensors({"q": q, "k_cache": k_cache, "v_cache": v_cache},
                   passed(page_table=page_table, learnable_sink=learnable_sink))
-    given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
     if (k is None) != (v is None):
         raise ShapeError("k and v are appended together: give both or neither")
     if k is not None:
         check_tensors({"k": k, "v": v})
-        _check_new(q, k_cache, k, v)
-    batch = q.shape[0]
     new = k.shape[1] if k is not None else 0
     if cache_seqlens is None:
         rows = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-        cache_seqlens = torch.full((batch,), rows - new, dtype=torch.int32, device=q.device)
+        cache_seqlens = torch.full((q.shape[0],), rows - new, dtype=torch.int32, device=q.device)
     elif type(cache_seqlens) is int:
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
     check_tensors({}, {"cache_seqlens": cache_seqlens})
-    # the lengths the attention covers: the cache's and, appended, the new keys (a new tensor:
-    # the caller's cache_seqlens is not changed)
-    lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
-    reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-    need = forward_kvcache_workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach,
-                                           num_splits=num_splits,
-                                           sm_count=default_library().sm_count(given["q"].device))
-    workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
-    # every check, and the launches packed, before the cache is written: a refused call
-    # leaves the cache as it was
-    prepared = prepare_kvcache(given["q"], given["k_cache"], given["v_cache"],
-                               *(as_device_array(t) for t in (out, lse, lengths)),
-                               as_device_array(workspace) if workspace is not None else None,
-                               page_table=as_device_array(page_table) if page_table is not None else None,
-                               causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
-                               window_size=window_size, softcap=softcap,
-                               learnable_sink=as_device_array(learnable_sink) if learnable_sink is not None else None,
-                               stream=current_stream(q.get_device()))
-    if k is not None:
-        _append(k_cache, v_cache, k, v, cache_seqlens, page_table)
-    prepared.issue()
+    if torch.compiler.is_compiling():  # traced: the custom op, its options as the op's types
+        mods = checks.score_mods(checks.flag("causal", causal), window_size, softcap, learnable_sink is not None)
+        check_on_gpu({n: t for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
+                                        ("cache_seqlens", cache_seqlens), ("page_table", page_table),
+                                        ("learnable_sink", learnable_sink)) if t is not None})
+        from .ops import kvcache_op  # registered by the first trace
+
+        out, lse = kvcache_op(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal,
+                              num_splits, mods.left, mods.right, mods.softcap, learnable_sink)
+    else:
+        out, lse = attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal,
+                                     num_splits, window_size, softcap, learnable_sink)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
-
-
-def _check_new(q, k_cache, k, v) -> None:
-    """The keys and values to append: (batch, seqlen_new, heads_kv, head_dim) each, of the
-    cache's dtype and device."""
-    want = (q.shape[0], k.shape[1], *k_cache.shape[2:])
-    for name, t in (("k", k), ("v", v)):
-        if tuple(t.shape) != want:
-            raise ShapeError(f"{name} {tuple(t.shape)} must be (batch, seqlen_new, heads_kv, head_dim) = {want}")
-        if t.dtype != k_cache.dtype:
-            raise DTypeError(f"{name} is {t.dtype}; it must be the cache's {k_cache.dtype}")
-        if t.device != k_cache.device:
-            raise DeviceError(f"{name} is on {t.device}, the cache on {k_cache.device}")

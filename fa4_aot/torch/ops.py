@@ -1,12 +1,13 @@
 """The custom ops torch.compile traces for ``flash_attn_func`` (fa4_aot::fwd, fa4_aot::bwd,
-the forward's autograd through the backward op), imported by its first trace
-(``autograd``): eager calls never register them.
+the forward's autograd through the backward op) and ``flash_attn_with_kvcache``
+(fa4_aot::kvcache), imported by their first trace: eager calls never register them.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .kvcache import attend_with_cache
 from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
 
 
@@ -64,3 +65,22 @@ def _needs_grad(ctx, index: int) -> bool:
 
 
 fwd_op.register_autograd(_backward, setup_context=setup_context)
+
+
+@torch.library.custom_op("fa4_aot::kvcache", mutates_args=("k_cache", "v_cache"), device_types="cuda")
+def kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
+                v: torch.Tensor | None, cache_seqlens: torch.Tensor, page_table: torch.Tensor | None,
+                softmax_scale: float | None, causal: bool, num_splits: int | None, window_left: int,
+                window_right: int, softcap: float, learnable_sink: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache under torch.compile: appends k, v into the caches (declared
+    mutated) and attends; (out, lse)."""
+    return attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
+                    (window_left, window_right), softcap, learnable_sink)
+
+
+@kvcache_op.register_fake
+def _(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits, window_left,
+      window_right, softcap, learnable_sink):
+    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+            q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))

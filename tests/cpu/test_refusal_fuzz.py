@@ -269,7 +269,7 @@ def adapters(driver, monkeypatch):
     """fa4_aot.torch with CPU tensors taken as device 0's (their host pointers stand in
     for device ones): the adapters' own checks and allocations run, the launches are
     the faked driver's."""
-    from fa4_aot.torch import decode as torch_decode
+    from fa4_aot.torch import kvcache as torch_decode  # flash_attn_with_kvcache's launches
     from fa4_aot.torch import dense as torch_dense
     from fa4_aot.torch import tensors
     from fa4_aot.torch import varlen as torch_varlen

@@ -165,6 +165,52 @@ def test_cuda_graph_replays_with_new_lengths(gen):
         _check(out, lse, q, k, v, lengths, False)
 
 
+@pytest.mark.parametrize("page", [None, 32])
+def test_kvcache_with_append_traces_and_captures(page, gen):
+    """flash_attn_with_kvcache with k, v appended: under torch.compile(fullgraph=True) (the
+    fa4_aot::kvcache custom op, the caches declared mutated) and replayed from a CUDA
+    graph with the device-side lengths changed, the eager call's outputs and caches, bit
+    for bit."""
+    batch, new, hq, hkv, d, max_cache = 3, 2, 8, 2, 64, 256
+    q = torch.randn(batch, new, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_cache, v_cache, table, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, page, gen)
+    k_new, v_new = (torch.randn(batch, new, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                    for _ in range(2))
+
+    def step(q, kc, vc, k, v, lengths):
+        return flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lengths, page_table=table, causal=True,
+                                       num_splits=2, window_size=(100, 0), return_lse=True)
+
+    def eager(lengths):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        out, lse = step(q, kc, vc, k_new, v_new, lengths)
+        return out, lse, kc, vc
+
+    lengths = torch.tensor([0, 100, 250], dtype=torch.int32, device="cuda")
+    want = eager(lengths)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    got = (*torch.compile(step, fullgraph=True)(q, kc, vc, k_new, v_new, lengths), kc, vc)
+    torch.cuda.synchronize()
+    for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), got, want):
+        assert torch.equal(a, b), f"compiled: {name}"
+    kc, vc = k_cache.clone(), v_cache.clone()
+    static = lengths.clone()
+    step(q, kc.clone(), vc.clone(), k_new, v_new, static)  # warm: modules loaded, launches packed
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(q, kc, vc, k_new, v_new, static)
+    for lens in ([7, 0, 200], [250, 3, 60]):
+        kc.copy_(k_cache)
+        vc.copy_(v_cache)
+        static.copy_(torch.tensor(lens, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = eager(static.clone())
+        for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), (*outs, kc, vc), want):
+            assert torch.equal(a, b), f"graph replay {lens}: {name}"
+
+
 def test_a_repeated_call_launches_decode_and_combine_again(gen):
     """DeviceArrays on an int stream: the second call repeats the kept launches (both the
     split decode and its combine): the outputs, poisoned in between, come back the same."""

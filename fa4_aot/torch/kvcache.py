@@ -1,0 +1,76 @@
+"""What ``flash_attn_with_kvcache`` does once its arguments are read (decode.py), and what
+its torch.compile custom op (ops.py's fa4_aot::kvcache) calls: the cache append and the
+decode launch. Imports torch."""
+
+from __future__ import annotations
+
+import torch
+
+from ..decode import forward_kvcache_workspace_bytes, prepare_kvcache
+from ..errors import DeviceError, DTypeError, ShapeError
+from ..launch.calls import default_library
+from .tensors import as_device_array, current_stream
+
+
+def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
+    """k, v into the cache at each sequence's end (see decode.py's docstring)."""
+    batch, new = k.shape[0], k.shape[1]
+    positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]  # (b, new)
+    if page_table is None:
+        positions = positions.clamp(0, k_cache.shape[1] - 1)
+        rows = torch.arange(batch, device=k.device)[:, None].expand(batch, new)
+        k_cache[rows, positions] = k
+        v_cache[rows, positions] = v
+        return
+    page_size, max_pages = k_cache.shape[1], page_table.shape[1]
+    entry = (positions // page_size).clamp(0, max_pages - 1)
+    pages = torch.gather(page_table.long(), 1, entry).clamp(0, k_cache.shape[0] - 1)
+    k_cache[pages, positions % page_size] = k
+    v_cache[pages, positions % page_size] = v
+
+
+def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
+                      window_size, softcap, learnable_sink):
+    """flash_attn_with_kvcache's work once cache_seqlens is a tensor: (out, lse)."""
+    given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
+    if k is not None:
+        check_new(q, k_cache, k, v)
+    batch = q.shape[0]
+    new = k.shape[1] if k is not None else 0
+    # the lengths the attention covers: the cache's and, appended, the new keys (a new tensor:
+    # the caller's cache_seqlens is not changed)
+    lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
+    need = forward_kvcache_workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach,
+                                           num_splits=num_splits,
+                                           sm_count=default_library().sm_count(given["q"].device))
+    workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
+    # every check, and the launches packed, before the cache is written: a refused call
+    # leaves the cache as it was
+    prepared = prepare_kvcache(given["q"], given["k_cache"], given["v_cache"],
+                               *(as_device_array(t) for t in (out, lse, lengths)),
+                               as_device_array(workspace) if workspace is not None else None,
+                               page_table=as_device_array(page_table) if page_table is not None else None,
+                               causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
+                               window_size=window_size, softcap=softcap,
+                               learnable_sink=as_device_array(learnable_sink) if learnable_sink is not None else None,
+                               stream=current_stream(q.get_device()))
+    if k is not None:
+        append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+    prepared.issue()
+    return out, lse
+
+
+def check_new(q, k_cache, k, v) -> None:
+    """The keys and values to append: (batch, seqlen_new, heads_kv, head_dim) each, of the
+    cache's dtype and device."""
+    want = (q.shape[0], k.shape[1], *k_cache.shape[2:])
+    for name, t in (("k", k), ("v", v)):
+        if tuple(t.shape) != want:
+            raise ShapeError(f"{name} {tuple(t.shape)} must be (batch, seqlen_new, heads_kv, head_dim) = {want}")
+        if t.dtype != k_cache.dtype:
+            raise DTypeError(f"{name} is {t.dtype}; it must be the cache's {k_cache.dtype}")
+        if t.device != k_cache.device:
+            raise DeviceError(f"{name} is on {t.device}, the cache on {k_cache.device}")
