@@ -24,6 +24,7 @@ from ..fragments import acc_as_rows_cols, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER
 from .packed_rows import store_rows
+from .scores import TileAt
 
 
 class HeadOnM:
@@ -61,7 +62,7 @@ class HeadOnM:
         sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum = tiles
         pipe_kv, pipe_q, pipe_do = pipes
         n_block, m_first, span, steps = item.n_block, item.m_first, item.span, item.steps
-        seqlen_q, seqlen_k, scale_log2 = prob.seqlen_q, prob.seqlen_k, scalars.scale_log2
+        seqlen_q, scale_log2 = prob.seqlen_q, scalars.scale_log2
         tm = self.cfg.tile_m
         (m_blocks, wg, chunks, chunk, mma_sdp, mma_dkv, mma_dq, thr_dq, tSrQ, tSrK, tPrdO, tPrV, tVrdOt, tKrQt, tVrP, tKrdS,
          tQrKt, tQrdS, acc_dv, acc_dk, s_shape, s_coords, nrows, lse2_row, dsum_row, pds_copy, thr_pds, tP_smem,
@@ -81,8 +82,7 @@ class HeadOnM:
                 lse2_row[r] = sLSE2[s_coords[r, 0][0], state.index]
                 dsum_row[r] = sDsum[s_coords[r, 0][0], state.index]
             warpgroup.wait_group(1)
-            self.scores.probs(acc_s, s_coords, lse2_row, n_block, m_block, seqlen_q, seqlen_k, scale_log2, True,
-                              window=prob.window, softcap_scale=scalars.softcap_scale)
+            self.scores.probs(acc_s, s_coords, lse2_row, TileAt(n_block, m_block), prob, scalars, True)
             p16 = cute.make_rmem_tensor_like(acc_s, self.dtype)
             p16.store(acc_s.load().to(self.dtype))
             warpgroup.wait_group(0)

@@ -33,7 +33,7 @@ docs/design.md, "Backward (sm90)".
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ...common import lpt, symbols

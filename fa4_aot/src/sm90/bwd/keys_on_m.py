@@ -25,6 +25,7 @@ from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, convert_into, stage, stage_and_store, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
 from .packed_rows import store_rows
+from .scores import TileAt
 
 
 class Operands(NamedTuple):
@@ -219,7 +220,7 @@ class KeysOnM:
     def _loop(self, ops, other, tiles, pipes, state, item, prob, scalars, done):
         """The steps of an item (no loop at all where overlap_scores), staggered or not."""
         steps, m_first, span, n_block = item.steps, item.m_first, item.span, item.n_block
-        seqlen_q, seqlen_k, m_blocks, scale_log2 = prob.seqlen_q, prob.seqlen_k, ops.m_blocks, scalars.scale_log2
+        m_blocks, scale_log2 = ops.m_blocks, scalars.scale_log2
         pipe_q, pipe_do, sLSE2, sDsum = pipes.q, pipes.do, tiles.sLSE2, tiles.sDsum
         (wg, mma_dkv, mma_dq, thr_dq, score_operands, tVrdOt, tKrQt, tVrP, tKrdS, tQrdS, tQrKt, acc_dv, acc_dk,
          s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col, dsum_col, tdQ_smem, tdS_smem, _,
@@ -251,9 +252,8 @@ class KeysOnM:
                 # used; held in registers (40 of them) they made ptxas serialize every
                 # wgmma (C7512)
                 by_query = self.cfg.stats_by_query
-                self.scores.probs(acc_s, s_coords, sLSE2[None, state.index] if by_query else lse2_col, n_block, m_block,
-                            seqlen_q, seqlen_k, scale_log2, by_query=by_query, window=prob.window,
-                            softcap_scale=scalars.softcap_scale)
+                self.scores.probs(acc_s, s_coords, sLSE2[None, state.index] if by_query else lse2_col,
+                                  TileAt(n_block, m_block), prob, scalars, by_query=by_query)
                 ds = cute.make_rmem_tensor_like(acc_dp, self.dtype)
                 if const_expr(by_query):
                     # dS^T first, in shared memory before dV's GEMM is issued (the fence
@@ -334,7 +334,7 @@ class KeysOnM:
         acc_s, acc_dp = scores
         pipe_q, pipe_do, sLSE2, sDsum = pipes.q, pipes.do, tiles.sLSE2, tiles.sDsum
         n_block, m_first, span, m_blocks = item.n_block, item.m_first, item.span, ops.m_blocks
-        seqlen_q, seqlen_k, scale_log2 = prob.seqlen_q, prob.seqlen_k, scalars.scale_log2
+        scale_log2 = scalars.scale_log2
         (wg, mma_dkv, mma_dq, thr_dq, score_operands, tVrdOt, tKrQt, tVrP, tKrdS, tQrdS, tQrKt, acc_dv, acc_dk,
          _, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, lse2_col, dsum_col, tdQ_smem, tdS_smem, _, _) = ops
         m_block = self.walk.m_block(step, m_first, span, m_blocks)
@@ -352,8 +352,7 @@ class KeysOnM:
         for j in cutlass.range_constexpr(cute.size(lse2_col)):
             lse2_col[j] = sLSE2[s_coords[0, j][1], state.index]
         warpgroup.wait_group(1)  # S^T done
-        self.scores.probs(acc_s, s_coords, lse2_col, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
-                          window=prob.window, softcap_scale=scalars.softcap_scale)
+        self.scores.probs(acc_s, s_coords, lse2_col, TileAt(n_block, m_block), prob, scalars)
         for j in cutlass.range_constexpr(cute.size(dsum_col)):
             dsum_col[j] = sDsum[s_coords[0, j][1], state.index]
         tVrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))

@@ -4,6 +4,8 @@ accumulator fragments viewed as (rows, cols): keys on rows (S^T, the layout of h
 64-128) or queries on rows (S, head dims 192 and 256).
 """
 
+from typing import NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, const_expr
@@ -13,23 +15,30 @@ from ..primitives import select_f32
 from ..softmax import cap_scores
 
 
+class TileAt(NamedTuple):
+    """Where a step's scores lie: its key tile and query tile, and (wide, masked) the
+    query tile of its queries from tile_m on, which need not follow m_block (a pair of
+    tiles that spans two query heads of a GQA group)."""
+
+    n_block: object
+    m_block: object
+    m_upper: object = None
+
+
 class ScoreMath:
     def __init__(self, cfg):
         self.cfg = cfg
 
     @cute.jit
-    def probs(self, acc_s, s_coords, lse2, n_block, m_block, seqlen_q, seqlen_k, scale_log2,
-               queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False,
-               m_upper=None, window=None, softcap_scale=None):
+    def probs(self, acc_s, s_coords, lse2, at: TileAt, prob, scalars,
+               queries_on_rows: cutlass.Constexpr[bool] = False, by_query: cutlass.Constexpr[bool] = False):
         """S^T -> P^T (or, ``queries_on_rows``, S -> P) in place: exp2(S * scale * log2(e) -
         LSE2), 0 where masked; ``lse2`` holds this thread's queries' values (by column, or by
         row), or, ``by_query``, is the stage's shared (tile_m,) values, read where used (no
         registers held for them). Only the last key tile (padding) and, causal, tiles that
-        cross the diagonal are masked. ``m_upper`` (wide, causal): the query tile of the
-        step's queries from tile_m on, which need not follow m_block (a pair of tiles that
-        spans two query heads of a GQA group). ``window``: local, the problem's mask.Window
-        (tiles that cross either edge are masked). ``softcap_scale``: softcap, the scores
-        first become tanh(S * softmax_scale / cap) (softmax.cap_scores, as the forward's),
+        cross the diagonal are masked; local, also tiles that cross either edge of
+        ``prob.window``. ``scalars``: the exponent's scale ``scale_log2``; softcap, the
+        scores first become tanh(S * softcap_scale) (softmax.cap_scores, as the forward's),
         and ``scale_log2`` is cap * log2(e).
 
         Keys on rows, the scores are masked (to -inf) before the exponentials, so that no
@@ -38,12 +47,11 @@ class ScoreMath:
         "Backward: keys on M"). Queries on rows (head_on_m), the exponentials come first and the mask
         after (to 0): there the other order let ptxas sink the exponentials behind dP's wait
         and the dS barrier (d256 -3 to -4%)."""
-        s = acc_as_rows_cols(acc_s)
+        s, scale_log2 = acc_as_rows_cols(acc_s), scalars.scale_log2
         if const_expr(self.cfg.softcap):
-            cap_scores(acc_s, softcap_scale)
+            cap_scores(acc_s, scalars.softcap_scale)
         if const_expr(not queries_on_rows):
-            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, -Float32.inf, False, m_upper,
-                             window)
+            self.mask_scores(s, s_coords, at, prob, -Float32.inf, False)
         if const_expr(by_query):
             for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 value = lse2[s_coords[0, j][1]]
@@ -55,17 +63,17 @@ class ScoreMath:
                     s[r, j] = cute.math.exp2(s[r, j] * scale_log2 - lse2[r if queries_on_rows else j],
                                              fastmath=True)
         if const_expr(queries_on_rows):
-            self.mask_scores(s, s_coords, n_block, m_block, seqlen_q, seqlen_k, Float32(0.0), True, m_upper,
-                             window)
+            self.mask_scores(s, s_coords, at, prob, Float32(0.0), True)
 
     @cute.jit
-    def mask_scores(self, s, s_coords, n_block, m_block, seqlen_q, seqlen_k, fill,
-                     queries_on_rows: cutlass.Constexpr[bool], m_upper, window=None):
+    def mask_scores(self, s, s_coords, at: TileAt, prob, fill, queries_on_rows: cutlass.Constexpr[bool]):
         """``fill`` where a key lies past its query's limit, or local before its window's
         first key (``_probs``'s tiles, as rows and columns); a branch around it all, taken
         only by the last key tile (padding) and, causal or local, tiles that cross the
         diagonal or a window's edge."""
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
+        n_block, m_block, m_upper = at
+        seqlen_q, seqlen_k, window = prob.seqlen_q, prob.seqlen_k, prob.window
         # the last key the tile's first query may see (exclusive bound, as a count)
         visible = seqlen_k
         if const_expr(self.cfg.masked):
@@ -81,7 +89,7 @@ class ScoreMath:
             # what depends on the row alone (its key, or its query's bounds) computed once a row
             for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
                 if const_expr(queries_on_rows):
-                    row_low, row_limit = self.key_bounds(s_coords[r, 0][0], m_block, seqlen_q, seqlen_k, window)
+                    row_low, row_limit = self.key_bounds(s_coords[r, 0][0], m_block, prob)
                 else:
                     row_key = n_block * tn + s_coords[r, 0][0]
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
@@ -92,16 +100,17 @@ class ScoreMath:
                         if const_expr(m_upper is not None):
                             # queries tile_m.. of the upper tile: row m_upper * tile_m + (query - tile_m)
                             tile = cutlass.select_(query < tm, m_block, m_upper - 1)
-                        low, limit = self.key_bounds(query, tile, seqlen_q, seqlen_k, window)
+                        low, limit = self.key_bounds(query, tile, prob)
                         key = row_key
                     if const_expr(self.cfg.local):
                         s[r, j] = select_f32(key < low, fill, select_f32(key >= limit, fill, s[r, j]))
                     else:
                         s[r, j] = select_f32(key >= limit, fill, s[r, j])
 
-    def key_bounds(self, query, m_block, seqlen_q, seqlen_k, window=None):
+    def key_bounds(self, query, m_block, prob):
         """[low, limit): the keys query ``query`` of tile m_block may see (low: local only,
         else None)."""
+        seqlen_q, seqlen_k, window = prob.seqlen_q, prob.seqlen_k, prob.window
         limit, low = seqlen_k, None
         row = m_block * self.cfg.tile_m + query
         if const_expr(self.cfg.causal):

@@ -30,6 +30,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ..fragments import acc_as_operand_a, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, convert_into, tiled_mma, wgmma
 from .barriers import DS_BARRIER
+from .scores import TileAt
 
 
 class TwoQueryTiles:
@@ -63,7 +64,7 @@ class TwoQueryTiles:
         sLSE2, sDsum = tiles.sLSE2, tiles.sDsum
         pipe_kv, pipe_q, pipe_do = pipes
         n_block, head_kv, _, m_first, span, steps = item
-        seqlen_q, seqlen_k, group, scale_log2 = prob.seqlen_q, prob.seqlen_k, prob.group, scalars.scale_log2
+        group, scale_log2 = prob.group, scalars.scale_log2
         d, tm = self.cfg.head_dim, self.cfg.tile_m
         (m_blocks, wg, mma_sdp, mma_dkv, mma_dq, thr_dq, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt,
          acc_dv, acc_dk, s_shape, s_coords, dq_copy, thr_dq_copy, ds_copy, thr_ds, tdQ_smem, tdS_smem, outputs) = ops
@@ -84,9 +85,8 @@ class TwoQueryTiles:
             # held at once do not fit beside the accumulators); not causal, m_a only names
             # the step (the mask is the last key tile's padding); causal, each half masked
             # by its own tile (the halves of a GQA group's pair may be two heads' tiles)
-            self.scores.probs(acc_s, s_coords, sLSE2[None, state.index], n_block, m_a, seqlen_q, seqlen_k, scale_log2,
-                        by_query=True, m_upper=m_b if const_expr(self.cfg.masked) else None, window=prob.window,
-                        softcap_scale=scalars.softcap_scale)
+            at = TileAt(n_block, m_a, m_b if const_expr(self.cfg.masked) else None)
+            self.scores.probs(acc_s, s_coords, sLSE2[None, state.index], at, prob, scalars, by_query=True)
             warpgroup.wait_group(0)  # dP^T done
             self.scores.grads(acc_s, acc_dp, sDsum[None, state.index], s_coords=s_coords, by_query=True,
                               lse2=sLSE2[None, state.index], scale_log2=scale_log2)
