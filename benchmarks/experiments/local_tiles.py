@@ -3,8 +3,12 @@ folders (each a tile shape, built with fwd/config.py's LOCAL_TILES changed) besi
 upstream's, on same_run_local.py's gpt-oss and Gemma head_dim 256 cells, plus the head_dim
 256 kernel without softcap (what the cap costs), interleaved rounds.
 
-    PYTHONPATH=$PWD python benchmarks/experiments/local_tiles.py FA4_DIR ROUNDS OUT_JSON NAME=DIR ...
+    PYTHONPATH=$PWD python benchmarks/experiments/local_tiles.py FA4_DIR ROUNDS OUT_JSON NAME=DIR[:q1|:q2] ...
+
+``:q1``, ``:q2``: that library's kernels launched with q_tiles 1 or 2. Round 0 prints each library's largest difference from the first's out.
+``LAYERS`` (environment, comma-separated names): only those layers.
 """
+import os
 import sys
 
 sys.path.insert(0, "benchmarks/fa4_upstream")
@@ -23,11 +27,17 @@ def main(argv):
     from fa4_aot.launch.loader import KernelLibrary
 
     fa4_dir, rounds, out_json = argv[0], int(argv[1]), argv[2]
-    libs = {name: KernelLibrary(path) for name, path in (a.split("=") for a in argv[3:])}
+    libs = {}
+    for arg in argv[3:]:
+        name, path = arg.split("=")
+        path, _, flag = path.partition(":")
+        libs[name] = (KernelLibrary(path), int(flag[1:]) if flag else None)
     ffi.open_dir(fa4_dir)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     res = {"flops_per_s": {}, "errors": {}, "libraries": argv[3:], "gpu": torch.cuda.get_device_name()}
     layers = [srl.LAYERS[0], srl.LAYERS[1], NO_CAP]
+    if os.environ.get("LAYERS"):
+        layers = [x for x in layers if x[0] in os.environ["LAYERS"].split(",")]
     keys = []
     for r in range(rounds):
         for layer in layers:
@@ -36,10 +46,21 @@ def main(argv):
                 keys += [key] if r == 0 else []
                 t = srl.setup(layer, seqlen)
                 peers = {}
-                for name, lib in libs.items():
+                for name, (lib, q_tiles) in libs.items():
                     if lib.manifest.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=layer[1], causal=False,
-                                          local=True, softcap=layer[5] > 0, q_tiles=1):
-                        peers[name] = srl.ours_launch(layer, t, lib)
+                                          local=True, softcap=layer[5] > 0, q_tiles=q_tiles or 1):
+                        peers[name] = srl.ours_launch(layer, t, lib, q_tiles)
+                if r == 0:
+                    first = None
+                    for name in list(peers):
+                        t["out_ours"].fill_(float("nan"))
+                        peers[name]()
+                        torch.cuda.synchronize()
+                        if first is None:
+                            first = t["out_ours"].clone()
+                        diff = (t["out_ours"].float() - first.float()).abs().max().item()
+                        res.setdefault("diffs", {})[f"{key}|{name}"] = diff
+                        print(f"{key} {name}: max|out - first's| {diff:.3e}", flush=True)
                 if layer[5] or layer[0] == "gpt-oss":
                     try:
                         peers["fa4"] = srl.fa4_launch(layer, t)

@@ -7,10 +7,11 @@ each round), do_bench 50/200 ms medians. TFLOP/s count only the keys each query 
 (4 * head_dim * heads * sum over queries of min(i, window) + 1). cuDNN (torch SDPA) takes
 no window: not timed. The first round compares FA4's out and LSE with ours.
 
-    PYTHONPATH=$PWD python benchmarks/fa4_upstream/same_run_local.py DIR ROUNDS OUT_JSON
+    PYTHONPATH=$PWD python benchmarks/fa4_upstream/same_run_local.py DIR ROUNDS OUT_JSON [LAYER ...]
 
 Ours: fa4_aot.forward on DeviceArrays made once (a repeated call re-launches its packed
-kernel), window_size=(window, 0). FA4: window (window, 0) at run time, its sinks, its
+kernel), window_size=(window, 0), the query tiles per CTA by fa4_aot.policy; where two
+are built (head_dim up to 128), also with one ("one_tile"). FA4: window (window, 0) at run time, its sinks, its
 softcap score_mod (tanh.approx), pack_gqa, its interface's local tiles.
 """
 import math
@@ -21,7 +22,7 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
+import local_cells  # noqa: E402
 
 TOKENS = 128 * 1024
 SEQLENS = (4096, 16384, 65536, 131072)
@@ -56,7 +57,7 @@ def setup(layer, seqlen, seed=0):
     return t
 
 
-def ours_launch(layer, t, library=None):
+def ours_launch(layer, t, library=None, q_tiles=None):
     import fa4_aot
     from fa4_aot.torch import as_device_array
 
@@ -67,7 +68,7 @@ def ours_launch(layer, t, library=None):
 
     def ours():
         fa4_aot.forward(*arrays, window_size=(window, 0), softcap=cap, learnable_sink=sink, stream=s,
-                        library=library)
+                        library=library, q_tiles=q_tiles)
     ours.keep = (arrays, sink)
     return ours
 
@@ -82,57 +83,30 @@ def fa4_launch(layer, t):
 
 
 def cell(layer, seqlen, r, res, bench):
-    key = f"{layer[0]}|{seqlen}"
     t = setup(layer, seqlen)
-    peers = {"ours": ours_launch(layer, t)}
-    try:
-        peers["fa4"] = fa4_launch(layer, t)
-    except Exception as e:  # noqa: BLE001 (FA4's column of this cell is missing; ours still timed)
-        note(res, f"{key}|fa4", e)
-    if r == 0 and "fa4" in peers:
-        try:
-            t["out_fa4"].fill_(float("nan"))
-            rc = peers["fa4"]()
-            peers["ours"]()
-            torch.cuda.synchronize()
-            if rc:
-                raise RuntimeError(f"{peers['fa4'].name}: launch returned {rc}")
-            do = (t["out_fa4"].float() - t["out_ours"].float()).abs().max().item()
-            dl = (t["lse_fa4"] - t["lse_ours"]).abs().max().item()
-            res["checks"][key] = {"max_abs_o": do, "max_abs_lse": dl}
-            print(f"check {key}: max|o_fa4-o_ours| {do:.2e} max|lse| diff {dl:.2e}", flush=True)
-        except Exception as e:  # noqa: BLE001
-            note(res, f"{key}|check", e)
-    work = flops(layer, seqlen)
-    figures = time_round(key, peers, r, res, bench, ("flops_per_s", lambda ms: work / (ms * 1e-3)))
-    print(f"r{r} {key}: " + " ".join(f"{name} {x / 1e12:.0f}" for name, x in figures.items()) + " TFLOP/s",
-          flush=True)
+    makers = {"ours": lambda: ours_launch(layer, t), "fa4": lambda: fa4_launch(layer, t)}
+    if two_tiles(layer):
+        makers["one_tile"] = lambda: ours_launch(layer, t, q_tiles=1)
+
+    def check(peers):
+        t["out_fa4"].fill_(float("nan"))
+        rc = peers["fa4"]()
+        peers["ours"]()
+        torch.cuda.synchronize()
+        if rc:
+            raise RuntimeError(f"{peers['fa4'].name}: launch returned {rc}")
+        return {"max_abs_o": (t["out_fa4"].float() - t["out_ours"].float()).abs().max().item(),
+                "max_abs_lse": (t["lse_fa4"] - t["lse_ours"]).abs().max().item()}
+
+    local_cells.cell(f"{layer[0]}|{seqlen}", makers, check, flops(layer, seqlen), r, res, bench)
 
 
-def table(res, keys):
-    f = res["flops_per_s"]
-    lines = ["TFLOP/s of the keys each query sees (median over rounds, range in brackets)", "",
-             "| layer | seqlen | fa4_aot | FA4 upstream | ours / FA4 |", "|---|---|---|---|---|"]
-    for key in keys:
-        layer, seqlen = key.split("|")
-        (o, o_range), (u, u_range) = (summary(f, f"{key}|{peer}", 1e12, 0) for peer in ("ours", "fa4"))
-        lines.append(f"| {layer} | {seqlen} | {o:.0f}{o_range} | {u:.0f}{u_range} | {o / u:.3f} |")
-    return "\n".join(lines)
-
-
-def main(argv):
-    import triton.testing
-
-    folder, rounds, out_json = Path(argv[0]), int(argv[1]), argv[2]
-    spec = ffi.open_dir(folder)
-    torch.empty(1, device="cuda")
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
-    res = {"flops_per_s": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
-           "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name(), "tokens": TOKENS}
-    cells = [(layer, s) for layer in LAYERS for s in SEQLENS]
-    run_rounds(res, out_json, rounds, cells, lambda c, r: cell(*c, r, res, bench), lambda c: f"{c[0][0]}|{c[1]}")
-    finish(res, out_json, table(res, [f"{layer[0]}|{s}" for layer, s in cells]))
+def two_tiles(layer):
+    """Whether our local kernel takes two query tiles per CTA at the layer's head dim
+    (built up to 128): then also timed with one (q_tiles=1)."""
+    return layer[1] <= 128
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    local_cells.main(sys.argv[1:], LAYERS, SEQLENS, cell, "TFLOP/s of the keys each query sees",
+                     {"ours": "fa4_aot", "fa4": "FA4 upstream", "one_tile": "fa4_aot one tile"}, TOKENS)

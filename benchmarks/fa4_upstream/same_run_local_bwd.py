@@ -8,7 +8,7 @@ TFLOP/s count only the keys each query sees: 2.5 times the forward's (10 * head_
 heads * keys seen). cuDNN (torch SDPA) takes no window: not timed. The first round
 compares FA4's gradients with ours.
 
-    PYTHONPATH=$PWD python benchmarks/fa4_upstream/same_run_local_bwd.py DIR ROUNDS OUT_JSON
+    PYTHONPATH=$PWD python benchmarks/fa4_upstream/same_run_local_bwd.py DIR ROUNDS OUT_JSON [LAYER ...]
 
 Ours: fa4_aot.backward on DeviceArrays made once, window_size=(window, 0), with sinks the
 sinks' gradient too. FA4 as its interface runs it: the GQA dK / dV accumulators zeroed,
@@ -23,7 +23,7 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
+import local_cells  # noqa: E402
 from same_run_local import TOKENS, seen_keys  # noqa: E402
 
 SEQLENS = (4096, 16384, 65536)
@@ -106,59 +106,24 @@ def fa4_launch(layer, t):
 
 
 def cell(layer, seqlen, r, res, bench):
-    key = f"{layer[0]}|{seqlen}"
     t = setup(layer, seqlen)
-    peers = {"ours": ours_launch(layer, t)}
-    try:
-        peers["fa4"] = fa4_launch(layer, t)
-    except Exception as e:  # noqa: BLE001 (FA4's column of this cell is missing; ours still timed)
-        note(res, f"{key}|fa4", e)
-    if r == 0 and "fa4" in peers:
-        try:
-            for n in ("dq", "dk", "dv"):
-                t[f"{n}_fa4"].fill_(float("nan"))
-            rc = peers["fa4"]()
-            peers["ours"]()
-            torch.cuda.synchronize()
-            if rc:
-                raise RuntimeError(f"FA4 launch returned {rc}")
-            rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
-            names = ("dq", "dk", "dv", "dsink") if layer[5] else ("dq", "dk", "dv")
-            diffs = {n: rel(t[f"{n}_fa4"], t[f"{n}_ours"]) for n in names}
-            res["checks"][key] = diffs
-            print(f"check {key}: rel max diff " + " ".join(f"{n} {x:.2e}" for n, x in diffs.items()), flush=True)
-        except Exception as e:  # noqa: BLE001
-            note(res, f"{key}|check", e)
-    work = flops(layer, seqlen)
-    figures = time_round(key, peers, r, res, bench, ("flops_per_s", lambda ms: work / (ms * 1e-3)))
-    print(f"r{r} {key}: " + " ".join(f"{name} {x / 1e12:.0f}" for name, x in figures.items()) + " TFLOP/s",
-          flush=True)
 
+    def check(peers):
+        for n in ("dq", "dk", "dv"):
+            t[f"{n}_fa4"].fill_(float("nan"))
+        rc = peers["fa4"]()
+        peers["ours"]()
+        torch.cuda.synchronize()
+        if rc:
+            raise RuntimeError(f"FA4 launch returned {rc}")
+        rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()  # noqa: E731
+        names = ("dq", "dk", "dv", "dsink") if layer[5] else ("dq", "dk", "dv")
+        return {f"rel_{n}": rel(t[f"{n}_fa4"], t[f"{n}_ours"]) for n in names}
 
-def table(res, keys):
-    f = res["flops_per_s"]
-    lines = ["Backward TFLOP/s of the keys each query sees (median over rounds, range in brackets)", "",
-             "| layer | seqlen | fa4_aot | FA4 upstream | ours / FA4 |", "|---|---|---|---|---|"]
-    for key in keys:
-        layer, seqlen = key.split("|")
-        (o, o_range), (u, u_range) = (summary(f, f"{key}|{peer}", 1e12, 0) for peer in ("ours", "fa4"))
-        lines.append(f"| {layer} | {seqlen} | {o:.0f}{o_range} | {u:.0f}{u_range} | {o / u:.3f} |")
-    return "\n".join(lines)
-
-
-def main(argv):
-    import triton.testing
-
-    folder, rounds, out_json = Path(argv[0]), int(argv[1]), argv[2]
-    spec = ffi.open_dir(folder)
-    torch.empty(1, device="cuda")
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
-    res = {"flops_per_s": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
-           "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name(), "tokens": TOKENS}
-    cells = [(layer, s) for layer in LAYERS for s in SEQLENS]
-    run_rounds(res, out_json, rounds, cells, lambda c, r: cell(*c, r, res, bench), lambda c: f"{c[0][0]}|{c[1]}")
-    finish(res, out_json, table(res, [f"{layer[0]}|{s}" for layer, s in cells]))
+    makers = {"ours": lambda: ours_launch(layer, t), "fa4": lambda: fa4_launch(layer, t)}
+    local_cells.cell(f"{layer[0]}|{seqlen}", makers, check, flops(layer, seqlen), r, res, bench)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    local_cells.main(sys.argv[1:], LAYERS, SEQLENS, cell, "Backward TFLOP/s of the keys each query sees",
+                     {"ours": "fa4_aot", "fa4": "FA4 upstream"}, TOKENS)
