@@ -132,35 +132,57 @@ def bwd(d, causal, det):
 
 def bwd_rows(d, causal):
     """Pre- and postprocess of the (d, causal) config (tile_m and the dQ layout)."""
-    cfg = _tile_size_bwd_sm90(d, d, causal, False)
+    pre_post(_tile_size_bwd_sm90(d, d, causal, False), d)
+
+
+def pre_post(cfg, d, sinks_too=False):
+    """The backward's preprocess and dQ postprocess for ``cfg``'s tile_m (fa4_pre_ and
+    fa4_post_ d{d}_m{tile_m}); ``sinks_too``: also the dQ postprocess that reduces the
+    sinks' gradient (fa4_spost_: one CTA per head, as FA4's interface launches it with
+    learnable_sink). Each export skipped where the spec has it."""
     tag = f"d{d}_m{cfg.m_block_size}"
-    if f"fa4_pre_{tag}" in spec:
-        return
-    pre = FlashAttentionBackwardPreprocess(BF16, d, d, cfg.m_block_size)
     b, s, h, sqr, sqdr = [cute.sym_int() for _ in range(5)]
-    o, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
-    dpsum, lse2 = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, sqr), 4)
-    lse = fake(Float32, (b, h, s), 1)
     dqacc = fake(Float32, (b, h, sqdr), 4)
+    dpsum, lse = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, s), 1)
+    if f"fa4_pre_{tag}" not in spec:
+        pre = FlashAttentionBackwardPreprocess(BF16, d, d, cfg.m_block_size)
+        o, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
+        lse2 = fake(Float32, (b, h, sqr), 4)
 
-    @cute.jit
-    def entry_pre(o: cute.Tensor, do: cute.Tensor, dpsum: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
-                  dqacc: cute.Tensor, stream: cuda.CUstream):
-        pre(o, do, dpsum, lse, lse2, dqacc, None, None, None, None, None, Float32(1.0), None, stream)
+        @cute.jit
+        def entry_pre(o: cute.Tensor, do: cute.Tensor, dpsum: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
+                      dqacc: cute.Tensor, stream: cuda.CUstream):
+            pre(o, do, dpsum, lse, lse2, dqacc, None, None, None, None, None, Float32(1.0), None, stream)
 
-    export(f"fa4_pre_{tag}", entry_pre, o, do, dpsum, lse, lse2, dqacc, cuda.CUstream(0),
-           kinds=["t:o", "t:do", "t:dpsum", "t:lse", "t:lse2", "t:dqacc", "stream"])
+        export(f"fa4_pre_{tag}", entry_pre, o, do, dpsum, lse, lse2, dqacc, cuda.CUstream(0),
+               kinds=["t:o", "t:do", "t:dpsum", "t:lse", "t:lse2", "t:dqacc", "stream"])
     threads = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
-    post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.m_block_size, threads, cfg.AtomLayoutMdQ,
-                                             cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1)
     dq = fake(BF16, (b, s, h, d), 8)
+    for sinks in (False, True) if sinks_too else (False,):
+        name = f"fa4_{'s' if sinks else ''}post_{tag}"
+        if name in spec:
+            continue
+        post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.m_block_size, threads, cfg.AtomLayoutMdQ,
+                                                 cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1)
+        if sinks:
+            from flash_attn.cute.flash_bwd_postprocess import LearnableSinkBwdTensors
 
-    @cute.jit
-    def entry_post(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
-        post(dqacc, dq, scale, None, None, None, None, stream)
+            sink, dsink = fake(Float32, (h,), 1), fake(Float32, (h,), 1)
 
-    export(f"fa4_post_{tag}", entry_post, dqacc, dq, Float32(0.125), cuda.CUstream(0),
-           kinds=["t:dqacc", "t:dq", "f32", "stream"])
+            @cute.jit
+            def entry_spost(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, dpsum: cute.Tensor,
+                            lse: cute.Tensor, sink: cute.Tensor, dsink: cute.Tensor, stream: cuda.CUstream):
+                post(dqacc, dq, scale, None, None, LearnableSinkBwdTensors(dpsum, lse, sink, dsink), None, stream)
+
+            export(name, entry_spost, dqacc, dq, Float32(0.125), dpsum, lse, sink, dsink, cuda.CUstream(0),
+                   kinds=["t:dqacc", "t:dq", "f32", "t:dpsum", "t:lse", "t:sink", "t:dsink", "stream"])
+        else:
+            @cute.jit
+            def entry_post(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
+                post(dqacc, dq, scale, None, None, None, None, stream)
+
+            export(name, entry_post, dqacc, dq, Float32(0.125), cuda.CUstream(0),
+                   kinds=["t:dqacc", "t:dq", "f32", "stream"])
 
 
 def gqa_tag(qhpk):
@@ -393,53 +415,11 @@ def local_bwd(d, qhpk, softcap=0.0):
 
 
 def local_rows(d):
-    """The local backward's pre- and postprocess (its tile_m), the dQ postprocess that also
-    reduces the sinks' gradient (one CTA per head, as its interface launches it with
-    learnable_sink), and the dense GQA dK / dV postprocess (tile_n rows, the dKV layout)."""
-    from flash_attn.cute.flash_bwd_postprocess import LearnableSinkBwdTensors
-
+    """The local backward's pre- and postprocess (its tile_m, pre_post with the sinks'
+    dQ postprocess) and the dense GQA dK / dV postprocess (tile_n rows, the dKV layout)."""
     cfg = _tile_size_bwd_sm90(d, d, False, True)
-    tag = f"d{d}_m{cfg.m_block_size}"
-    b, s, h, sqr, sqdr = [cute.sym_int() for _ in range(5)]
-    dqacc = fake(Float32, (b, h, sqdr), 4)
-    dpsum, lse = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, s), 1)
-    if f"fa4_pre_{tag}" not in spec:
-        pre = FlashAttentionBackwardPreprocess(BF16, d, d, cfg.m_block_size)
-        o, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
-        lse2 = fake(Float32, (b, h, sqr), 4)
-
-        @cute.jit
-        def entry_pre(o: cute.Tensor, do: cute.Tensor, dpsum: cute.Tensor, lse: cute.Tensor, lse2: cute.Tensor,
-                      dqacc: cute.Tensor, stream: cuda.CUstream):
-            pre(o, do, dpsum, lse, lse2, dqacc, None, None, None, None, None, Float32(1.0), None, stream)
-
-        export(f"fa4_pre_{tag}", entry_pre, o, do, dpsum, lse, lse2, dqacc, cuda.CUstream(0),
-               kinds=["t:o", "t:do", "t:dpsum", "t:lse", "t:lse2", "t:dqacc", "stream"])
-    threads = 128 if cfg.dQ_single_wg else cfg.num_wg * 128
-    dq = fake(BF16, (b, s, h, d), 8)
-    for sinks in (False, True):
-        name = f"fa4_{'s' if sinks else ''}post_{tag}"
-        if name in spec:
-            continue
-        post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.m_block_size, threads, cfg.AtomLayoutMdQ,
-                                                 cfg.dQ_swapAB, use_2cta_instrs=False, cluster_size=1)
-        if sinks:
-            sink, dsink = fake(Float32, (h,), 1), fake(Float32, (h,), 1)
-
-            @cute.jit
-            def entry_spost(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, dpsum: cute.Tensor,
-                            lse: cute.Tensor, sink: cute.Tensor, dsink: cute.Tensor, stream: cuda.CUstream):
-                post(dqacc, dq, scale, None, None, LearnableSinkBwdTensors(dpsum, lse, sink, dsink), None, stream)
-
-            export(name, entry_spost, dqacc, dq, Float32(0.125), dpsum, lse, sink, dsink, cuda.CUstream(0),
-                   kinds=["t:dqacc", "t:dq", "f32", "t:dpsum", "t:lse", "t:sink", "t:dsink", "stream"])
-        else:
-            @cute.jit
-            def entry_post(dqacc: cute.Tensor, dq: cute.Tensor, scale: Float32, stream: cuda.CUstream):
-                post(dqacc, dq, scale, None, None, None, None, stream)
-
-            export(name, entry_post, dqacc, dq, Float32(0.125), cuda.CUstream(0),
-                   kinds=["t:dqacc", "t:dq", "f32", "stream"])
+    pre_post(cfg, d, sinks_too=True)
+    b = cute.sym_int()
     kvtag = f"d{d}_n{cfg.n_block_size}"
     if f"fa4_postkv_{kvtag}" not in spec:
         post = FlashAttentionBackwardPostprocess(BF16, d, 90, cfg.n_block_size, cfg.num_wg * 128, cfg.AtomLayoutNdKV,
