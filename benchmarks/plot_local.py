@@ -4,7 +4,7 @@ from their JSON (no GPU: only matplotlib): time per sequence against sequence le
 each fixed-window layer, fa4_aot beside FA4 upstream (same process), on log axes: a local
 kernel's time grows with the sequence (slope 1), not its square.
 
-    python benchmarks/plot_local.py benchmarks/results/2026-12-03-fa4-same-process-local.json
+    python benchmarks/plot_local.py benchmarks/results/2026-12-04-fa4-same-process-local.json
     python benchmarks/plot_local.py --backward benchmarks/results/2026-12-03-fa4-same-process-local-bwd.json
 
 Writes the plot beside the JSON (.png)."""

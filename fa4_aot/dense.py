@@ -20,11 +20,12 @@ from .launch.loader import KernelLibrary
 WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
 
 
-def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None) -> dict:
-    """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal): with
-    ``q_tiles`` query tiles per CTA, or when None two where policy.forward_two_tiles and
-    they are built, else one."""
-    return _row(manifest, axes, q_tiles, policy.forward_two_tiles(seqlen_k))
+def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None, window=(-1, -1)) -> dict:
+    """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal[, local,
+    softcap]): with ``q_tiles`` query tiles per CTA, or when None two where
+    policy.forward_two_tiles (of seqlen_k and the local ``window``) and they are built,
+    else one."""
+    return _row(manifest, axes, q_tiles, policy.forward_two_tiles(seqlen_k, window))
 
 
 def _row(manifest, axes: dict, q_tiles: int | None, two_tiles: bool) -> dict:
@@ -64,7 +65,7 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     0). ``softcap`` > 0: the scaled scores s become softcap * tanh(s / softcap).
     ``learnable_sink``: float32 (heads_q,), a logit per query head that joins each row's
     softmax denominator and adds no value (a row that sees no key: out 0, lse the sink).
-    These take the local kernels (one query tile per CTA).
+    These take the local kernels.
     ``stream`` is a raw CUstream handle (0: the legacy default
     stream; 2: the per-thread one); a DLPack array is asked for on it, and it waits for the
     stream a __cuda_array_interface__ array names. Asynchronous: nothing is allocated and
@@ -102,9 +103,10 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
         checks.check_sink(arrays["sink"], problem.heads_q)
     check_no_overlap(written(arrays, "out", "lse"), read(arrays, "out", "lse"))
     axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
-    check_built(library.manifest, axes, q_tiles)  # local q_tiles=2: not built, and says why
+    check_built(library.manifest, axes, q_tiles)  # q_tiles=2 at head_dim 192, 256: not built, and says why
     device = device_of(arrays)
-    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)
+    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles,
+                      (mods.left, mods.right) if mods.local else (-1, -1))
     scale = default_scale(problem.head_dim) if scale is None else scale
     values = {**problem.sizes, "scale_log2": scale * LOG2E}
     tensors = launch_tensors(arrays)

@@ -20,6 +20,10 @@ from rounds import finish, note, summary, time_round  # noqa: E402
 
 SEQLENS = (16384, 131072)
 NO_CAP = ("gemma-d256-w1024-nocap", 256, 16, 8, 1024, 0.0, False)
+# windows between gpt-oss's and Gemma's, for the local two-tile policy
+WINDOWS = [(f"d{d}-w{w}", d, hq, hkv, w, cap, sinks) for d, hq, hkv, cap, sinks in ((64, 64, 8, 0.0, True),
+                                                                                  (128, 16, 8, 50.0, False))
+           for w in (128, 256, 512)]
 
 
 def main(argv):
@@ -35,7 +39,7 @@ def main(argv):
     ffi.open_dir(fa4_dir)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     res = {"flops_per_s": {}, "errors": {}, "libraries": argv[3:], "gpu": torch.cuda.get_device_name()}
-    layers = [srl.LAYERS[0], srl.LAYERS[1], NO_CAP]
+    layers = [*srl.LAYERS, NO_CAP, *WINDOWS]
     if os.environ.get("LAYERS"):
         layers = [x for x in layers if x[0] in os.environ["LAYERS"].split(",")]
     keys = []
@@ -61,7 +65,7 @@ def main(argv):
                         diff = (t["out_ours"].float() - first.float()).abs().max().item()
                         res.setdefault("diffs", {})[f"{key}|{name}"] = diff
                         print(f"{key} {name}: max|out - first's| {diff:.3e}", flush=True)
-                if layer[5] or layer[0] == "gpt-oss":
+                if layer in srl.LAYERS:
                     try:
                         peers["fa4"] = srl.fa4_launch(layer, t)
                     except Exception as e:  # noqa: BLE001

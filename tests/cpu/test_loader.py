@@ -695,6 +695,7 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     import math
 
     import fa4_aot.dense as api
+    import fa4_aot.policy as policy
 
     from fa4_aot.launch.arrays import DeviceArray
 
@@ -730,8 +731,12 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     assert int.from_bytes(raw[at["sink"]:at["sink"] + 8], "little") == sink.ptr
     with pytest.raises(Fa4AotError):  # the local row is built only here with softcap: a typed refusal
         api.forward(q, k, v, out, lse, window_size=(128, 0), library=library)
-    with pytest.raises(UnsupportedVariantError, match="one query tile per CTA"):  # no local q2 kernel
+    with pytest.raises(UnsupportedVariantError, match=r"q2\.local\.softcap"):  # not in this build
         api.forward(q, k, v, out, lse, softcap=30.0, q_tiles=2, library=library)
+    # two query tiles per CTA where a tile's keys (local: at most its window's) are few
+    assert [policy.forward_two_tiles(131072, w) for w in ((128, 0), (1024, 0), (4096, 0), (-1, 0), (5, -1))] == [
+        True, True, False, False, False]
+    assert policy.forward_two_tiles(4096) and policy.forward_two_tiles(1000, (5000, 5000))
     with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d64\.causal is not built"):
         api.forward(q, k, v, out, lse, window_size=(-1, 0), library=library)  # the plain causal kernel's
     api.forward(q, k, v, out, lse, window_size=(None, None), library=library)

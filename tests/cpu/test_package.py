@@ -50,7 +50,7 @@ def test_names_round_trip_and_read_well():
     assert [x.name for x in select(("fwd.*.fp16.d64",))] == ["fwd.sm90a.fp16.d64"]
     assert [x.name for x in select(("fwd.*.fp16.d64*",))] == [
         "fwd.sm90a.fp16.d64", "fwd.sm90a.fp16.d64.local", "fwd.sm90a.fp16.d64.local.softcap", "fwd.sm90a.fp16.d64.q2",
-        "fwd.sm90a.fp16.d64.varlen", "fwd.sm90a.fp16.d64.varlen.local", "fwd.sm90a.fp16.d64.varlen.local.softcap",
+        "fwd.sm90a.fp16.d64.q2.local", "fwd.sm90a.fp16.d64.q2.local.softcap", "fwd.sm90a.fp16.d64.varlen", "fwd.sm90a.fp16.d64.varlen.local", "fwd.sm90a.fp16.d64.varlen.local.softcap",
         "fwd.sm90a.fp16.d64.causal", "fwd.sm90a.fp16.d64.causal.q2", "fwd.sm90a.fp16.d64.causal.varlen"]
     assert Variant.from_name("fwd.sm90a.bf16.d128.causal.q2").q_tiles == 2
     with pytest.raises(ValueError, match="head_dim=80"):

@@ -44,6 +44,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (2, 128, 1000, 2, 2),  # seqlen_q < seqlen_k: the windows far right
     (2, 1000, 128, 2, 2),  # seqlen_q > seqlen_k: rows that see no key
     (1, 300, 3000, 3, 1),  # many key tiles, most outside a narrow window: skipped
+    (1, 500, 700, 4, 1),  # three query tiles at head_dim 64: two a CTA computes the middle one twice
 ]
 
 
@@ -62,7 +63,7 @@ def _run_dense(variant, case, cap, shape, gen, scale=None):
     sinks = _sinks(shape[3], gen) if sink else None
     out, lse = _poisoned(q)
     flash_attn_fwd(q, k, v, causal=causal, window_size=(left, right), softcap=cap, learnable_sink=sinks, out=out,
-                   lse=lse, softmax_scale=scale)
+                   lse=lse, softmax_scale=scale, q_tiles=variant.q_tiles)
     torch.cuda.synchronize()
     return q, k, v, sinks, out, lse
 
@@ -188,13 +189,19 @@ def test_local_bad_options_are_refused_before_launch(gen):
            ({"learnable_sink": torch.zeros(4, device="cuda", dtype=torch.bfloat16)}, DTypeError),
            ({"learnable_sink": torch.zeros(8, device="cuda")[::2]}, fa4_aot.Fa4AotError),
            ({"learnable_sink": torch.zeros(4)}, fa4_aot.Fa4AotError),
-           ({"learnable_sink": good, "q_tiles": 2}, UnsupportedVariantError),
+           ({"learnable_sink": good, "q_tiles": 3}, OptionError),
            ({"learnable_sink": lse.view(-1)[:4]}, fa4_aot.Fa4AotError)]  # over lse, which is written
     for options, error in bad:
         with pytest.raises(error):
             flash_attn_fwd(q, k, v, out=out, lse=lse, **options)
         torch.cuda.synchronize()
         assert out.isnan().all() and lse.isnan().all(), options
+    q, k, v = _inputs((1, 64, 64, 4, 2), 256, torch.bfloat16, gen)
+    out, lse = _poisoned(q)
+    with pytest.raises(UnsupportedVariantError, match="do not fit"):  # two Q buffers at head_dim 256
+        flash_attn_fwd(q, k, v, out=out, lse=lse, learnable_sink=good, q_tiles=2)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all()
 
 
 def test_local_func_traces_under_torch_compile(gen):
