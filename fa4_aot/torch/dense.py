@@ -4,6 +4,8 @@ current stream; and what the autograd paths over them (autograd.py, ops.py) shar
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..dense import backward_workspace_bytes, run_backward, run_forward
@@ -19,9 +21,12 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward
     (``learnable_sink``: float32 (h_q,)). Every option is keyword-only."""
     repeat, stream = None, None
-    if (type(out) is torch.Tensor and type(lse) is torch.Tensor and type(q) is torch.Tensor and type(k) is torch.Tensor
-            and type(v) is torch.Tensor and q.is_cuda
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and q.is_cuda and q.dim() == 4
+            and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
             and (learnable_sink is None or type(learnable_sink) is torch.Tensor)):
+        # outputs made first, so that a call without them (autograd's) repeats too: the
+        # caching allocator gives a training step's the same addresses step after step
+        out, lse = _outputs(q, out, lse)
         device = q.get_device()
         stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
@@ -34,16 +39,22 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
     check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if lse is None:
-        b, s_q, h_q, _ = q.shape
-        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+    out, lse = _outputs(q, out, lse)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     sink = None if learnable_sink is None else as_device_array(learnable_sink)
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else (),
                 window_size, softcap, sink)
+    return out, lse
+
+
+def _outputs(q: torch.Tensor, out, lse):
+    """out and lse as given, or made for q (b, s_q, h_q, d): out like q, lse float32 (b, h_q, s_q)."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if lse is None:
+        b, s_q, h_q, _ = q.shape
+        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
     return out, lse
 
 
@@ -58,9 +69,15 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     ``q_tiles``, ``window_size``, ``softcap`` too). Every option is keyword-only. The
     workspace (uint8, at least ``fa4_aot.backward_workspace_bytes`` bytes, any contents)
     and the gradients come from torch's allocator unless given."""
+    repeat, stream = None, None
+    if (all(type(t) is torch.Tensor for t in (q, k, v, out, dout, lse)) and q.is_cuda and q.dim() == k.dim() == 4
+            and all(type(t) in (torch.Tensor, type(None)) for t in (dq, dk, dv, workspace, learnable_sink, dsink))):
+        # gradients and workspace made first, so that autograd's calls (none given) repeat
+        # too: the caching allocator gives a training step's the same addresses each step
+        dq, dk, dv, workspace, dsink = _gradients(q, k, v, (dq, dk, dv, workspace, dsink), causal, deterministic,
+                                                  window_size, softcap, learnable_sink)
     given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
     sinks = () if learnable_sink is None else (learnable_sink, dsink)
-    repeat, stream = None, None
     if all(type(t) is torch.Tensor for t in given + sinks) and q.is_cuda:
         device = q.get_device()
         stream = current_stream(device)
@@ -71,24 +88,41 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                   {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace, learnable_sink=learnable_sink,
                                         dsink=dsink)})
-    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
-    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
-    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
-    b, s_q, h_q, d = q.shape
-    if workspace is None:
-        size = backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic,
-                                        seqlen_k=k.shape[1], heads_kv=k.shape[2], dtype=KERNEL_DTYPES.get(q.dtype),
-                                        local=checks.score_mods(causal, window_size, softcap,
-                                                                learnable_sink is not None).local)
-        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
-    if learnable_sink is not None and dsink is None:
-        dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
+    dq, dk, dv, workspace, dsink = _gradients(q, k, v, (dq, dk, dv, workspace, dsink), causal, deterministic,
+                                              window_size, softcap, learnable_sink)
     arrays = [as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, workspace)]
     sink_arrays = [None if t is None else as_device_array(t) for t in (learnable_sink, dsink)]
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
                  ((repeat, ()),) if repeat else (), window_size, softcap, *sink_arrays)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
+def _gradients(q, k, v, given, causal, deterministic, window_size, softcap, learnable_sink):
+    """(dq, dk, dv, workspace, dsink) as ``given``, each one not given made: the gradients
+    like q, k, v (dsink like the sinks, where there are sinks), the workspace of
+    ``fa4_aot.backward_workspace_bytes`` bytes for the problem (kept per problem: its
+    rules are evaluated once)."""
+    dq, dk, dv, workspace, dsink = given
+    dq = torch.empty_like(q, memory_format=torch.contiguous_format) if dq is None else dq
+    dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
+    dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
+    if workspace is None:
+        local = checks.score_mods(causal, window_size, softcap, learnable_sink is not None).local
+        size = _workspace_bytes(tuple(q.shape), tuple(k.shape), KERNEL_DTYPES.get(q.dtype), bool(causal),
+                                bool(deterministic), local, default_library())
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+    if learnable_sink is not None and dsink is None:
+        dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
+    return dq, dk, dv, workspace, dsink
+
+
+@functools.lru_cache(maxsize=256)
+def _workspace_bytes(q_shape, k_shape, dtype, causal, deterministic, local, library) -> int:
+    """backward_workspace_bytes of a problem (a refusal is raised, not kept)."""
+    b, s_q, h_q, d = q_shape
+    return backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic, seqlen_k=k_shape[1],
+                                    heads_kv=k_shape[2], dtype=dtype, local=local, library=library)
 
 
 def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,180 @@
+#!/usr/bin/env python3
+"""A training step's attention through each torch layer, and a small model's training step,
+fa4_aot beside torch SDPA (its flash and cuDNN backends) in one process, on an sm_90 GPU.
+
+Attention step (forward + backward through autograd, causal, bf16, q k v (b, s, h, 64)
+leaves that require grad; SDPA takes their (b, h, s, d) transposes, as a model's
+attention does): at three sizes, from tiny (where the host decides) to medium, per layer
+
+- ``host``: the issuing thread's time for one step (the GPU idle when it starts, its
+  synchronize untimed), median of ``--steps``;
+- ``wall``: ``--steps`` steps back to back, then one synchronize, per step;
+
+and, for fa4_aot at the tiny size, the cProfile of its steps (the functions whose own time
+is largest), to say where the host time goes.
+
+Model step: a 12-layer GPT-2-small-like model (d_model 768, 12 heads of 64, MLP 4x, pre-
+LayerNorm, 1024 tokens, batch 8, bf16 autocast-free: parameters bf16), AdamW, the same
+initialization and batch for each attention; ms per step over ``--model-steps`` steps
+after warm-up, and the first step's losses (equal within bf16 noise).
+
+    PYTHONPATH=$PWD python benchmarks/host_path_step.py [--steps 200] [--model-steps 20] [--out JSON]
+"""
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from fa4_aot.torch import flash_attn_func
+
+SIZES = [(1, 128, 8), (4, 512, 12), (8, 1024, 12)]  # (batch, seqlen, heads), head_dim 64
+
+
+def sdpa(backend):
+    def attend(q, k, v):  # (b, s, h, d) in and out
+        with sdpa_kernel(backend):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               is_causal=True)
+        return o.transpose(1, 2)
+    return attend
+
+
+LAYERS = {"fa4_aot": lambda q, k, v: flash_attn_func(q, k, v, causal=True),
+          "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
+
+
+def attention_step(attend, size, steps):
+    b, s, h = size
+    q, k, v = (torch.randn(b, s, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, s, h, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        attend(q, k, v).backward(grad)
+
+    for _ in range(20):
+        step()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    return statistics.median(host) * 1e6, wall * 1e6, step
+
+
+def profile(step, steps):
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
+class Block(torch.nn.Module):
+    def __init__(self, attend, d=768, heads=12):
+        super().__init__()
+        self.attend, self.heads = attend, heads
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        x = x + self.proj(self.attend(q, k, v).reshape(b, s, d))
+        return x + self.mlp(self.ln2(x))
+
+
+def model_step(attend, steps, vocab=50304, layers=12, batch=8, seqlen=1024):
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(vocab, 768)
+    blocks = torch.nn.ModuleList(Block(attend) for _ in range(layers))
+    head = torch.nn.Linear(768, vocab, bias=False)
+    model = torch.nn.ModuleList([emb, blocks, torch.nn.LayerNorm(768), head]).to("cuda", torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    tokens = torch.randint(0, vocab, (batch, seqlen + 1), device="cuda", generator=g)
+
+    def step():
+        x = emb(tokens[:, :-1])
+        for blk in blocks:
+            x = blk(x)
+        logits = head(model[2](x))
+        loss = F.cross_entropy(logits.float().view(-1, vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    first = step().item()
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3, first
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--model-steps", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    res = {"attention": {}, "model": {}, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    for r in range(args.rounds):
+        names = list(LAYERS) if r % 2 == 0 else list(reversed(LAYERS))
+        for size in SIZES:
+            for name in names:
+                host, wall, step = attention_step(LAYERS[name], size, args.steps)
+                res["attention"].setdefault(f"{size}|{name}", []).append((host, wall))
+                print(f"r{r} {size} {name}: host {host:.0f} us, wall {wall:.0f} us a step", flush=True)
+                if r == 0 and name == "fa4_aot" and size == SIZES[0]:
+                    res["profile"] = profile(step, args.steps)
+        for name in names:
+            if name == "sdpa_cudnn":
+                continue
+            ms, loss = model_step(LAYERS[name], args.model_steps)
+            res["model"].setdefault(name, []).append((ms, loss))
+            print(f"r{r} model {name}: {ms:.2f} ms a step, first loss {loss:.5f}", flush=True)
+    lines = ["| size (b, s, h) | layer | host us/step | wall us/step |", "|---|---|---|---|"]
+    for key, runs in res["attention"].items():
+        size, name = key.split("|")
+        lines.append(f"| {size} | {name} | {statistics.median(h for h, _ in runs):.0f} "
+                     f"({min(h for h, _ in runs):.0f}-{max(h for h, _ in runs):.0f}) | "
+                     f"{statistics.median(w for _, w in runs):.0f} |")
+    lines += ["", "| model | ms/step | first loss |", "|---|---|---|"]
+    for name, runs in res["model"].items():
+        lines.append(f"| {name} | {statistics.median(m for m, _ in runs):.2f} "
+                     f"({min(m for m, _ in runs):.2f}-{max(m for m, _ in runs):.2f}) | {runs[0][1]:.5f} |")
+    res["table"] = "\n".join(lines)
+    print(res["table"])
+    print(res.get("profile", ""))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
