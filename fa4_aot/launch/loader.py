@@ -19,7 +19,6 @@ driver one question (the current context) before its launches; numpy is not impo
 from __future__ import annotations
 
 import ctypes
-import math
 import struct
 import threading
 from collections import OrderedDict
