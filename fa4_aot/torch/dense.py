@@ -71,18 +71,17 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     and the gradients come from torch's allocator unless given."""
     repeat, stream = None, None
     if (all(type(t) is torch.Tensor for t in (q, k, v, out, dout, lse)) and q.is_cuda and q.dim() == k.dim() == 4
-            and all(type(t) in (torch.Tensor, type(None)) for t in (dq, dk, dv, workspace, learnable_sink, dsink))):
+            and all(type(t) in (torch.Tensor, type(None)) for t in (dq, dk, dv, workspace, learnable_sink, dsink))
+            and (dsink is None or learnable_sink is not None)):  # a dsink alone is refused, never repeated
         # gradients and workspace made first, so that autograd's calls (none given) repeat
         # too: the caching allocator gives a training step's the same addresses each step
         dq, dk, dv, workspace, dsink = _gradients(q, k, v, (dq, dk, dv, workspace, dsink), causal, deterministic,
                                                   window_size, softcap, learnable_sink)
-    given = (q, k, v, out, dout, lse, dq, dk, dv, workspace)
-    sinks = () if learnable_sink is None else (learnable_sink, dsink)
-    if all(type(t) is torch.Tensor for t in given + sinks) and q.is_cuda:
+        sinks = () if learnable_sink is None else (learnable_sink, dsink)
         device = q.get_device()
         stream = current_stream(device)
-        repeat = repeat_key("bwd", given + sinks, (softmax_scale, causal, deterministic, q_tiles, window_size, softcap,
-                                                   device, stream))
+        repeat = repeat_key("bwd", (q, k, v, out, dout, lse, dq, dk, dv, workspace) + sinks,
+                            (softmax_scale, causal, deterministic, q_tiles, window_size, softcap, device, stream))
         if default_library().launch_again(repeat):
             return (dq, dk, dv) + sinks[1:]
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},

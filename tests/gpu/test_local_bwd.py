@@ -260,3 +260,12 @@ def test_local_backward_refusals_write_nothing(gen):
                            **{"window_size": (16, 0), **options})
         torch.cuda.synchronize()
         assert all(g.isnan().all() for g in grads), options
+    # a dsink alone is refused even right after a good call with every other tensor the
+    # same (a repeat of that call's launches must not stand in for the checks)
+    dout = torch.randn_like(q)
+    same = {"dq": grads[0], "dk": grads[1], "dv": grads[2], "window_size": (16, 0),
+            "workspace": torch.empty(fa4_aot.backward_workspace_bytes(1, 64, 4, 64, local=True), dtype=torch.uint8,
+                                     device="cuda")}
+    flash_attn_bwd(q, k, v, out, dout, lse, **same)
+    with pytest.raises(OptionError):
+        flash_attn_bwd(q, k, v, out, dout, lse, **same, dsink=torch.zeros(4, device="cuda"))
