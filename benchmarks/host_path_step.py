@@ -68,12 +68,17 @@ def attention_step(attend, size, steps):
         step()
         host.append(time.perf_counter() - start)
         torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
+    return statistics.median(host) * 1e6, wall_per_call(step, steps) * 1e6, step
+
+
+def wall_per_call(fn, calls):
+    """Seconds per call of ``calls`` calls back to back, one synchronize at the end."""
     torch.cuda.synchronize()
-    wall = (time.perf_counter() - start) / steps
-    return statistics.median(host) * 1e6, wall * 1e6, step
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
 
 
 def profile(step, steps):
@@ -127,12 +132,7 @@ def model_step(attend, steps, vocab=50304, layers=12, batch=8, seqlen=1024):
     first = step().item()
     for _ in range(3):
         step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3, first
+    return wall_per_call(step, steps) * 1e3, first
 
 
 def main():

@@ -9,6 +9,7 @@ import torch
 
 from .kvcache import attend_with_cache
 from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
+from .tensors import needs_grad
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")
@@ -49,19 +50,12 @@ def _(q, k, v, out, dout, lse, causal, softmax_scale, deterministic, window_left
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, sink = ctx.saved_tensors
-    if not _needs_grad(ctx, 9):
+    if not needs_grad(ctx, 9):
         sink = None
     window = backward_options(ctx)["window_size"]
     dq, dk, dv, dsink = bwd_op(q, k, v, out, dout, lse, ctx.causal, ctx.softmax_scale, ctx.deterministic, *window,
                                ctx.softcap, sink)
     return dq, dk, dv, None, None, None, None, None, None, dsink if sink is not None else None
-
-
-def _needs_grad(ctx, index: int) -> bool:
-    """Whether input ``index`` needs a gradient (False for an input the call left to its
-    default, which needs_input_grad may not list)."""
-    needs = ctx.needs_input_grad
-    return index < len(needs) and bool(needs[index])
 
 
 fwd_op.register_autograd(_backward, setup_context=setup_context)

@@ -51,6 +51,13 @@ def repeat_key(kind: str, tensors, options) -> tuple:
     return tuple(key)
 
 
+def needs_grad(ctx, index: int) -> bool:
+    """Whether a custom op's input ``index`` needs a gradient (False for an input the call
+    left to its default, which ctx.needs_input_grad may not list)."""
+    needs = ctx.needs_input_grad
+    return index < len(needs) and bool(needs[index])
+
+
 def passed(**named) -> dict:
     """The named tensors a call passed (those not None)."""
     return {name: t for name, t in named.items() if t is not None}

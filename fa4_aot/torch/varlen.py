@@ -18,7 +18,7 @@ from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
 from ..launch import checks
-from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, passed
+from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, needs_grad, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -140,7 +140,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
-    if not (len(ctx.needs_input_grad) > 15 and ctx.needs_input_grad[15]):
+    if not needs_grad(ctx, 15):
         sink = None  # no sinks' gradient asked for: none computed
     dq, dk, dv, dsink = _bwd_varlen_op(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlen,
                                        seqused_q, seqused_k, ctx.causal, ctx.softmax_scale, ctx.deterministic,
