@@ -12,7 +12,9 @@ call re-launches its packed kernels (the host path costs microseconds, not the G
 time). Every cache is full (cache_seqlens = keys) and not causal (SDPA's causal aligns top-left,
 the decode's bottom-right; at one query token they agree). Time: median of CUDA-event
 timings (triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves ours
-and cuDNN round by round and reports each cell's median and range. Writes
+and cuDNN round by round and reports each cell's median and range. --placement N: a placement
+sweep (each shape N more times, every buffer fresh behind an unrelated allocation of a
+random size), its minimum beside its median. Writes
 decode-<date>.json and a plot of bandwidth against keys (decode-keys-<date>.png).
 """
 
@@ -36,6 +38,8 @@ MORE = [("MHA 8x1x32768", 8, 1, 32, 32, 128, 32768, None), ("d64 8x1x32768", 8, 
         ("d256 8x1x32768", 8, 1, 32, 8, 256, 32768, None), ("8x16x32768", 8, 16, 32, 8, 128, 32768, None),
         ("1x1x4096", 1, 1, 32, 8, 128, 4096, None), ("16x1x4096", 16, 1, 32, 8, 128, 4096, None),
         ("128x1x4096", 128, 1, 32, 8, 128, 4096, None)]
+# issue 38's placement case: split-KV at num_splits 2 (its figures moved 3.16 <-> 1.66 TB/s)
+SPLIT = [("32x1x16384 GQA16:2 d64", 32, 1, 16, 2, 64, 16384, None)]
 KEYS = [("keys", 8, 1, 32, 8, 128, n, None) for n in (1024, 4096, 16384, 65536, 131072)]
 PAGED = [(f"{n} paged {p}", b, sq, hq, hkv, d, s, p) for n, b, sq, hq, hkv, d, s, _ in ISSUE for p in (256, 64, 16)]
 
@@ -93,6 +97,30 @@ def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
     return ours, (cudnn if not page else None), (q, k, v, out, qt, kt, vt)
 
 
+def placement_sweep(shapes, trials, bench, cells):
+    """Each shape ``trials`` times with every buffer made fresh behind an unrelated
+    allocation of a random size, so the allocator puts them elsewhere each time (issue 38:
+    split decode once moved between 3.16 and 1.66 TB/s with placement): cells[label]["placed"]."""
+    import random
+
+    rng = random.Random(0)
+    for shape in shapes:
+        name, batch, sq, hq, hkv, d, keys, page = shape
+        label = name if name != "keys" else f"8x1x{keys}"
+        nbytes = kv_bytes(batch, hkv, d, keys)
+        placed = cells[label].setdefault("placed", [])
+        pads = []
+        for t in range(trials + 1):
+            pads = pads[-2:] + [torch.empty(rng.randint(1 << 20, 3 << 30), dtype=torch.uint8, device="cuda")]
+            ours, _, keep = setup(batch, sq, hq, hkv, d, keys, page)
+            rate = nbytes / (bench(ours) * 1e-3)
+            if t:  # the first: a warm-up after the shape's first allocation
+                placed.append(rate)
+            del ours, keep
+        del pads
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -103,13 +131,16 @@ def main():
                     "beside the policy's (an A/B of the CTAs' starting points)")
     ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the heuristic's")
     ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
+    ap.add_argument("--placement", type=int, default=0, metavar="N",
+                    help="a placement sweep: each shape N more times, every buffer made fresh behind an "
+                    "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
     args = ap.parse_args()
     if args.kernels:
         import fa4_aot.dense as api
 
         fa4_aot.set_default_library(fa4_aot.KernelLibrary(args.kernels))
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
-    shapes = ISSUE + PAGED if args.quick else ISSUE + MORE + KEYS + PAGED
+    shapes = ISSUE + SPLIT + PAGED if args.quick else ISSUE + MORE + SPLIT + KEYS + PAGED
     if args.only:
         keep = set(args.only.split(","))
         shapes = [s for s in shapes if s[0] in keep]
@@ -145,6 +176,8 @@ def main():
                     cell["cudnn_error"] = str(e)[:200]
             del keep
             torch.cuda.empty_cache()
+    if args.placement:
+        placement_sweep(shapes, args.placement, bench, cells)
     copy = statistics.median(copies)
     print(f"device-to-device copy: {copy / 1e12:.2f} TB/s (range {min(copies) / 1e12:.2f}-{max(copies) / 1e12:.2f})")
     print(f"{'shape':28s} {'ours TB/s':>16s} {'x copy':>7s} {'cuDNN TB/s':>16s} {'ours/cuDNN':>10s}")
@@ -158,6 +191,10 @@ def main():
             line += f" {statistics.median(o) / statistics.median(c):10.2f}"
         line += "".join(f"  {n} splits: {statistics.median(cell[f'splits{n}']) / 1e12:.2f}" for n in split_counts)
         line += "".join(f"  turn {t}: {statistics.median(cell[f'turn{t}']) / 1e12:.2f}" for t in turns)
+        if "placed" in cell:
+            p = cell["placed"]
+            line += (f"  placement: median {statistics.median(p) / 1e12:.2f} min {min(p) / 1e12:.2f} "
+                     f"({min(p) / statistics.median(p):.3f})")
         print(line)
     date = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name()

@@ -10,7 +10,7 @@ Importing fa4_aot imports neither torch nor the CuTe DSL; the torch adapter live
 __version__ = "0.1.0"
 
 from .decode import forward_kvcache, forward_kvcache_workspace_bytes  # noqa: E402
-from .dense import backward, backward_workspace_bytes, forward  # noqa: E402
+from .dense import backward, backward_workspace_bytes, forward, forward_workspace_bytes  # noqa: E402
 from .errors import *  # noqa: E402,F401,F403
 from .launch.arrays import DeviceArray  # noqa: E402
 from .launch.calls import default_library, set_default_library  # noqa: E402
@@ -29,5 +29,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["forward", "forward_varlen", "forward_varlen_workspace_bytes", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
+__all__ = ["forward", "forward_workspace_bytes", "forward_varlen", "forward_varlen_workspace_bytes", "forward_kvcache", "forward_kvcache_workspace_bytes", "backward", "backward_varlen", "backward_workspace_bytes",
            "backward_varlen_workspace_bytes", "default_library", "set_default_library", "DeviceArray", "KernelLibrary", "MATRIX", "Variant"]

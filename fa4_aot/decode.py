@@ -6,7 +6,8 @@ contiguous, k_cache and v_cache (batch, max_cache, heads_kv, head_dim), or paged
 (num_pages, page_size, heads_kv, head_dim) with page_table int32 (batch, max_pages):
 key j of sequence b is row j % page_size of page page_table[b, j // page_size];
 cache_seqlens int32 (batch,) on the device: sequence b's keys are its first
-cache_seqlens[b]. lse float32 (batch, heads_q, seqlen_q), contiguous. Causal aligns each
+cache_seqlens[b] (None: every sequence's whole cache, max_cache or max_pages x page_size
+keys; the kernels then read no lengths). lse float32 (batch, heads_q, seqlen_q), contiguous. Causal aligns each
 sequence's queries to the end of its cache (query i of seqlen_q sees keys j <= i +
 cache_seqlens[b] - seqlen_q).
 
@@ -38,7 +39,7 @@ from .launch.checks import (
 )
 from .launch.loader import KernelLibrary
 
-OPTIONAL = ("page_table", "workspace", "sink")  # arrays a call may leave out (None)
+OPTIONAL = ("cache_seqlens", "page_table", "workspace", "sink")  # arrays a call may leave out (None)
 WRITTEN = ("out", "lse", "workspace")  # what the launches write (the workspace: the splits' partials)
 
 
@@ -82,7 +83,8 @@ def check_forward_kvcache(arrays: dict) -> dict:
                          f"= {(b, hq, sq)}")
     if lse.ptr % 4:
         raise LayoutError(f"lse's data pointer {lse.ptr:#x} is not 4-byte aligned")
-    _check_vector("cache_seqlens", arrays["cache_seqlens"], (b,))
+    if "cache_seqlens" in arrays:
+        _check_vector("cache_seqlens", arrays["cache_seqlens"], (b,))
     paged = "page_table" in arrays
     if paged:
         table = arrays["page_table"]
@@ -140,6 +142,12 @@ def _splits(value, sizes: dict, row: dict, sm_count: int, mods=None) -> int:
     return splits
 
 
+def splits_for(sizes: dict, row: dict, sm_count: int, mods) -> int:
+    """The splits a call of ``sizes`` (with max_seqlen_k) and ScoreMods ``mods`` takes on
+    ``row`` where the caller names none."""
+    return _splits(None, sizes, row, sm_count, mods if mods.local else None)
+
+
 def _ctas(sizes: dict, tile_m: int) -> int:
     """CTAs of one split: row tiles x KV heads x batch."""
     group = sizes["heads_q"] // sizes["heads_kv"]
@@ -179,7 +187,7 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     return ws.total_bytes(rule, ws.regions(rule, ws.names(rule, {**sizes, "splits": splits})))
 
 
-def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
+def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
                     window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
                     stream: int = 0, library: KernelLibrary | None = None) -> None:
@@ -213,7 +221,7 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
     aliases = ((repeat, given),) if repeat is not None else ()
     if library.launch_again(key, waits, aliases):
         return
-    _prepare(arrays, mods, scale, num_splits, stream, library).issue(key, waits, aliases)
+    prepare_checked(arrays, mods, scale, num_splits, stream, library).issue(key, waits, aliases)
 
 
 class PreparedDecode(NamedTuple):
@@ -226,7 +234,7 @@ class PreparedDecode(NamedTuple):
         self.library.issue(self.prepared, key, waits, aliases)
 
 
-def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None, *, page_table=None,
+def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
                     window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
                     stream: int = 0, library: KernelLibrary | None = None) -> PreparedDecode:
@@ -240,7 +248,7 @@ def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens, workspace=None
         window_size, softcap, stream)
     if waits:
         raise DeviceError("prepare_kvcache takes arrays of its stream (no __cuda_array_interface__ of another)")
-    return _prepare(arrays, mods, scale, num_splits, stream, library)
+    return prepare_checked(arrays, mods, scale, num_splits, stream, library)
 
 
 ARRAY_NAMES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table", "workspace", "sink")
@@ -257,9 +265,10 @@ def _read_call(given: tuple, causal, softmax_scale, window_size, softcap, stream
     return arrays, waits, mods, scale, stream
 
 
-def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
-    """Every check of a decode call whose arrays and options (``mods``: checks.ScoreMods)
-    are read, and its launches (the decode, and the combine where split) packed."""
+def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library: KernelLibrary) -> PreparedDecode:
+    """Every check of a decode call whose arrays (DeviceArrays by ARRAY_NAMES) and options
+    (``mods``: checks.ScoreMods) are read, and its launches (the decode, and the combine
+    where split) packed: forward_kvcache's, and fa4_aot.forward's for decode shapes."""
     sizes = check_forward_kvcache(arrays)
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
@@ -284,9 +293,12 @@ def _prepare(arrays: dict, mods, scale, num_splits, stream: int, library: Kernel
         tensors.update(o_partial=dummy, lse_partial=dummy)
     scale = default_scale(sizes["head_dim"]) if scale is None else scale
     tensors.update(launch_tensors(arrays))
+    full_cache = "cache_seqlens" not in arrays
+    if full_cache:  # every sequence's whole cache: no lengths read
+        tensors["cache_seqlens"] = arrays["lse"].as_launch_tensor()
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
     values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
-              "turn_stride": policy.DECODE_TURN_STRIDE}
+              "turn_stride": policy.DECODE_TURN_STRIDE, "full_cache": int(full_cache)}
     mods.add_launch_values(values, tensors, scale, LOG2E)
     # the combine found, and both packed, before anything is launched: a call refused
     # after the decode ran would have kept a plan of the decode alone for its repeats

@@ -10,11 +10,14 @@ from __future__ import annotations
 import math
 
 from . import policy
+from .decode import forward_kvcache_workspace_bytes, prepare_checked, splits_for
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
 from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key
-from .launch.checks import check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written
+from .launch.checks import (
+    GRID_YZ_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
+)
 from .launch.loader import KernelLibrary
 
 WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
@@ -48,7 +51,7 @@ def backward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None
 
 
 def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bool = False,
-            window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
+            window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None, workspace=None,
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
@@ -66,22 +69,29 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     ``learnable_sink``: float32 (heads_q,), a logit per query head that joins each row's
     softmax denominator and adds no value (a row that sees no key: out 0, lse the sink).
     These take the local kernels.
+    Decode shapes (a few query tokens per KV head against many keys, policy.dense_decode)
+    take the decode kernel (GQA-packed, the whole k and v as each sequence's cache), split
+    over the keys where it fills the GPU better: then only with a ``workspace``
+    (``forward_workspace_bytes``: contiguous device memory, 256-byte aligned, any
+    contents), without one the prefill kernel. Giving ``q_tiles`` asks for the prefill
+    kernel. Either way the result is bitwise the same for the same call on the same GPU.
     ``stream`` is a raw CUstream handle (0: the legacy default
     stream; 2: the per-thread one); a DLPack array is asked for on it, and it waits for the
     stream a __cuda_array_interface__ array names. Asynchronous: nothing is allocated and
     nothing waits for the GPU. Every bad argument raises a fa4_aot.Fa4AotError before
     anything is launched, and before the driver is asked where no driver is needed.
     """
-    arrays = (q, k, v, out, lse) if learnable_sink is None else (q, k, v, out, lse, learnable_sink)
-    repeat = repeat_key("fwd", arrays, (softmax_scale, causal, window_size, softcap, q_tiles), stream)
+    arrays = tuple(a for a in (q, k, v, out, lse, learnable_sink, workspace) if a is not None)
+    repeat = repeat_key("fwd", arrays, (softmax_scale, causal, window_size, softcap, q_tiles,
+                                        learnable_sink is None, workspace is None), stream)
     if repeat is not None and (library or default_library()).launch_again(repeat):
         return
     run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library,
-                ((repeat, arrays),) if repeat else (), window_size, softcap, learnable_sink)
+                ((repeat, arrays),) if repeat else (), window_size, softcap, learnable_sink, workspace)
 
 
 def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, library, aliases=(),
-                window_size=(-1, -1), softcap=0.0, learnable_sink=None) -> None:
+                window_size=(-1, -1), softcap=0.0, learnable_sink=None, workspace=None) -> None:
     """``forward``; its launches kept under ``aliases`` too ((key, pinned) pairs: keys an
     adapter computes from its own arrays, for its repeated calls, as fa4_aot.torch's, or
     the raw API's; KernelLibrary.launch)."""
@@ -91,6 +101,8 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     given = {"q": q, "k": k, "v": v, "out": out, "lse": lse}
     if mods.sink:
         given["sink"] = learnable_sink
+    if workspace is not None:
+        given["workspace"] = workspace
     arrays, waits = as_device_arrays(given, stream)
     library = library or default_library()
     # The arrays (pointers, shapes, strides, dtypes) and options determine every check and
@@ -101,17 +113,83 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
     if mods.sink:
         checks.check_sink(arrays["sink"], problem.heads_q)
-    check_no_overlap(written(arrays, "out", "lse"), read(arrays, "out", "lse"))
+    if "workspace" in arrays:
+        checks.check_workspace(arrays["workspace"])
+    check_no_overlap(written(arrays, "out", "lse", "workspace"), read(arrays, "out", "lse", "workspace"))
     axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
     check_built(library.manifest, axes, q_tiles)  # q_tiles=2 at head_dim 192, 256: not built, and says why
     device = device_of(arrays)
-    row = forward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles,
+    arch = library.arch(device)
+    splits = 0 if q_tiles is not None else decode_splits(library, problem, mods, arch, device)
+    if splits and (splits == 1 or "workspace" in arrays):  # a decode shape: the decode kernel
+        cache = {"q": arrays["q"], "k_cache": arrays["k"], "v_cache": arrays["v"], "out": arrays["out"],
+                 "lse": arrays["lse"], **{n: arrays[n] for n in ("sink", "workspace") if n in arrays}}
+        prepare_checked(cache, mods, scale, splits, stream, library).issue(key, waits, aliases)
+        return
+    row = forward_row(library.manifest, {**axes, "arch": arch}, problem.seqlen_k, q_tiles,
                       (mods.left, mods.right) if mods.local else (-1, -1))
     scale = default_scale(problem.head_dim) if scale is None else scale
     values = {**problem.sizes, "scale_log2": scale * LOG2E}
     tensors = launch_tensors(arrays)
     mods.add_launch_values(values, tensors, scale, LOG2E)
     library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
+
+
+def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count: int | None) -> dict | None:
+    """The decode kernel's row (of ``arch``, or where None of the first architecture built)
+    that serves a dense forward ``problem`` (checks.ForwardProblem) with ``mods``, where it
+    is a decode shape (policy.dense_decode, on a GPU of ``sm_count`` SMs; None: on some
+    GPU) that the kernel takes; else None: the prefill kernel."""
+    keys = problem.seqlen_k
+    if mods.local and mods.left >= 0 and mods.right >= 0:  # what a tile's windows cover
+        keys = min(keys, mods.left + mods.right + problem.seqlen_q)
+    if not policy.dense_decode(problem.batch, problem.seqlen_q, problem.heads_q, problem.heads_kv, keys, sm_count):
+        return None
+    axes = dict(kind="decode", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
+    archs = [arch] if arch else library.manifest.archs
+    built = [a for a in archs if library.manifest.built(**axes, arch=a, q_tiles=1)]
+    if not built:
+        return None
+    row = library.manifest.find(**axes, arch=built[0], q_tiles=1)
+    if problem.seqlen_q > row["limits"]["max_seqlen_q"] or max(problem.batch, problem.heads_kv) > GRID_YZ_MAX:
+        return None
+    return row
+
+
+def decode_splits(library: KernelLibrary, problem, mods, arch: str, device: int) -> int:
+    """The decode kernel's splits for a dense forward ``problem`` of a decode shape on GPU
+    ``device`` (decode_row), else 0: the prefill kernel."""
+    sm_count = library.sm_count(device)
+    row = decode_row(library, problem, mods, arch, sm_count)
+    if row is None:
+        return 0
+    return splits_for({**problem.sizes, "max_seqlen_k": problem.seqlen_k}, row, sm_count, mods)
+
+
+def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, head_dim: int, seqlen_k: int,
+                            *, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
+                            learnable_sink: bool = False, dtype: str = "bf16", sm_count: int | None = None,
+                            library: KernelLibrary | None = None) -> int:
+    """Bytes of device memory ``forward`` takes as its ``workspace`` for this problem: 0
+    but for decode shapes that the decode kernel splits over the keys (their partial
+    results), on a GPU of ``sm_count`` multiprocessors, or where None on any GPU (no GPU
+    is asked). ``learnable_sink``: whether the call gives sinks."""
+    checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
+                       seqlen_k=seqlen_k)
+    if sm_count is not None:
+        checks.check_sizes(sm_count=sm_count)
+    library = library or default_library()
+    mods = checks.score_mods(checks.flag("causal", causal), window_size, softcap, bool(learnable_sink))
+    problem = checks.ForwardProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+    row = decode_row(library, problem, mods, None, sm_count)
+    if row is None:
+        return 0
+    splits = None if sm_count is None else splits_for({**problem.sizes, "max_seqlen_k": seqlen_k}, row,
+                                                              sm_count, mods)
+    if splits == 1:
+        return 0
+    return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_k,
+                                                  num_splits=splits, library=library)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,

@@ -117,6 +117,43 @@ def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count
     return tail_split(items, sm_count, -(-sizes["seqlen_q"] // config["step_rows"]), tail_max_tiles)
 
 
+# Dense forwards of decode shapes (fa4_aot.forward, and the torch layer and SDPA hook over
+# it): the decode kernel (GQA-packed rows, split over the keys) where it measured faster
+# than the prefill kernel (docs/design.md, "Run-time selection policy";
+# benchmarks/bench_dense_decode.py --sweep [--local], H200: head_dim 64-256, groups 1-8,
+# 1-128 query tokens, 512-32k keys, batch 2 and 16, plain, causal, and the local layers of
+# gpt-oss and Gemma). Two regimes:
+# - KV reuse: the prefill kernel reads each K/V tile once per query head, decode once per
+#   64 packed rows (group x seqlen_q) of a KV head, at about 1.25x a prefill tile's time;
+#   so decode wins where its row tiles are at most half the group. Measured with the GPU
+#   full: 1.13-1.3x at group 2 (one tile), 1.2-4.4x at groups 4 and 8; one tile past that
+#   rule loses (group 4 x 64 tokens 0.75-0.88, group 2 x 64 0.75-0.88, MHA 0.85-1.0). With
+#   the GPU not full the splits' combine costs more than a short key range gains (batch 2,
+#   512 keys: 0.65-0.93; gpt-oss's 128-key window 0.65-0.84): from 2048 keys 1.0-6.2x.
+# - An underfilled GPU: where the prefill kernel's CTAs (batch x heads_q x query tiles) are
+#   fewer than the SMs, the decode kernel splits the keys over them: at one packed tile
+#   1.3-2.6x from 8192 keys (MHA, group 2); 0.88-1.25 at 2048.
+# A local call counts the keys its windows cover (left + right + seqlen_q), not seqlen_k.
+DENSE_DECODE_TILE_ROWS = 64  # the decode kernel's packed rows per CTA
+DENSE_DECODE_MIN_KEYS = 2048  # KV reuse below a full GPU
+DENSE_DECODE_FEW_CTAS_MIN_KEYS = 4096
+
+
+def dense_decode(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: int, sm_count: int | None) -> bool:
+    """Whether a dense forward takes the decode kernel (where built for its options): from
+    the shapes, the ``keys`` a query tile's windows cover (seqlen_k, or fewer where local)
+    and the GPU's ``sm_count`` (None: whether it could on some GPU)."""
+    group = heads_q // heads_kv
+    rows = group * seqlen_q
+    reuse = 2 * -(-rows // DENSE_DECODE_TILE_ROWS) <= group
+    few = rows <= DENSE_DECODE_TILE_ROWS and keys >= DENSE_DECODE_FEW_CTAS_MIN_KEYS
+    if sm_count is None:  # a GPU small enough is full, one large enough is not
+        return reuse or few
+    if batch * heads_q * -(-seqlen_q // 128) >= sm_count:
+        return reuse
+    return (reuse and keys >= DENSE_DECODE_MIN_KEYS) or few
+
+
 # Decode (fa4_aot.decode): what a split costs beyond its key tiles: its start, its partial
 # O write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
 SPLIT_COST_TILES = 1

@@ -7,7 +7,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # A small subset of the matrix, built once per session into a temporary folder: one
 # variant per dtype, the smallest and largest head dims, causal and not.
-SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d256.causal", "fwd.sm90a.fp16.d96.causal", "fwd.sm90a.bf16.d128.causal.q2",
+SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d128", "fwd.sm90a.bf16.d256.causal", "fwd.sm90a.fp16.d96.causal", "fwd.sm90a.bf16.d128.causal.q2",
           "bwd.sm90a.bf16.d128.causal.det", "bwd.sm90a.fp16.d256", "bwd.sm90a.bf16.d64.causal",
           "bwd.sm90a.bf16.d64.causal.q2", "bwd.sm90a.fp16.d64", "fwd.sm90a.bf16.d128.causal.varlen",
           "bwd.sm90a.bf16.d128.causal.varlen.det", "decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128",

@@ -155,11 +155,11 @@ DECODE_INPUTS = Inputs(
     Input("lse", "f32", 3),  # (b, h_q, s_q)
     Input("o_partial", "f32", 5),  # workspace (splits, b, s_q, h_q, d)
     Input("lse_partial", "f32", 4),  # workspace (splits, b, h_q, s_q)
-    Input("cache_seqlens", "i32", 1),  # (b,): keys in each sequence's cache
+    Input("cache_seqlens", "i32", 1),  # (b,): keys in each sequence's cache, read unless full_cache
     Input("page_table", "i32", 2),  # (b, max_pages), read where paged
     Input("scale_log2", "Float32"),  # softmax_scale * log2(e); softcap: cap * log2(e)
     *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "max_pages", "piece_rows", "paged",
-                                  "turn_stride")),
+                                  "turn_stride", "full_cache")),
     # local and softcap: as the forward's
     Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
     Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
@@ -174,6 +174,7 @@ DECODE = Params(
     i32("piece_rows"),  # keys per TMA piece: tile_n, or a divisor of it (small pages)
     i32("paged"),  # 1: K/V pages from the page table; 0: page = batch entry
     i32("turn_stride"),  # key tiles between consecutive (sequence, split) CTAs' starts
+    i32("full_cache"),  # 1: every sequence's keys are its whole cache (cache_seqlens not read)
     i32("window_left", when="local"), i32("window_right", when="local"), ptr("sink", when="local"),
     i32("use_sink", when="local"), f32("softcap_scale", when="softcap"),
     inputs=DECODE_INPUTS,

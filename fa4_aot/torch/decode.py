@@ -43,13 +43,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlen
     if k is not None:
         check_tensors({"k": k, "v": v})
     new = k.shape[1] if k is not None else 0
-    if cache_seqlens is None:
+    compiling = torch.compiler.is_compiling()
+    if cache_seqlens is None and (new or compiling):  # eagerly without appending: the kernel's whole cache
         rows = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
         cache_seqlens = torch.full((q.shape[0],), rows - new, dtype=torch.int32, device=q.device)
     elif type(cache_seqlens) is int:
         cache_seqlens = torch.full((q.shape[0],), cache_seqlens, dtype=torch.int32, device=q.device)
-    check_tensors({}, {"cache_seqlens": cache_seqlens})
-    if torch.compiler.is_compiling():  # traced: the custom op, its options as the op's types
+    if cache_seqlens is not None:
+        check_tensors({}, {"cache_seqlens": cache_seqlens})
+    if compiling:  # traced: the custom op, its options as the op's types
         mods = checks.score_mods(checks.flag("causal", causal), window_size, softcap, learnable_sink is not None)
         check_on_gpu({n: t for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k", k), ("v", v),
                                         ("cache_seqlens", cache_seqlens), ("page_table", page_table),

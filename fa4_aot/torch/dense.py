@@ -8,7 +8,8 @@ import functools
 
 import torch
 
-from ..dense import backward_workspace_bytes, run_backward, run_forward
+from ..dense import backward_workspace_bytes, forward_workspace_bytes, run_backward, run_forward
+from ..errors import Fa4AotError
 from ..launch import checks
 from ..launch.calls import default_library
 from .tensors import KERNEL_DTYPES, as_device_array, check_tensors, current_stream, passed, repeat_key, stream_of
@@ -19,14 +20,17 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
                    q_tiles: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
                    learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward
-    (``learnable_sink``: float32 (h_q,)). Every option is keyword-only."""
+    (``learnable_sink``: float32 (h_q,); decode shapes take the decode kernel, its split
+    workspace from torch's allocator). Every option is keyword-only."""
     repeat, stream = None, None
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and q.is_cuda and q.dim() == 4
-            and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
+            and k.dim() == 4 and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
             and (learnable_sink is None or type(learnable_sink) is torch.Tensor)):
-        # outputs made first, so that a call without them (autograd's) repeats too: the
-        # caching allocator gives a training step's the same addresses step after step
+        # outputs (and a decode shape's workspace) made first, so that a call without them
+        # (autograd's) repeats too: the caching allocator gives a training step's the same
+        # addresses step after step
         out, lse = _outputs(q, out, lse)
+        workspace = _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink)
         device = q.get_device()
         stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
@@ -36,16 +40,49 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         if learnable_sink is not None:  # gpt-oss's layers all give sinks: their repeats too
             repeat += (learnable_sink.data_ptr(), learnable_sink.shape, learnable_sink.stride(), learnable_sink.dtype,
                        learnable_sink.device)
+        if workspace is not None:  # the kept launch writes it: a repeat needs the same one
+            repeat += (workspace.data_ptr(), workspace.numel())
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
     check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))
     out, lse = _outputs(q, out, lse)
+    if repeat is None:
+        workspace = _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     sink = None if learnable_sink is None else as_device_array(learnable_sink)
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else (),
-                window_size, softcap, sink)
+                window_size, softcap, sink, None if workspace is None else as_device_array(workspace))
     return out, lse
+
+
+def _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink) -> torch.Tensor | None:
+    """The forward's workspace where the problem is a decode shape that the decode kernel
+    splits (fa4_aot.forward_workspace_bytes), else None."""
+    if q_tiles is not None or q.shape[1] > k.shape[1]:  # the prefill kernel: no workspace
+        return None
+    window = tuple(window_size) if isinstance(window_size, list) else window_size
+    try:
+        size = _forward_workspace_bytes(tuple(q.shape), tuple(k.shape), KERNEL_DTYPES.get(q.dtype), causal, window,
+                                        softcap, learnable_sink is not None, q.get_device(), default_library())
+    except TypeError:  # an option that is not hashable: the checks say what they make of it
+        size = 0
+    return torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_workspace_bytes(q_shape, k_shape, dtype, causal, window_size, softcap, sink, device, library) -> int:
+    """forward_workspace_bytes of a problem on GPU ``device``; 0 for one the checks refuse
+    (the call then raises there, with the checks' message)."""
+    b, s_q, h_q, d = q_shape
+    if dtype is None or k_shape[2] < 1:
+        return 0
+    try:
+        return forward_workspace_bytes(b, s_q, h_q, k_shape[2], d, k_shape[1], causal=causal, window_size=window_size,
+                                       softcap=softcap, learnable_sink=sink, dtype=dtype,
+                                       sm_count=library.sm_count(device), library=library)
+    except Fa4AotError:
+        return 0
 
 
 def _outputs(q: torch.Tensor, out, lse):

@@ -31,7 +31,8 @@ def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
 
 def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
                       window_size, softcap, learnable_sink):
-    """flash_attn_with_kvcache's work once cache_seqlens is a tensor: (out, lse)."""
+    """flash_attn_with_kvcache's work once cache_seqlens is a tensor (or None without
+    appending: the whole cache): (out, lse)."""
     given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
     if k is not None:
         check_new(q, k_cache, k, v)
@@ -39,7 +40,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     new = k.shape[1] if k is not None else 0
     # the lengths the attention covers: the cache's and, appended, the new keys (a new tensor:
     # the caller's cache_seqlens is not changed)
-    lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens
+    lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens  # None: the whole cache
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
@@ -50,7 +51,8 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     # every check, and the launches packed, before the cache is written: a refused call
     # leaves the cache as it was
     prepared = prepare_kvcache(given["q"], given["k_cache"], given["v_cache"],
-                               *(as_device_array(t) for t in (out, lse, lengths)),
+                               as_device_array(out), as_device_array(lse),
+                               as_device_array(lengths) if lengths is not None else None,
                                as_device_array(workspace) if workspace is not None else None,
                                page_table=as_device_array(page_table) if page_table is not None else None,
                                causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,

@@ -123,7 +123,7 @@ def _every_slot_given(row, values, tensors):
 
 
 def _call(a, library, **options):
-    forward_kvcache(a["q"], a["k_cache"], a["v_cache"], a["out"], a["lse"], a["cache_seqlens"], a.get("workspace"),
+    forward_kvcache(a["q"], a["k_cache"], a["v_cache"], a["out"], a["lse"], a.get("cache_seqlens"), a.get("workspace"),
                     page_table=a.get("page_table"), library=library, **options)
 
 
@@ -229,3 +229,90 @@ def test_the_workspace_size_needs_no_gpu(built):
         for sms in (1, 78, 132, 1000):
             assert forward_kvcache_workspace_bytes(b, 1, hkv * 4, hkv, 128, keys, library=library,
                                                    sm_count=sms) <= bound
+
+
+def test_without_lengths_the_kernel_reads_the_whole_cache(built):
+    """cache_seqlens None: full_cache 1 (the kernel reads no lengths); given: 0."""
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    for lengths, full in ((None, 1), (ints((4,)), 0)):
+        library.launches = []
+        _call(arrays(cache_seqlens=lengths), library, num_splits=1)
+        (row, values, tensors), = library.launches
+        _every_slot_given(row, values, tensors)
+        assert values["full_cache"] == full
+
+
+def _dense(b, sq, hq, hkv, d, sk, **over):
+    a = {"q": bshd(b, sq, hq, d), "k": bshd(b, sk, hkv, d), "v": bshd(b, sk, hkv, d), "out": bshd(b, sq, hq, d),
+         "lse": DeviceArray(fresh(), (b, hq, sq), (hq * sq, sq, 1), "fp32", 0)}
+    a.update(over)
+    return a
+
+
+def test_dense_decode_shapes_take_the_decode_kernel(built):
+    """fa4_aot.forward of a decode shape (policy.dense_decode): the decode kernel on the
+    whole k, v (full_cache 1), split with a workspace of forward_workspace_bytes, its
+    combine after; a call that names q_tiles, or without the workspace a split shape, or a
+    prefill shape: the prefill kernel."""
+    from fa4_aot import forward, forward_workspace_bytes
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    shape = (2, 1, 32, 8, 128, 8192)
+    need = forward_workspace_bytes(*shape, sm_count=132, library=library)
+    assert need > 0 and need <= forward_workspace_bytes(*shape, library=library)  # no GPU asked: the most
+    space = DeviceArray(fresh(), (need,), (1,), "u8", 0)
+    a = _dense(*shape)
+    forward(*a.values(), workspace=space, library=library)
+    (row, values, tensors), (combine, _, _) = library.launches
+    assert (row["name"], combine["name"]) == ("decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128")
+    _every_slot_given(row, values, tensors)
+    assert values["full_cache"] == 1 and values["splits"] > 1 and values["max_seqlen_k"] == 8192
+    for call in (dict(workspace=space, q_tiles=1), {}):  # prefill asked for; no workspace for the splits
+        library.launches = []
+        forward(*_dense(*shape).values(), library=library, **call)
+        assert [r["name"] for r, _, _ in library.launches] == ["fwd.sm90a.bf16.d128"], call
+    for prefill in ((2, 128, 32, 8, 128, 8192), (2, 1, 32, 8, 128, 256)):  # rows; keys
+        assert forward_workspace_bytes(*prefill, sm_count=132, library=library) == 0
+        library.launches = []
+        forward(*_dense(*prefill).values(), workspace=space, library=library)
+        assert [r["name"] for r, _, _ in library.launches] == ["fwd.sm90a.bf16.d128"], prefill
+    # enough sequences to fill the GPU unsplit: the decode kernel without a workspace
+    wide = (64, 1, 32, 8, 128, 4096)
+    assert forward_workspace_bytes(*wide, sm_count=132, library=library) == 0
+    library.launches = []
+    forward(*_dense(*wide).values(), library=library)
+    (row, values, _), = library.launches
+    assert row["name"] == "decode.sm90a.bf16.d128" and values["splits"] == 1
+
+
+def test_a_dense_decode_call_with_too_small_a_workspace_is_refused(built):
+    from fa4_aot import forward, forward_workspace_bytes
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    shape = (2, 1, 32, 8, 128, 8192)
+    need = forward_workspace_bytes(*shape, sm_count=132, library=library)
+    with pytest.raises(ShapeError):
+        forward(*_dense(*shape).values(), workspace=DeviceArray(fresh(), (need - 256,), (1,), "u8", 0),
+                library=library)
+    assert library.launches == []
+
+
+@pytest.mark.parametrize("shape, sm_count, want", [
+    ((16, 1, 32, 8, 32768), 132, True),  # group 4, GPU full: reuse
+    ((16, 64, 32, 8, 32768), 132, False),  # group 4 x 64 tokens: 4 row tiles, more than half the group
+    ((16, 32, 64, 8, 8192), 132, True),  # group 8 x 32: 4 tiles, half the group
+    ((16, 16, 32, 16, 8192), 132, True),  # group 2, one tile
+    ((16, 1, 16, 16, 32768), 132, False),  # MHA with the GPU full
+    ((2, 1, 16, 16, 8192), 132, True),  # MHA, 32 prefill CTAs: the splits fill the GPU
+    ((2, 1, 16, 16, 2048), 132, False),  # ... not at 2048 keys
+    ((2, 1, 32, 8, 512), 132, False),  # group 4 below a full GPU: too few keys for the splits
+    ((2, 1, 32, 8, 2048), 132, True),
+    ((2, 1, 16, 16, 2048), None, False),  # on any GPU: neither regime
+    ((2, 1, 32, 8, 512), None, True),  # a GPU small enough is full
+])
+def test_dense_decode_policy(shape, sm_count, want):
+    assert policy.dense_decode(*shape, sm_count) is want

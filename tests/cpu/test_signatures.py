@@ -30,8 +30,11 @@ def options(**defaults):
 
 RAW = {
     "forward": positional("q", "k", "v", "out", "lse")
-    + options(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None, q_tiles=None,
-              stream=0, library=None),
+    + options(softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=None,
+              workspace=None, q_tiles=None, stream=0, library=None),
+    "forward_workspace_bytes": positional("batch", "seqlen_q", "heads_q", "heads_kv", "head_dim", "seqlen_k")
+    + options(causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=False, dtype="bf16", sm_count=None,
+              library=None),
     "backward": positional("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "workspace")
     + options(softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1), softcap=0.0,
               learnable_sink=None, dsink=None, q_tiles=None, stream=0, library=None),

@@ -26,6 +26,9 @@ first token's window, so pages wholly outside the windows are not read and the s
 divide the window's tiles only; every key tile is masked (the window's both edges); the
 sink joins split 0's rows' denominators (the combine's merge by LSE then counts it once).
 
+Without cache_seqlens (``full_cache``: the dense API's decode shapes, docs/design.md,
+"Run-time selection policy") every sequence's keys are its whole cache.
+
 Nothing is read out of bounds whatever the device-side metadata says: cache_seqlens is
 clamped to the cache's rows (or the page table's), page numbers to the pages, and TMA
 fills a box past the tensor with zeros.
@@ -147,8 +150,10 @@ class DecodeSm90:
         # keys of the sequence: clamped to the cache (or the page table's reach)
         page_rows = gK.shape[0]
         reach = cutlass.select_(paged != 0, max_pages * page_rows, page_rows)
-        seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
-        seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
+        seqlen_k = reach
+        if p.full_cache == 0:
+            seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+            seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
         window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k) if const_expr(cfg.local) else None
         n_begin, n_end = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
         # Where in its key range a CTA starts (it wraps around): every (sequence, split)
