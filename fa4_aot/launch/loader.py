@@ -301,6 +301,14 @@ class KernelLibrary:
             while len(self._plans) > PLANS_KEPT:
                 self._plans.popitem(last=False)
 
+    def kept(self, key) -> bool:
+        """Whether launches are kept under ``key`` (a caller that writes something before
+        repeating them, fa4_aot.torch's cache append, asks first)."""
+        try:
+            return key in self._plans
+        except TypeError:
+            return False
+
     def launch_again(self, key, waits=(), aliases=()) -> bool:
         """Repeat the launches kept under ``key`` (same kernels, parameters and stream) and
         return True; False when none are kept, or they were made in another context.

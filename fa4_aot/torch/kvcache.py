@@ -4,8 +4,11 @@ decode launch. Imports torch."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .. import policy
 from ..decode import forward_kvcache_workspace_bytes, prepare_kvcache
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..launch.calls import default_library
@@ -32,7 +35,10 @@ def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
 def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
                       window_size, softcap, learnable_sink):
     """flash_attn_with_kvcache's work once cache_seqlens is a tensor (or None without
-    appending: the whole cache): (out, lse)."""
+    appending: the whole cache): (out, lse). A call whose tensors (pointers, shapes,
+    strides, dtypes) and options were launched before appends and repeats the kept
+    launches (a serving loop's step after step: the caching allocator gives the same
+    addresses); any other is checked in full before the cache is written."""
     given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
     if k is not None:
         check_new(q, k_cache, k, v)
@@ -43,11 +49,25 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens  # None: the whole cache
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
+    library = default_library()
+    device = given["q"].device
     reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-    need = forward_kvcache_workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach,
-                                           num_splits=num_splits,
-                                           sm_count=default_library().sm_count(given["q"].device))
+    need = _workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach, num_splits,
+                            library.sm_count(device), library)
     workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
+    stream = current_stream(q.get_device())
+    repeat = ("kvcache", *(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
+                           for t in (q, k_cache, v_cache, out, lse, lengths, page_table, learnable_sink, workspace)),
+              softmax_scale, causal, num_splits, window_size, softcap, policy.DECODE_TURN_STRIDE, device, stream)
+    try:
+        hash(repeat)
+    except TypeError:  # an option that is not hashable: never kept (the checks say what they make of it)
+        repeat = None
+    if repeat is not None and library.kept(repeat):  # checked when kept: append, then the same launches
+        if k is not None:
+            append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+        if library.launch_again(repeat):
+            return out, lse
     # every check, and the launches packed, before the cache is written: a refused call
     # leaves the cache as it was
     prepared = prepare_kvcache(given["q"], given["k_cache"], given["v_cache"],
@@ -58,11 +78,18 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
                                causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                window_size=window_size, softcap=softcap,
                                learnable_sink=as_device_array(learnable_sink) if learnable_sink is not None else None,
-                               stream=current_stream(q.get_device()))
+                               stream=stream)
     if k is not None:
         append(k_cache, v_cache, k, v, cache_seqlens, page_table)
-    prepared.issue()
+    prepared.issue(aliases=((repeat, ()),) if repeat is not None else ())
     return out, lse
+
+
+@functools.lru_cache(maxsize=256)
+def _workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, reach, num_splits, sm_count, library) -> int:
+    """forward_kvcache_workspace_bytes of a call (a refusal is raised, not kept)."""
+    return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, reach,
+                                           num_splits=num_splits, sm_count=sm_count, library=library)
 
 
 def check_new(q, k_cache, k, v) -> None:

@@ -3,7 +3,7 @@ name, the imports form no cycle, and each layer imports only the layers below it
 
     errors, variants, policy            (the base: standard library only)
     launch/                             the launch layer
-    dense, varlen, decode               the front doors
+    decode, then dense and varlen       the front doors (a dense decode shape takes decode's kernel)
     torch/, torch_sdpa, cli, __init__   the adapters and the public face
     src/                                the build (the base and itself)
 """
@@ -106,7 +106,9 @@ def _layer(name: str) -> int:
         return -1
     if not rest or rest[0] in ("torch", "torch_sdpa", "cli", "__main__"):
         return 3
-    if rest[0] in ("dense", "varlen", "decode"):
+    if rest[0] in ("dense", "varlen"):
+        return 2.5
+    if rest[0] == "decode":
         return 2
     if rest[0] == "launch":
         return 1

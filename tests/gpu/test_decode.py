@@ -235,3 +235,37 @@ def test_a_repeated_call_launches_decode_and_combine_again(gen):
     fa4_aot.forward_kvcache(*args, num_splits=4, stream=stream)
     torch.cuda.synchronize()
     assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
+def test_a_serving_loop_repeats_the_kept_launches(gen, monkeypatch):
+    """flash_attn_with_kvcache step after step (append one token, attend): from the second
+    step the same tensors' addresses repeat the kept launches after the append, and each
+    step's out and lse are the reference's on the cache as appended."""
+    from fa4_aot.launch.calls import default_library
+
+    library = default_library()
+    repeated = []
+    real = library.launch_again
+
+    def spy(key, *args, **kwargs):
+        done = real(key, *args, **kwargs)
+        if key[0] == "kvcache":
+            repeated.append(done)
+        return done
+
+    monkeypatch.setattr(library, "launch_again", spy)
+    batch, hq, hkv, d, max_cache = 2, 16, 4, 128, 600
+    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v, _, _, _ = _cache(batch, max_cache, hkv, d, torch.bfloat16, None, gen)
+    lengths = torch.tensor([300, 7], dtype=torch.int32, device="cuda")
+    for step in range(4):
+        k_new = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v_new = torch.randn(batch, 1, hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+        out, lse = flash_attn_with_kvcache(q, k, v, k_new, v_new, cache_seqlens=lengths, causal=True,
+                                           return_lse=True)
+        torch.cuda.synchronize()
+        rows = torch.arange(batch, device="cuda")
+        assert torch.equal(k[rows, lengths.long()], k_new[:, 0]) and torch.equal(v[rows, lengths.long()], v_new[:, 0])
+        _check(out, lse, q, k, v, lengths + 1, True)
+        lengths += 1
+    assert any(repeated), f"no step repeated the kept launches: {repeated}"
