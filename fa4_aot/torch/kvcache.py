@@ -81,7 +81,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
                                stream=stream)
     if k is not None:
         append(k_cache, v_cache, k, v, cache_seqlens, page_table)
-    prepared.issue(aliases=((repeat, ()),) if repeat is not None else ())
+    prepared.issue(repeat)  # kept under the repeat key (None: not kept)
     return out, lse
 
 
