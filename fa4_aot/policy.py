@@ -135,6 +135,9 @@ def backward_tail_split(sizes: dict, config: dict, tail_max_tiles: int, sm_count
 #   1.3-2.6x from 8192 keys (MHA, group 2); 0.88-1.25 at 2048.
 # A local call counts the keys its windows cover (left + right + seqlen_q), not seqlen_k.
 DENSE_DECODE_TILE_ROWS = 64  # the decode kernel's packed rows per CTA
+# the most query tokens either regime takes (reuse: group x seqlen_q <= 32 x group; an
+# underfilled GPU: one tile): callers ask no more for longer queries (a training step's)
+DENSE_DECODE_MAX_SEQLEN_Q = DENSE_DECODE_TILE_ROWS
 DENSE_DECODE_MIN_KEYS = 2048  # KV reuse below a full GPU
 DENSE_DECODE_FEW_CTAS_MIN_KEYS = 4096
 

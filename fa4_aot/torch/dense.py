@@ -10,6 +10,7 @@ import torch
 
 from ..dense import backward_workspace_bytes, forward_workspace_bytes, run_backward, run_forward
 from ..errors import Fa4AotError
+from ..policy import DENSE_DECODE_MAX_SEQLEN_Q
 from ..launch import checks
 from ..launch.calls import default_library
 from .tensors import KERNEL_DTYPES, as_device_array, check_tensors, current_stream, passed, repeat_key, stream_of
@@ -59,7 +60,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
 def _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink) -> torch.Tensor | None:
     """The forward's workspace where the problem is a decode shape that the decode kernel
     splits (fa4_aot.forward_workspace_bytes), else None."""
-    if q_tiles is not None or q.shape[1] > k.shape[1]:  # the prefill kernel: no workspace
+    if q_tiles is not None or q.shape[1] > DENSE_DECODE_MAX_SEQLEN_Q:  # the prefill kernel: no workspace
         return None
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     try:

@@ -316,3 +316,12 @@ def test_a_dense_decode_call_with_too_small_a_workspace_is_refused(built):
 ])
 def test_dense_decode_policy(shape, sm_count, want):
     assert policy.dense_decode(*shape, sm_count) is want
+
+
+def test_no_decode_shape_has_more_query_tokens_than_the_callers_ask_for():
+    """torch's flash_attn_fwd asks no workspace past DENSE_DECODE_MAX_SEQLEN_Q query tokens."""
+    most = policy.DENSE_DECODE_MAX_SEQLEN_Q
+    for group in (1, 2, 3, 4, 8, 16, 64):
+        for sq in range(most + 1, most + 200):
+            for batch, sms in ((1, None), (1, 132), (64, 132)):
+                assert not policy.dense_decode(batch, sq, group * 2, 2, 1 << 20, sms), (group, sq, batch, sms)
