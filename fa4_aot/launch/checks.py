@@ -224,6 +224,11 @@ def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:
     """A call's ScoreMods from flash-attn's options: ``window_size`` (left, right), ints of
     at least -1 (None for -1), within int32; causal makes right 0; ``softcap`` a finite
     number >= 0 (0 or None: none)."""
+    # the options of every call without a window or a cap, answered without the checks'
+    # abstract-class tests (3 us a call, twice a training step's attention)
+    if (type(window_size) is tuple and window_size in _PLAIN_WINDOWS and type(window_size[0]) is int
+            and type(window_size[1]) is int and (softcap is None or type(softcap) in (float, int) and softcap == 0)):
+        return ScoreMods(-1, 0 if causal or window_size[1] == 0 else -1, 0.0, bool(sink))
     if window_size is None:
         window_size = (-1, -1)
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
@@ -242,6 +247,9 @@ def score_mods(causal: bool, window_size, softcap, sink: bool) -> ScoreMods:
     if causal:
         right = 0
     return ScoreMods(left, right, float(softcap), bool(sink))
+
+
+_PLAIN_WINDOWS = ((-1, -1), (-1, 0))
 
 
 def check_sink(sink: DeviceArray, heads_q: int, name: str = "learnable_sink") -> None:
