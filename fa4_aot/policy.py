@@ -160,6 +160,13 @@ def dense_decode(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, keys: i
 # Decode (fa4_aot.decode): what a split costs beyond its key tiles: its start, its partial
 # O write and its share of the combine, in key tiles' time (docs/design.md, "Decode").
 SPLIT_COST_TILES = 1
+# What splitting at all costs once, in key tiles' time: the combine's launch and its pass
+# over the partials. Fitted to the dense-decode sweeps (bench_dense_decode.py --sweep
+# [--local], 828 cells each timed split as this policy chose and unsplit): with 0, the
+# policy's choice was 2.5% slower than the better of the two on average and 10% or more in
+# 75 cells (512 keys, gpt-oss's 128-key window: 1.2-1.5x); with 3, 0.45% and 5 cells
+# (worst 1.14x); 2 and 4 within 0.1% of 3.
+COMBINE_COST_TILES = 3
 # Key tiles between the starting points of consecutive (sequence, split) CTAs in their key
 # ranges (the KV heads of one start together: they read the same cache rows).
 DECODE_TURN_STRIDE = 11
@@ -169,14 +176,15 @@ DECODE_TURN_STRIDE = 11
 def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> int:
     """Splits of each (row tile, KV head, sequence)'s ``key_tiles`` key tiles over CTAs,
     one CTA per SM at a time, at most ``max_splits`` (the row's ``limits``): the fewest
-    that minimize waves x (tiles per split + SPLIT_COST_TILES), e.g. 8 sequences x 8 KV
+    that minimize waves x (tiles per split + SPLIT_COST_TILES), plus COMBINE_COST_TILES
+    where split, e.g. 8 sequences x 8 KV
     heads x 256 tiles on 132 SMs: 2 splits (one wave of 128 CTAs of 128 tiles); 1 x 8 x
     1024: 16; 64 x 8 x 32: 1 (512 CTAs already fill the SMs). From the shapes only, so the
     same launch serves a CUDA graph's replays."""
     best, cost = 1, -(-ctas // sm_count) * key_tiles
     for splits in range(2, min(max_splits, max(key_tiles, 1)) + 1):
         waves = -(-ctas * splits // sm_count)
-        split_cost = waves * (-(-key_tiles // splits) + SPLIT_COST_TILES)
+        split_cost = waves * (-(-key_tiles // splits) + SPLIT_COST_TILES) + COMBINE_COST_TILES
         if split_cost < cost:
             best, cost = splits, split_cost
     return best

@@ -189,6 +189,8 @@ def test_everything_is_a_typed_error(built):
     (8, 1024, 16),  # 1 x 8 x 128k keys
     (512, 32, 1),  # 64 x 8 x 4k keys: the SMs are full already
     (1, 1, 1),  # one key tile cannot split
+    (16, 4, 1),  # 512 keys (or a 128-key window's tiles) on 16 CTAs: the combine costs more than it saves
+    (32, 9, 3),  # a 1024-key window on 32 CTAs: split
 ])
 def test_split_heuristic(ctas, tiles, want):
     assert policy.decode_splits(ctas, tiles, 132, LIMITS["max_splits"]) == want
