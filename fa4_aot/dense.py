@@ -184,12 +184,12 @@ def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: i
     row = decode_row(library, problem, mods, None, sm_count)
     if row is None:
         return 0
-    splits = None if sm_count is None else splits_for({**problem.sizes, "max_seqlen_k": seqlen_k}, row,
-                                                              sm_count, mods)
+    splits = None if sm_count is None else splits_for({**problem.sizes, "max_seqlen_k": seqlen_k}, row, sm_count,
+                                                      mods)
     if splits == 1:
         return 0
     return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_k,
-                                                  num_splits=splits, library=library)
+                                           num_splits=splits, library=library)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,

@@ -12,7 +12,7 @@ from .. import policy
 from ..decode import forward_kvcache_workspace_bytes, prepare_kvcache
 from ..errors import DeviceError, DTypeError, ShapeError
 from ..launch.calls import default_library
-from .tensors import as_device_array, current_stream
+from .tensors import as_device_array, current_stream, repeat_key
 
 
 def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
@@ -39,7 +39,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     strides, dtypes) and options were launched before appends and repeats the kept
     launches (a serving loop's step after step: the caching allocator gives the same
     addresses); any other is checked in full before the cache is written."""
-    given = {n: as_device_array(t) for n, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}  # on a GPU
+    device = as_device_array(q).device  # on a GPU (a typed refusal where not)
     if k is not None:
         check_new(q, k_cache, k, v)
     batch = q.shape[0]
@@ -50,15 +50,15 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     library = default_library()
-    device = given["q"].device
     reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
     need = _workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach, num_splits,
                             library.sm_count(device), library)
     workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
-    stream = current_stream(q.get_device())
-    repeat = ("kvcache", *(None if t is None else (t.data_ptr(), t.shape, t.stride(), t.dtype)
-                           for t in (q, k_cache, v_cache, out, lse, lengths, page_table, learnable_sink, workspace)),
-              softmax_scale, causal, num_splits, window_size, softcap, policy.DECODE_TURN_STRIDE, device, stream)
+    stream = current_stream(device)
+    optional = (lengths, page_table, learnable_sink, workspace)
+    repeat = repeat_key("kvcache", [t for t in (q, k_cache, v_cache, out, lse, *optional) if t is not None],
+                        (*(t is None for t in optional), softmax_scale, causal, num_splits, window_size, softcap,
+                         policy.DECODE_TURN_STRIDE, device, stream))
     try:
         hash(repeat)
     except TypeError:  # an option that is not hashable: never kept (the checks say what they make of it)
@@ -70,8 +70,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
             return out, lse
     # every check, and the launches packed, before the cache is written: a refused call
     # leaves the cache as it was
-    prepared = prepare_kvcache(given["q"], given["k_cache"], given["v_cache"],
-                               as_device_array(out), as_device_array(lse),
+    prepared = prepare_kvcache(*(as_device_array(t) for t in (q, k_cache, v_cache, out, lse)),
                                as_device_array(lengths) if lengths is not None else None,
                                as_device_array(workspace) if workspace is not None else None,
                                page_table=as_device_array(page_table) if page_table is not None else None,
