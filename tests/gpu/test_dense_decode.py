@@ -13,6 +13,7 @@ import fa4_aot.dense as dense_api
 from fa4_aot.torch import flash_attn_fwd, flash_attn_func, flash_attn_with_kvcache
 
 from ..reference import check_attention
+from .test_fwd import _poisoned
 
 # (batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_k): decode shapes the policy routes
 DECODE_SHAPES = [
@@ -28,11 +29,6 @@ def _inputs(b, sq, hq, hkv, d, sk, gen, dtype=torch.bfloat16):
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
     v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype, generator=gen)
     return q, k, v
-
-
-def _poisoned(q):
-    b, sq, hq, _ = q.shape
-    return torch.full_like(q, float("nan")), torch.full((b, hq, sq), float("nan"), device="cuda")
 
 
 @pytest.fixture
