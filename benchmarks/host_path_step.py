@@ -7,7 +7,11 @@ leaves that require grad; SDPA takes their (b, h, s, d) transposes, as a model's
 attention does): at three sizes, from tiny (where the host decides) to medium, per layer
 
 - ``host``: the issuing thread's time for one step (the GPU idle when it starts, its
-  synchronize untimed), median of ``--steps``;
+  synchronize untimed). The host's speed drifts by a third between seconds on the H200's
+  machine, so the layers take turns: ``--blocks`` blocks of ``--steps`` steps each, the
+  layers in alternating order within a block; a layer's figure is the median over blocks
+  of each block's median, and "x sdpa_flash" the median over blocks of the block's ratio
+  (the layers of one block met the same host);
 - ``wall``: ``--steps`` steps back to back, then one synchronize, per step;
 
 and, for fa4_aot at the tiny size, the cProfile of its steps (the functions whose own time
@@ -18,7 +22,7 @@ LayerNorm, 1024 tokens, batch 8, bf16 autocast-free: parameters bf16), AdamW, th
 initialization and batch for each attention; ms per step over ``--model-steps`` steps
 after warm-up, and the first step's losses (equal within bf16 noise).
 
-    PYTHONPATH=$PWD python benchmarks/host_path_step.py [--steps 200] [--model-steps 20] [--out JSON]
+    PYTHONPATH=$PWD python benchmarks/host_path_step.py [--blocks 16] [--steps 25] [--model-steps 20] [--out JSON]
 """
 
 import argparse
@@ -51,7 +55,8 @@ LAYERS = {"fa4_aot": lambda q, k, v: flash_attn_func(q, k, v, causal=True),
           "sdpa_flash": sdpa(SDPBackend.FLASH_ATTENTION), "sdpa_cudnn": sdpa(SDPBackend.CUDNN_ATTENTION)}
 
 
-def attention_step(attend, size, steps):
+def attention_step(attend, size):
+    """One forward + backward of ``attend`` at ``size``, warmed up."""
     b, s, h = size
     q, k, v = (torch.randn(b, s, h, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     grad = torch.randn(b, s, h, 64, device="cuda", dtype=torch.bfloat16)
@@ -62,13 +67,19 @@ def attention_step(attend, size, steps):
     for _ in range(20):
         step()
     torch.cuda.synchronize()
+    return step
+
+
+def host_us(step, steps) -> float:
+    """The median over ``steps`` of one step's host time (us), the GPU idle at each start."""
     host = []
     for _ in range(steps):
+        torch.cuda.synchronize()
         start = time.perf_counter()
         step()
         host.append(time.perf_counter() - start)
-        torch.cuda.synchronize()
-    return statistics.median(host) * 1e6, wall_per_call(step, steps) * 1e6, step
+    torch.cuda.synchronize()
+    return statistics.median(host) * 1e6
 
 
 def wall_per_call(fn, calls):
@@ -137,33 +148,36 @@ def model_step(attend, steps, vocab=50304, layers=12, batch=8, seqlen=1024):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--blocks", type=int, default=16)
+    p.add_argument("--steps", type=int, default=25, help="steps a block, per layer")
     p.add_argument("--model-steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the model steps")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     res = {"attention": {}, "model": {}, "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    lines = ["| size (b, s, h) | layer | host us/step, median of blocks (range) | x sdpa_flash (range) | "
+             "wall us/step |", "|---|---|---|---|---|"]
+    for size in SIZES:
+        steps = {name: attention_step(attend, size) for name, attend in LAYERS.items()}
+        blocks = {name: [] for name in LAYERS}
+        for block in range(args.blocks):
+            for name in (list(LAYERS) if block % 2 == 0 else list(reversed(LAYERS))):
+                blocks[name].append(host_us(steps[name], args.steps))
+        for name, step in steps.items():
+            ratios = [x / y for x, y in zip(blocks[name], blocks["sdpa_flash"])]
+            wall = wall_per_call(step, 4 * args.steps) * 1e6
+            res["attention"][f"{size}|{name}"] = {"host_blocks": blocks[name], "ratio_blocks": ratios, "wall": wall}
+            lines.append(f"| {size} | {name} | {statistics.median(blocks[name]):.0f} ({min(blocks[name]):.0f}-"
+                         f"{max(blocks[name]):.0f}) | {statistics.median(ratios):.3f} ({min(ratios):.2f}-"
+                         f"{max(ratios):.2f}) | {wall:.0f} |")
+            print(lines[-1], flush=True)
+        if size == SIZES[0]:
+            res["profile"] = profile(steps["fa4_aot"], 200)
     for r in range(args.rounds):
-        names = list(LAYERS) if r % 2 == 0 else list(reversed(LAYERS))
-        for size in SIZES:
-            for name in names:
-                host, wall, step = attention_step(LAYERS[name], size, args.steps)
-                res["attention"].setdefault(f"{size}|{name}", []).append((host, wall))
-                print(f"r{r} {size} {name}: host {host:.0f} us, wall {wall:.0f} us a step", flush=True)
-                if r == 0 and name == "fa4_aot" and size == SIZES[0]:
-                    res["profile"] = profile(step, args.steps)
-        for name in names:
-            if name == "sdpa_cudnn":
-                continue
+        for name in (["fa4_aot", "sdpa_flash"] if r % 2 == 0 else ["sdpa_flash", "fa4_aot"]):
             ms, loss = model_step(LAYERS[name], args.model_steps)
             res["model"].setdefault(name, []).append((ms, loss))
             print(f"r{r} model {name}: {ms:.2f} ms a step, first loss {loss:.5f}", flush=True)
-    lines = ["| size (b, s, h) | layer | host us/step | wall us/step |", "|---|---|---|---|"]
-    for key, runs in res["attention"].items():
-        size, name = key.split("|")
-        lines.append(f"| {size} | {name} | {statistics.median(h for h, _ in runs):.0f} "
-                     f"({min(h for h, _ in runs):.0f}-{max(h for h, _ in runs):.0f}) | "
-                     f"{statistics.median(w for _, w in runs):.0f} |")
     lines += ["", "| model | ms/step | first loss |", "|---|---|---|"]
     for name, runs in res["model"].items():
         lines.append(f"| {name} | {statistics.median(m for m, _ in runs):.2f} "

@@ -16,7 +16,7 @@ import click
 from . import __version__
 from .errors import Fa4AotError
 from .launch.manifest import PACKAGE_DIR, Manifest
-from .variants import AXES, KINDS, MATRIX, NOT_BUILT_REASONS
+from .variants import AXES, AXIS_NOTES, KINDS, MATRIX, NOT_BUILT_REASONS
 
 
 def _manifest(folder) -> Manifest:
@@ -73,6 +73,8 @@ def list_(folder, patterns, show_all, as_json):
         click.echo("\nAxes (declared -> built):")
         for axis, spec in AXES.items():
             click.echo(f"  {axis:<14} {list(spec['declared'])} -> {list(spec['built'])}")
+            if axis in AXIS_NOTES:
+                click.echo(f"  {'':<14} {AXIS_NOTES[axis]}")
         for key, why in NOT_BUILT_REASONS.items():
             click.echo(f"  not built: {key}: {why}")
     click.echo(f"{len(rows)} of {len(m.rows)} built variants")

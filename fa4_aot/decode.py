@@ -33,7 +33,7 @@ from .errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeErro
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
-from .launch.calls import LOG2E, check_built, default_library, launch_tensors, repeat_key
+from .launch.calls import LOG2E, check_built, default_library, launch_tensors, repeat_key, served_sizes
 from .launch.checks import (
     GRID_YZ_MAX, INT32_MAX, check_bshd, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -167,6 +167,7 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     if sm_count is not None:
         checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
+    head_dim = library.manifest.kernel_head_dim("decode", head_dim)
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
         check_built(library.manifest, dict(kind="decode", head_dim=head_dim, dtype="bf16", causal=False), 1)
@@ -269,7 +270,7 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     """Every check of a decode call whose arrays (DeviceArrays by ARRAY_NAMES) and options
     (``mods``: checks.ScoreMods) are read, and its launches (the decode, and the combine
     where split) packed: forward_kvcache's, and fa4_aot.forward's for decode shapes."""
-    sizes = check_forward_kvcache(arrays)
+    sizes = served_sizes(library.manifest, "decode", check_forward_kvcache(arrays))
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
@@ -291,7 +292,7 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     else:
         dummy = arrays["lse"].as_launch_tensor()  # never read or written with one split
         tensors.update(o_partial=dummy, lse_partial=dummy)
-    scale = default_scale(sizes["head_dim"]) if scale is None else scale
+    scale = default_scale(sizes["columns"]) if scale is None else scale
     tensors.update(launch_tensors(arrays))
     full_cache = "cache_seqlens" not in arrays
     if full_cache:  # every sequence's whole cache: no lengths read

@@ -14,7 +14,7 @@ from .decode import forward_kvcache_workspace_bytes, prepare_checked, splits_for
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
-from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key
+from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key, served
 from .launch.checks import (
     GRID_YZ_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -110,7 +110,8 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     key = ("fwd", *arrays.values(), mods, scale, q_tiles, stream)
     if library.launch_again(key, waits, aliases):
         return
-    problem = check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"], arrays["lse"])
+    problem = served(library.manifest, "fwd", check_forward(arrays["q"], arrays["k"], arrays["v"], arrays["out"],
+                                                            arrays["lse"]))
     if mods.sink:
         checks.check_sink(arrays["sink"], problem.heads_q)
     if "workspace" in arrays:
@@ -128,7 +129,7 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
         return
     row = forward_row(library.manifest, {**axes, "arch": arch}, problem.seqlen_k, q_tiles,
                       (mods.left, mods.right) if mods.local else (-1, -1))
-    scale = default_scale(problem.head_dim) if scale is None else scale
+    scale = default_scale(problem.columns) if scale is None else scale
     values = {**problem.sizes, "scale_log2": scale * LOG2E}
     tensors = launch_tensors(arrays)
     mods.add_launch_values(values, tensors, scale, LOG2E)
@@ -145,6 +146,7 @@ def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count
         keys = min(keys, mods.left + mods.right + problem.seqlen_q)
     if not policy.dense_decode(problem.batch, problem.seqlen_q, problem.heads_q, problem.heads_kv, keys, sm_count):
         return None
+    problem = served(library.manifest, "decode", problem)
     axes = dict(kind="decode", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
     archs = [arch] if arch else library.manifest.archs
     built = [a for a in archs if library.manifest.built(**axes, arch=a, q_tiles=1)]
@@ -180,7 +182,7 @@ def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: i
         checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
     mods = checks.score_mods(checks.flag("causal", causal), window_size, softcap, bool(learnable_sink))
-    problem = checks.ForwardProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype)
+    problem = checks.ForwardProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim)
     row = decode_row(library, problem, mods, None, sm_count)
     if row is None:
         return 0
@@ -208,6 +210,7 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, head_dim=head_dim,
                        **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
+    head_dim = library.manifest.kernel_head_dim("bwd", head_dim)
     rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=False, local=local)
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "head_dim": head_dim}
     if seqlen_k is not None:
@@ -272,7 +275,8 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     key = ("bwd", *arrays.values(), causal, mods, scale, deterministic, q_tiles, stream)
     if library.launch_again(key, waits, aliases):  # as in forward
         return
-    problem = check_backward(**{n: a for n, a in arrays.items() if n not in ("workspace", "sink", "dsink")})
+    problem = served(library.manifest, "bwd",
+                     check_backward(**{n: a for n, a in arrays.items() if n not in ("workspace", "sink", "dsink")}))
     for name in ("sink", "dsink"):
         if name in arrays:
             checks.check_sink(arrays[name], problem.heads_q, name)
@@ -289,7 +293,7 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     names = _workspace_names(row, sizes)
     tensors = ws.carve(rule, names, space.ptr, math.prod(space.shape) * space.itemsize)
     tensors.update(launch_tensors(arrays))
-    scale = default_scale(problem.head_dim) if scale is None else scale
+    scale = default_scale(problem.columns) if scale is None else scale
     turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
     first_write = policy.first_write_dq(deterministic, problem.seqlen_k)
     tail_tiles, tail_pieces = policy.backward_tail_split(sizes, config, rule["constants"]["tail_max_tiles"],

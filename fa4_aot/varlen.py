@@ -23,7 +23,7 @@ from .errors import DTypeError, LayoutError, OptionError, ShapeError, Unsupporte
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
-from .launch.calls import LOG2E, backward_rows, check_built, default_library
+from .launch.calls import LOG2E, backward_rows, check_built, default_library, served_sizes
 from .launch.checks import (
     GRID_YZ_MAX, INT32_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -161,7 +161,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, mods, scale, stream, order)
     if library.launch_again(key, waits):
         return
-    sizes = check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    sizes = served_sizes(library.manifest, "fwd", check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k))
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
     if "workspace" in arrays:
@@ -171,7 +171,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
-    scale = default_scale(sizes["head_dim"]) if scale is None else scale
+    scale = default_scale(sizes["columns"]) if scale is None else scale
     packed = sizes.pop("packed")
     tensors = _sequence_tensors(arrays, packed)
     walk = _walk_order(order, row, sizes, "workspace" in arrays, "forward_varlen_workspace_bytes(batch)",
@@ -232,6 +232,7 @@ def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head
     ``local``: for a backward with a window or sinks."""
     checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
     library = library or default_library()
+    head_dim = library.manifest.kernel_head_dim("bwd", head_dim)
     rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True, local=local)
     sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
     return max(_workspace_bytes(r["workspace"], _varlen_workspace_values(r["workspace"], sizes, True)) for r in rows)
@@ -290,7 +291,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
            order)
     if library.launch_again(key, waits):
         return
-    sizes = check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k)
+    sizes = served_sizes(library.manifest, "bwd", check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k))
     for name in ("sink", "dsink"):
         if name in arrays:
             checks.check_sink(arrays[name], sizes["heads_q"], name)
@@ -316,7 +317,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
                                                     row["limits"]["lpt_max_batch"]))
     values = _varlen_workspace_values(rule, problem, walk == "lpt")
     tensors = ws.carve(rule, values, space.ptr, have)
-    scale = default_scale(sizes["head_dim"]) if scale is None else scale
+    scale = default_scale(sizes["columns"]) if scale is None else scale
     tensors.update(_sequence_tensors(arrays, packed))
     turn_tiles = policy.deterministic_turn_tiles(causal, sizes["head_dim"], sizes["max_seqlen_k"]) if deterministic else 1
     values.update({"scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,

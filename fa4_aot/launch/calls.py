@@ -56,6 +56,19 @@ def check_built(manifest, axes: dict, q_tiles: int | None) -> None:
         manifest.find(**axes, arch=archs[0], q_tiles=tiles[0])  # raises
 
 
+def served(manifest, kind: str, problem: checks.ForwardProblem) -> checks.ForwardProblem:
+    """``problem`` with the head dim of the ``kind`` kernels that serve its tensors
+    (Manifest.kernel_head_dim, a typed error where none does); the tensors' own stays its
+    ``columns``, which the kernels read and write."""
+    return problem._replace(head_dim=manifest.kernel_head_dim(kind, problem.columns))
+
+
+def served_sizes(manifest, kind: str, sizes: dict) -> dict:
+    """``served`` for a dict of sizes ("head_dim": the tensors'): the kernels' head dim as
+    "head_dim", the tensors' as "columns"."""
+    return {**sizes, "head_dim": manifest.kernel_head_dim(kind, sizes["head_dim"]), "columns": sizes["head_dim"]}
+
+
 def repeat_key(kind: str, arrays, options, stream):
     """A call of DeviceArrays on an int stream, as given: the key a repeated call with the
     same arguments is launched again under at once (its checks were made the first time;

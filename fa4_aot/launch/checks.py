@@ -10,7 +10,10 @@ import math
 import numbers
 from typing import NamedTuple
 
-from ..errors import CudaError, DeviceError, DTypeError, LayoutError, NoDeviceError, OptionError, OverlapError, ShapeError
+from ..errors import (
+    CudaError, DeviceError, DTypeError, LayoutError, NoDeviceError, OptionError, OverlapError, ShapeError,
+    UnsupportedVariantError,
+)
 from .arrays import ADDRESS_END, DeviceArray
 from .driver import call, cu, init
 
@@ -22,6 +25,9 @@ TMA_STRIDE_MAX = 2**40
 
 # a NamedTuple: made at import, it costs a fresh process a tenth of a frozen dataclass's time
 class ForwardProblem(NamedTuple):
+    """A dense call's sizes. ``head_dim``: the kernels' (calls.served: the narrowest built
+    head dim at least ``columns`` wide); ``columns``: the tensors' own head dim."""
+
     batch: int
     seqlen_q: int
     seqlen_k: int
@@ -29,12 +35,13 @@ class ForwardProblem(NamedTuple):
     heads_kv: int
     head_dim: int
     dtype: str
+    columns: int
 
     @property
     def sizes(self) -> dict:
         return {
             "batch": self.batch, "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
-            "heads_q": self.heads_q, "heads_kv": self.heads_kv, "head_dim": self.head_dim,
+            "heads_q": self.heads_q, "heads_kv": self.heads_kv, "head_dim": self.head_dim, "columns": self.columns,
         }
 
 
@@ -45,6 +52,9 @@ def check_bshd(name: str, t: DeviceArray) -> None:
         raise ShapeError(f"{name} has a zero or negative size: shape {t.shape}")
     if any(n > INT32_MAX for n in t.shape):
         raise ShapeError(f"{name} shape {t.shape} has a size past 2**31-1")
+    if t.shape[3] * t.itemsize % 16:
+        raise UnsupportedVariantError(f"{name} head_dim {t.shape[3]}: the kernels serve multiples of "
+                                      f"{16 // t.itemsize} (whole 16-byte units a row)")
     if t.strides[3] != 1:
         raise LayoutError(f"{name}'s last dimension must be contiguous (stride 1); strides are {t.strides}")
     for axis in range(3):
@@ -91,7 +101,7 @@ def check_forward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArr
         raise ShapeError(f"batch*heads_q*seqlen_q = {b * hq * sq} overflows the kernel's int32 LSE index")
     if hq > GRID_YZ_MAX or b > GRID_YZ_MAX:
         raise ShapeError(f"heads_q={hq} and batch={b} must each be at most {GRID_YZ_MAX} (grid limits)")
-    return ForwardProblem(b, sq, sk, hq, hkv, d, q.dtype)
+    return ForwardProblem(b, sq, sk, hq, hkv, d, q.dtype, d)
 
 
 def device_of(arrays: dict[str, DeviceArray]) -> int:

@@ -85,6 +85,7 @@ class Manifest:
         self._found: dict[tuple, dict] = {}
         self._built: dict[tuple, bool] = {}
         self._matching: dict[tuple, list] = {}
+        self._head_dims: dict[tuple, int] = {}
 
     def _scan(self) -> tuple[dict, int | None]:
         """(the top-level fields before "kernels", where the "kernels" array starts), the
@@ -197,6 +198,24 @@ class Manifest:
             rows = self._matching[key] = [self.rows[name] for name, entry in self.index.items()
                                           if all(entry["variant"].get(axis) == value for axis, value in axes.items())]
         return rows
+
+    def kernel_head_dim(self, kind: str, head_dim: int) -> int:
+        """The head dim of the ``kind`` kernels that serve tensors ``head_dim`` wide: the
+        narrowest built one at least as wide (they read zeros past the tensors' columns and
+        write nothing there: docs/design.md, "Head dims"). A typed error where head_dim is
+        not a positive multiple of 8 (a row is whole 16-byte units for TMA) or no built
+        head dim of this kind is as wide."""
+        key = (kind, head_dim)
+        found = self._head_dims.get(key)
+        if found is None:
+            dims = sorted({v.head_dim for v in self.variants if v.kind == kind})
+            wider = [d for d in dims if d >= head_dim]
+            if head_dim <= 0 or head_dim % 8 or not wider:
+                raise UnsupportedVariantError(
+                    f"head_dim {head_dim}: the {kind} kernels serve multiples of 8 up to {max(dims, default=0)} "
+                    f"(built: {', '.join(map(str, dims)) or 'none'}; a narrower head dim runs on the next wider)")
+            found = self._head_dims[key] = wider[0]
+        return found
 
     def built(self, **axes) -> bool:
         """Whether the variant with these axes is in this build (False for undeclared values)."""

@@ -57,7 +57,8 @@ def fallback_reason(dtype: str | None, q_shape: tuple, k_shape: tuple, v_shape: 
     dtype: "bf16", "fp16" or None (another dtype); shapes (batch, heads, seqlen, head_dim)
     as SDPA's flash op takes them; capability: the device's (major, minor), None when q,
     k, v are not on one CUDA device; built: (arch, dtype, head_dim, causal) for which the
-    forward and both backwards (deterministic or not) are built (``built_keys``).
+    forward and both backwards (deterministic or not) are built (``built_keys``): a head dim
+    that is a multiple of 8 runs on the narrowest built one at least as wide.
     """
     if dtype is None:
         return "dtype is not bf16 or fp16"
@@ -79,7 +80,8 @@ def fallback_reason(dtype: str | None, q_shape: tuple, k_shape: tuple, v_shape: 
     if b * h_q * s_q > checks.INT32_MAX or max(b, h_q) > checks.GRID_YZ_MAX or max(s_q, s_k) > checks.INT32_MAX:
         return "sizes past the kernels' index or grid limits"
     arch = arch_for_capability(capability)
-    if (arch, dtype, d, bool(causal)) not in built:
+    wider = sorted(dim for a, _, dim, _ in built if a == arch and dim >= d)  # the kernels' head dim: the narrowest
+    if d % 8 or not wider or (arch, dtype, wider[0], bool(causal)) not in built:
         return f"no fa4_aot kernels built for {arch or capability}, {dtype}, head_dim {d}, causal={bool(causal)}"
     return None
 

@@ -134,6 +134,31 @@ def test_the_good_calls_launch(library):
     assert [name for name, _ in library.launched] == ["fwd.sm90a.bf16.d64", "bwd.sm90a.fp16.d64"]
 
 
+def test_a_head_dim_between_the_built_ones_runs_on_the_next_wider(library):
+    """head_dim 40: the d64 kernels (the narrowest built at least as wide), told the
+    tensors' 40 columns; the default scale 1/sqrt(40); the backward's workspace sized as
+    for 64; every value the kernels' plans name given."""
+    from fa4_aot.launch import loader
+
+    d = 40
+    f = {n: arr(a.shape[:-1] + (d,), a.dtype) if n != "lse" else a for n, a in good_forward().items()}
+    api.forward(*f.values(), library=library)
+    values = library.last["values"]
+    assert library.launched[-1][0] == "fwd.sm90a.bf16.d64"
+    assert (values["head_dim"], values["columns"]) == (64, 40)
+    assert values["scale_log2"] == pytest.approx(math.log2(math.e) / math.sqrt(40))
+    size = api.backward_workspace_bytes(B, SQ, HQ, d, library=library)
+    assert size == api.backward_workspace_bytes(B, SQ, HQ, 64, library=library)
+    g = {n: arr(a.shape[:-1] + (d,), a.dtype) if n not in ("lse", "workspace") else a
+         for n, a in good_backward(library).items()}
+    api.backward(*g.values(), library=library)
+    values, tensors = library.last["values"], library.last["tensors"]
+    assert library.launched[-1][0] == "bwd.sm90a.fp16.d64"
+    assert (values["head_dim"], values["columns"]) == (64, 40)
+    for launch in library.last["row"]["launches"]:
+        assert not loader.missing_sources(launch, values, tensors), launch["symbol"]
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_forward_fuzz(library, seed):
     for arrays, kwargs in cases(good_forward(), ("softmax_scale", "causal", "q_tiles", "stream"), seed, 150):
@@ -165,8 +190,9 @@ def test_good_scales_and_streams_are_taken(library):
 
 
 def test_a_head_dim_not_built_is_unsupported_before_any_device_is_asked(built, monkeypatch):
-    """head_dim 80 on a machine without a GPU: UnsupportedVariantError, not NoDeviceError
-    (the variant is checked against the manifest's built archs before the device's)."""
+    """head_dim 264 (past the widest built) on a machine without a GPU:
+    UnsupportedVariantError, not NoDeviceError (the variant is checked against the
+    manifest's built archs before the device's)."""
     import fa4_aot.launch.checks as checks
 
     def no_driver(*_):
@@ -175,11 +201,11 @@ def test_a_head_dim_not_built_is_unsupported_before_any_device_is_asked(built, m
     monkeypatch.setattr(checks, "call", no_driver)
     library = KernelLibrary(built[0])
     monkeypatch.setattr(library, "arch", no_driver)
-    d = 80
+    d = 264
     arrays = {"q": arr((B, SQ, HQ, d), "bf16", device=None), "k": arr((B, SK, HKV, d), "bf16", device=None),
               "v": arr((B, SK, HKV, d), "bf16", device=None), "out": arr((B, SQ, HQ, d), "bf16", device=None),
               "lse": arr((B, HQ, SQ), "fp32", device=None)}
-    with pytest.raises(UnsupportedVariantError, match="head_dim=80"):
+    with pytest.raises(UnsupportedVariantError, match="head_dim 264"):
         api.forward(*arrays.values(), library=library)
     d256 = {n: arr(a.shape[:-1] + (256,), "bf16", device=None) if n != "lse" else a for n, a in arrays.items()}
     with pytest.raises(UnsupportedVariantError, match="fwd.sm90a.bf16.d256 is not built"):  # causal only here
@@ -194,7 +220,7 @@ def test_workspace_size_arguments_are_checked(library):
             api.backward_workspace_bytes(bad, SQ, HQ, D, library=library)
     with pytest.raises(ShapeError):
         api.backward_workspace_bytes(B, SQ, HQ, D, seqlen_k=0, heads_kv=HKV, library=library)
-    for head_dim in (80, 32, 512):
+    for head_dim in (36, 264, 512):  # not a multiple of 8; past the widest built
         with pytest.raises(UnsupportedVariantError):
             api.backward_workspace_bytes(B, SQ, HQ, head_dim, library=library)
     with pytest.raises(OptionError):

@@ -108,6 +108,19 @@ def test_variant_not_built_lists_the_nearest(built):
     assert not m.built(kind="fwd", arch="sm90a", dtype="bf16", head_dim=80, causal=True)  # undeclared
 
 
+def test_a_head_dim_runs_on_the_narrowest_built_one_at_least_as_wide(built):
+    """The subset builds forwards at 64, 96 (fp16 causal), 128, 256 and decode at 128 only."""
+    m = Manifest(built[0])
+    assert [m.kernel_head_dim("fwd", d) for d in (8, 40, 64, 72, 96, 104, 136, 248, 256)] == \
+        [64, 64, 64, 96, 96, 128, 256, 256, 256]
+    assert m.kernel_head_dim("decode", 8) == 128
+    for d in (0, -8, 4, 36, 100, 264, 512):  # not a positive multiple of 8; past the widest
+        with pytest.raises(UnsupportedVariantError, match=f"head_dim {d}"):
+            m.kernel_head_dim("fwd", d)
+    with pytest.raises(UnsupportedVariantError, match="built: none"):
+        m.kernel_head_dim("nothing", 64)
+
+
 def test_forward_takes_two_query_tiles_for_short_keys_where_built(built):
     m = Manifest(built[0])
     d128 = dict(kind="fwd", arch="sm90a", dtype="bf16", head_dim=128, causal=True)
@@ -180,7 +193,7 @@ def test_parameter_buffer_follows_the_plan(built, monkeypatch):
 def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     row = Manifest(built[0]).rows["bwd.sm90a.bf16.d128.causal.det"]
     pre, main, post = row["launches"]
-    values = {"seqlen_q": 100, "heads_q": 4, "first_write": 1}
+    values = {"seqlen_q": 100, "heads_q": 4, "first_write": 1, "columns": 128}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
         ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "tail_counters"))}
     tensors["out"] = {"ptr": 0x10, "strides": (1 << 33, 512, 128, 1)}
@@ -332,11 +345,13 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
 
 
 class _RulesOnly:
-    """A library whose manifest holds one row (backward_workspace_bytes reads only rows)."""
+    """A library whose manifest holds one row (backward_workspace_bytes reads only rows, and
+    the row's head dim serves the call's)."""
 
     def __init__(self, row):
         self.manifest = type("M", (), {"data": {"kernels": [row]}, "rows": {row["name"]: row},
-                                       "matching": lambda self, **axes: [row]})()
+                                       "matching": lambda self, **axes: [row],
+                                       "kernel_head_dim": lambda self, kind, d: row["variant"]["head_dim"]})()
 
 
 def test_tensormaps_are_encoded_once_per_tensor(monkeypatch):

@@ -147,8 +147,8 @@ def test_built_cases_run_on_fa4_aot(dtype, head_dim, causal):
     (dict(capability=None), "CUDA device"),  # CPU, meta, or tensors on two devices
     (dict(capability=(8, 0)), "no fa4_aot kernels"),  # A100: no sm80 cubins
     (dict(capability=(10, 0)), "no fa4_aot kernels"),  # B200: sm100a is declared, not built
-    (dict(q=(2, 8, 100, 80), k=(2, 2, 300, 80)), "head_dim 80"),  # FA2 takes it, fa4_aot has no d80
-    (dict(q=(2, 8, 100, 32), k=(2, 2, 300, 32)), "head_dim 32"),
+    (dict(q=(2, 8, 100, 36), k=(2, 2, 300, 36)), "head_dim 36"),  # not a multiple of 8
+    (dict(q=(2, 8, 100, 264), k=(2, 2, 300, 264)), "head_dim 264"),  # past the widest built
     (dict(v=(2, 2, 300, 64)), "head_dim"),  # v's head_dim differs
     (dict(q=(2, 6, 100, 128), k=(2, 4, 300, 128)), "multiple"),  # 6 query heads over 4 KV heads
     (dict(q=(2, 8, 0, 128)), "zero"),
@@ -160,6 +160,22 @@ def test_built_cases_run_on_fa4_aot(dtype, head_dim, causal):
 def test_unsupported_cases_fall_back(case, match):
     reason = _reason(**case)
     assert reason is not None and match in reason, reason
+
+
+@pytest.mark.parametrize("head_dim", [8, 32, 72, 80, 200, 248])
+def test_head_dims_between_the_built_ones_run_on_fa4_aot(head_dim):
+    assert _reason("bf16", (2, 8, 100, head_dim), (2, 2, 300, head_dim)) is None
+
+
+def test_a_head_dim_runs_where_the_narrowest_wider_one_is_built():
+    """80 takes 96's kernels (the forward's choice, Manifest.kernel_head_dim): where 96 is
+    built causal only, a non-causal 80 falls back rather than taking 128's; where no 96 is
+    built at all, 128's."""
+    causal_96 = frozenset(k for k in BUILT if k[2] != 96 or k[3])
+    assert "head_dim 80" in _reason("bf16", (2, 8, 100, 80), (2, 2, 300, 80), built=causal_96)
+    assert _reason("bf16", (2, 8, 100, 80), (2, 2, 300, 80), causal=True, built=causal_96) is None
+    no_96 = frozenset(k for k in BUILT if k[2] != 96)
+    assert _reason("bf16", (2, 8, 100, 80), (2, 2, 300, 80), built=no_96) is None
 
 
 def test_built_keys_need_both_backwards():

@@ -44,6 +44,13 @@ class RulesLibrary:
             def matching(self, **axes):  # as fa4_aot.launch.manifest.Manifest.matching
                 return [r for r in rows if all(r["variant"].get(a) == x for a, x in axes.items())]
 
+            def kernel_head_dim(self, kind, head_dim):  # as Manifest.kernel_head_dim
+                dims = sorted({r["variant"]["head_dim"] for r in rows if r["variant"]["kind"] == kind})
+                wider = [d for d in dims if d >= head_dim and head_dim % 8 == 0]
+                if not wider:
+                    raise UnsupportedVariantError(f"head_dim {head_dim}: not served")
+                return wider[0]
+
         _Manifest.rows = {r["name"]: r for r in rows}
         self.manifest = _Manifest()
 
@@ -153,8 +160,8 @@ def test_sizes_of_the_built_rows(built):
 
 
 def test_a_head_dim_not_built_is_refused():
-    with pytest.raises(UnsupportedVariantError, match="no backward kernel"):
-        api.backward_workspace_bytes(2, 100, 8, 80, library=LIBRARY)
+    with pytest.raises(UnsupportedVariantError, match="head_dim 264"):
+        api.backward_workspace_bytes(2, 100, 8, 264, library=LIBRARY)
     with pytest.raises(UnsupportedVariantError):
         api.backward_workspace_bytes(2, 100, 8, 64, dtype="fp32", library=LIBRARY)
 

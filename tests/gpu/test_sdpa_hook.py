@@ -64,11 +64,11 @@ def _inputs(shape, head_dim, dtype, gen):
     return [t.transpose(1, 2).requires_grad_(True) for t in (q, k, v)], dout.transpose(1, 2)
 
 
-def _sdpa(q, k, v, causal, scale=None, flash_only=True):
+def _sdpa(q, k, v, causal, scale=None, flash_only=True, dropout_p=0.0):
     """SDPA as a model calls it; causal with seqlen_q != seqlen_k through the lower-right
     bias (SDPA's is_causal is top-left and does not take the flash path there)."""
     s_q, s_k = q.shape[2], k.shape[2]
-    kwargs = dict(scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    kwargs = dict(scale=scale, enable_gqa=q.shape[1] != k.shape[1], dropout_p=dropout_p)
     if causal and s_q != s_k:
         kwargs["attn_mask"] = causal_lower_right(s_q, s_k)
     else:
@@ -77,10 +77,10 @@ def _sdpa(q, k, v, causal, scale=None, flash_only=True):
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
 
-def _grads(q, k, v, causal, dout, scale=None, flash_only=True):
+def _grads(q, k, v, causal, dout, scale=None, flash_only=True, dropout_p=0.0):
     for t in (q, k, v):
         t.grad = None
-    out = _sdpa(q, k, v, causal, scale, flash_only)
+    out = _sdpa(q, k, v, causal, scale, flash_only, dropout_p)
     out.backward(dout)
     return out.detach(), [t.grad for t in (q, k, v)]
 
@@ -90,7 +90,7 @@ def _bshd(*ts):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])  # 80: on the 96 kernels
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
 def test_sdpa_runs_on_fa4_aot(dtype, head_dim, causal, shape, gen, hooked, counted):
@@ -115,16 +115,18 @@ def test_a_given_scale_and_a_strided_grad(gen, hooked, counted):
     check_grads(_bshd(q.grad, k.grad, v.grad), bq, bk, bv, torch.ones_like(bout), bout, True, scale=0.3)
 
 
-@pytest.mark.parametrize("dtype, head_dim, flash_only", [
-    (torch.float16, 80, True),  # FA2 takes head_dim 80; fa4_aot has no d80 kernels
-    (torch.float32, 64, False),  # SDPA sends fp32 elsewhere: the ops never see it
+@pytest.mark.parametrize("dtype, head_dim, flash_only, dropout_p", [
+    (torch.float16, 80, True, 0.1),  # dropout: FA2 takes it, fa4_aot has none
+    (torch.float32, 64, False, 0.0),  # SDPA sends fp32 elsewhere: the ops never see it
 ])
-def test_unsupported_cases_match_sdpa_without_the_hook(dtype, head_dim, flash_only, gen, counted):
+def test_unsupported_cases_match_sdpa_without_the_hook(dtype, head_dim, flash_only, dropout_p, gen, counted):
     (q, k, v), dout = _inputs((2, 200, 300, 4, 4), head_dim, dtype, gen)
-    own_out, own_grads = _grads(q, k, v, False, dout, flash_only=flash_only)
+    torch.manual_seed(0)  # the same dropout masks both times
+    own_out, own_grads = _grads(q, k, v, False, dout, flash_only=flash_only, dropout_p=dropout_p)
     torch.nn.attention.activate_flash_attention_impl("fa4_aot")
     try:
-        out, grads = _grads(q, k, v, False, dout, flash_only=flash_only)
+        torch.manual_seed(0)
+        out, grads = _grads(q, k, v, False, dout, flash_only=flash_only, dropout_p=dropout_p)
     finally:
         torch.nn.attention.restore_flash_attention_impl()
     assert counted["fwd"] == counted["bwd"] == 0
@@ -132,7 +134,7 @@ def test_unsupported_cases_match_sdpa_without_the_hook(dtype, head_dim, flash_on
     assert torch.equal(out, own_out)  # the same kernel: a forward is deterministic
     for g, own in zip(grads, own_grads):
         torch.testing.assert_close(g, own, atol=2e-3, rtol=2e-3)  # dq summed by atomics
-    if dtype != torch.float32:
+    if dtype != torch.float32 and not dropout_p:
         bq, bk, bv, bout, bdout = _bshd(q, k, v, out, dout)
         check_grads(_bshd(*grads), bq, bk, bv, bdout, bout, False)
 

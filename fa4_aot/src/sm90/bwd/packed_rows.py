@@ -12,12 +12,14 @@ from cutlass import Int64
 
 
 class PackedRows(NamedTuple):
-    """A packed (total, h, d) output: its address and row and head strides (elements);
-    ``at`` adds the sequence's first row, its rows and the head a CTA writes."""
+    """A packed (total, h, d) output: its address, row and head strides (elements) and d
+    (columns: at most the tile's); ``at`` adds the sequence's first row, its rows and the
+    head a CTA writes."""
 
     ptr: object
     row_stride: object
     head_stride: object
+    columns: object
     offset: object = None
     length: object = None
     head: object = None
@@ -29,8 +31,8 @@ class PackedRows(NamedTuple):
 @cute.jit
 def store_rows(tidx, threads: cutlass.Constexpr[int], s_tile, rows: PackedRows, first_row):
     """Rows [first_row, first_row + tile rows) of the sequence, staged in ``s_tile`` (tile
-    rows, head_dim), written where they are the sequence's (row < rows.length); ``tidx`` in
-    [0, threads)."""
+    rows, head_dim), written where they are the sequence's (row < rows.length), their first
+    rows.columns only; ``tidx`` in [0, threads)."""
     dtype = s_tile.element_type
     tile_rows, head_dim = cute.size(s_tile, mode=[0]), cute.size(s_tile, mode=[1])
     vec = 16 // (dtype.width // 8)  # elements per 16-byte access
@@ -39,7 +41,7 @@ def store_rows(tidx, threads: cutlass.Constexpr[int], s_tile, rows: PackedRows, 
     for i in cutlass.range_constexpr(tile_rows * per_row // threads):
         chunk = i * threads + tidx
         row, part = chunk // per_row, chunk % per_row
-        if first_row + row < rows.length:
+        if (first_row + row < rows.length) & (part * vec < rows.columns):
             values = cute.make_rmem_tensor((vec,), dtype)
             cute.autovec_copy(cute.local_tile(s_tile[row, None], (vec,), (part,)), values)
             at = (Int64(rows.offset + first_row + row) * rows.row_stride + Int64(rows.head) * rows.head_stride

@@ -152,7 +152,7 @@ class PrePostSm90:
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
         term = self._preprocess_block(tidx, where, (o_ptr, o_sb, o_ss, o_sh), (do_ptr, do_sb, do_ss, do_sh),
                                       (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write,
-                                      (tail_ptr, linear), self._sink(p))
+                                      p.columns, (tail_ptr, linear), self._sink(p))
         if const_expr(self.cfg.local):
             self._store_sink_partial(p, term, tidx, head, batch * cute.ceil_div(seqlen_q, self.cfg.tile_m) + bidx)
 
@@ -189,12 +189,12 @@ class PrePostSm90:
             term = Float32(0.0)
             if where.batch >= 0:
                 term = self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
-                                              first_write, None, self._sink(p))
+                                              first_write, p.columns, None, self._sink(p))
             self._store_sink_partial(p, term, tidx, head, x)  # every block, whether it has rows or not
         else:
             if where.batch >= 0:
                 self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
-                                       first_write, None)
+                                       first_write, p.columns, None)
 
     def _varlen_block(self, cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q) -> "RowBlock":
         """The varlen row block's sequence and tile (batch -1 past the last tile)."""
@@ -208,8 +208,9 @@ class PrePostSm90:
                         cute.ceil_div(total_q, self.cfg.tile_m) + batches)
 
     @cute.jit
-    def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, tail, sink=None):
-        """The preprocess of one query tile of one head (``where``: a RowBlock); ``tail``:
+    def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, columns, tail, sink=None):
+        """The preprocess of one query tile of one head (``where``: a RowBlock), reading the
+        first ``columns`` of each O and dO row (their head dim); ``tail``:
         (the split tiles' counters, the block's linear index), cleared by the first block,
         or None (varlen). ``sink``: local, (the sinks, use_sink); returns this thread's
         term of the sink's gradient, -exp2(sink log2(e) - LSE2) D of its row where
@@ -230,11 +231,13 @@ class PrePostSm90:
             do_row = self._io_row(where, row, do_sb, do_ss, do_sh)
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
-                o = cute.make_rmem_tensor((vec,), self.dtype)
-                do = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(self._chunk(o_ptr, o_row + col, self.dtype, vec), o)
-                cute.autovec_copy(self._chunk(do_ptr, do_row + col, self.dtype, vec), do)
-                total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+                if col < columns:
+                    o = cute.make_rmem_tensor((vec,), self.dtype)
+                    do = cute.make_rmem_tensor((vec,), self.dtype)
+                    cute.autovec_copy(self._chunk(o_ptr, o_row + col, self.dtype, vec), o)
+                    cute.autovec_copy(self._chunk(do_ptr, do_row + col, self.dtype, vec), do)
+                    total += (o.load().to(Float32) * do.load().to(Float32)).reduce(cute.ReductionOp.ADD,
+                                                                                     Float32(0.0), 0)
             if const_expr(self.fragments is None):
                 if clear:
                     zeros = cute.make_rmem_tensor((4,), Float32)
@@ -364,9 +367,8 @@ class PrePostSm90:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, head, batch = cute.arch.block_idx()
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
-        self._postprocess_block(tidx, where, (dq_ptr, dq_sb, dq_ss, dq_sh), dqacc_ptr, (sem_ptr, seqlen_k, first_write,
-                                                                                  self._window(p)),
-                                done_ptr, scale)
+        self._postprocess_block(tidx, where, (dq_ptr, dq_sb, dq_ss, dq_sh, p.columns), dqacc_ptr,
+                                (sem_ptr, seqlen_k, first_write, self._window(p)), done_ptr, scale)
         if bidx + head + batch == 0:
             # this grid must not end before the main kernel (its dK and dV stores) does: the
             # work after it on the stream waits for this grid only
@@ -390,7 +392,7 @@ class PrePostSm90:
             seq_k = sequence(where.batch, cute.make_tensor(cu_k_ptr, cute.make_layout(batches + 1)),
                              cute.make_tensor(used_k_ptr, cute.make_layout(batches)), use_used_k, total_k)
             ctas = Int64(varlen_grid_x(total_k, batches, self.cfg.tile_n)) * Int64(heads_kv)
-            self._postprocess_block(tidx, where, (dq_ptr, 0, dq_ss, dq_sh), dqacc_ptr,
+            self._postprocess_block(tidx, where, (dq_ptr, 0, dq_ss, dq_sh, p.columns), dqacc_ptr,
                                     (sem_ptr, seq_k.length, first_write, self._window(p)), done_ptr, scale,
                                     (ended_ptr, ctas))
         x, head, _ = cute.arch.block_idx()
@@ -407,7 +409,7 @@ class PrePostSm90:
         ``coverage``: (semaphores, seqlen_k, first_write, local: the run-time window or
         None), what _written reads; ``ended``:
         varlen, (the count of main-kernel CTAs ended, the grid's CTAs), else None."""
-        dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
+        dq_ptr, dq_sb, dq_ss, dq_sh, columns = dq_out  # dQ: its address, (b, s, h) strides and head dim
         batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
         seqlen_k = coverage[1]
         if tidx == 0:
@@ -443,7 +445,8 @@ class PrePostSm90:
                 self._sum_copies(acc, loaded[i * self.cfg.chains:(i + 1) * self.cfg.chains], written)
                 dq = cute.make_rmem_tensor((vec,), self.dtype)
                 dq.store((acc.load() * scale).to(self.dtype))
-                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+                if col < columns:
+                    cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
 
     @cute.jit
     def _wait_for_keys(self, done, need, ended):
@@ -514,7 +517,7 @@ class PrePostSm90:
         warpgroup p staged (16 bytes at a time, contiguous across the warp), sums the
         copies, scales, and puts each value at its place in a shared (tile_m, d) tile; then
         the rows go out 16 bytes per access as in the row layout."""
-        dq_ptr, dq_sb, dq_ss, dq_sh = dq_out  # dQ: its address and (b, s, h) strides
+        dq_ptr, dq_sb, dq_ss, dq_sh, columns = dq_out  # dQ: its address, (b, s, h) strides and head dim
         frags = self.fragments
         d = self.cfg.head_dim
         s_out = cutlass.utils.SmemAllocator().allocate_tensor(
@@ -527,9 +530,11 @@ class PrePostSm90:
             dq_row = self._io_row(where, row, dq_sb, dq_ss, dq_sh)
             for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
-                dq = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(cute.local_tile(s_out[tidx // THREADS_PER_ROW, None], (vec,), (col // vec,)), dq)
-                cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
+                if col < columns:
+                    dq = cute.make_rmem_tensor((vec,), self.dtype)
+                    cute.autovec_copy(cute.local_tile(s_out[tidx // THREADS_PER_ROW, None], (vec,), (col // vec,)),
+                                      dq)
+                    cute.autovec_copy(dq, self._chunk(dq_ptr, dq_row + col, self.dtype, vec))
 
     @cute.jit
     def _scatter_fragments(self, tidx, where, dqacc_ptr, scale, coverage, s_out):

@@ -9,7 +9,7 @@ splits saw a key gets out 0 and lse -inf, as the one-split kernel writes it. The
 are summed in order, so a given num_splits gives the same bits every run.
 
 One warp per row: lanes take the splits 32 at a time for the maximum and the sum, then
-head_dim / 32 columns each for O.
+head_dim / 32 columns each for O (written within O's own head dim, ``columns``).
 """
 
 import math
@@ -48,7 +48,7 @@ class CombineSm90:
         """The split workspace (splits, b, s_q, h_q, d) and (splits, b, h_q, s_q) fp32 in; O
         (b, s_q, h_q, d) by address and strides and LSE (b, h_q, s_q) out."""
         o_part_ptr, lse_part_ptr, (o_ptr, (o_sb, o_ss, o_sh)), lse_ptr = p.o_partial, p.lse_partial, p.out, p.lse
-        batch, seqlen_q, heads_q, splits = p.batch, p.seqlen_q, p.heads_q, p.splits
+        batch, seqlen_q, heads_q, splits, columns = p.batch, p.seqlen_q, p.heads_q, p.splits, p.columns
         d = self.cfg.head_dim
         per_lane = d // 32
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -90,7 +90,12 @@ class CombineSm90:
             out = cute.make_rmem_tensor((per_lane,), self.dtype)
             out.store(acc.load().to(self.dtype))
             at = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh + lane * per_lane
-            cute.autovec_copy(out, gmem(o_ptr, self.dtype, at, per_lane))
+            if (lane + 1) * per_lane <= columns:
+                cute.autovec_copy(out, gmem(o_ptr, self.dtype, at, per_lane))
+            if (lane + 1) * per_lane > columns:  # the lane O's head dim ends in (if any): its columns one by one
+                for e in cutlass.range_constexpr(per_lane):
+                    if lane * per_lane + e < columns:
+                        cute.autovec_copy(cute.local_tile(out, (1,), (e,)), gmem(o_ptr, self.dtype, at + e, 1))
             if lane == 0:
                 lse = cute.make_tensor(lse_ptr, cute.make_layout(plane))
                 lse[lse_at] = Float32(cutlass.select_(top == -Float32.inf, -Float32.inf, lse2 / LOG2E))

@@ -176,11 +176,11 @@ class DecodeSm90:
             cute.arch.setmaxregister_increase(cfg.consumer_regs)
             ctidx = tidx - WARPGROUP
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
-            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place)
+            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
             softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
             acc_o, softmax = self.attend(ctidx, (sQ, sK, sV), (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
                                          turn, scale_log2, (window, softcap_scale))
-            out = (o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
+            out = (o_ptr, o_sb, o_ss, o_sh, p.columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
             sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
             self.epilogue(ctidx, acc_o, softmax, place, out, sinks)
 
@@ -264,9 +264,10 @@ class DecodeSm90:
             cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def load_q(self, tidx, sQ, q_ptr, q_strides, place):
+    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns):
         """The tile's packed Q rows into shared memory, 16 bytes per access (rows past the
-        KV head's rows are zeros), made visible to the wgmma."""
+        KV head's rows and columns past Q's head dim ``columns`` are zeros), made visible
+        to the wgmma."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         q_sb, q_ss, q_sh = q_strides
         vec = 16 // (self.dtype.width // 8)
@@ -277,7 +278,7 @@ class DecodeSm90:
             p = first_row + r
             values = cute.make_rmem_tensor((vec,), self.dtype)
             values.fill(0.0)
-            if p < rows:
+            if (p < rows) & (part * vec < columns):
                 token, head = p // group, head_kv * group + p % group
                 at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
                 src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
@@ -366,11 +367,12 @@ class DecodeSm90:
     def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
-        packed rows are not written. Pairs of adjacent columns per store. ``sinks``
+        packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
+        columns per store. ``sinks``
         (local): the sinks' address and use_sink; split 0 counts each row's head's sink."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
-        o_ptr, o_sb, o_ss, o_sh, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
+        o_ptr, o_sb, o_ss, o_sh, columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
         nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         inv_sum = cute.make_rmem_tensor((nrows,), Float32)
         lse = cute.make_rmem_tensor((nrows,), Float32)
@@ -403,9 +405,11 @@ class DecodeSm90:
                         pair32[1] = o[r, c + 1]
                         pair = cute.make_rmem_tensor((2,), self.dtype)
                         pair.store(pair32.load().to(self.dtype))
-                        at = (base + coords[r, c][1]) * (self.dtype.width // 8)
-                        dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=4)
-                        cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout(2)))
+                        if coords[r, c][1] < columns:  # an even column: both or neither (columns % 8 == 0)
+                            at = (base + coords[r, c][1]) * (self.dtype.width // 8)
+                            dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem,
+                                                assumed_align=4)
+                            cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout(2)))
                     if tidx % 4 == 0:
                         cute.make_tensor(lse_ptr, cute.make_layout(batch * heads_q * seqlen_q))[lse_at] = lse[r]
                 else:

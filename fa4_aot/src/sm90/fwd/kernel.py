@@ -214,7 +214,7 @@ class FlashFwdSm90:
         head_kv = head // (heads_q // gK.shape[2])
         opts = self._score_options(p, head, heads_q, seqlen_q, seqlen_k)
         out = RowsOut(o_ptr, o_ss, o_sh, cute.make_tensor(lse_ptr, cute.make_layout(heads_q * total_q)),
-                      seq_q.offset, total_q, head, heads_q)
+                      seq_q.offset, total_q, head, heads_q, p.columns)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
@@ -689,7 +689,8 @@ class FlashFwdSm90:
     def _epilogue_rows(self, tidx, acc_o, lse, mma_pv, thr_pv, sO, out, m_block, seqlen_q):
         """Varlen: O staged in shared memory (over Q) as for the TMA store, then written 16
         bytes per access by every consumer thread, only the sequence's rows (the tile's
-        other rows belong to the next sequence); LSE likewise, at (head, offset + row)."""
+        other rows belong to the next sequence) and the tensor's columns; LSE likewise, at
+        (head, offset + row)."""
         cfg = self.cfg
         threads = cfg.num_consumers * WARPGROUP
         staged = cute.make_rmem_tensor_like(acc_o, self.dtype)
@@ -706,7 +707,7 @@ class FlashFwdSm90:
         for i in cutlass.range_constexpr(cfg.tile_m * per_row // threads):
             chunk = i * threads + tidx
             row, part = chunk // per_row, chunk % per_row
-            if first_row + row < seqlen_q:
+            if (first_row + row < seqlen_q) & (part * vec < out.columns):
                 values = cute.make_rmem_tensor((vec,), self.dtype)
                 cute.autovec_copy(cute.local_tile(sO[row, None], (vec,), (part,)), values)
                 at = (Int64(out.offset + first_row + row) * out.o_ss + Int64(out.head) * out.o_sh
@@ -765,7 +766,7 @@ class KeyRange(NamedTuple):
 class RowsOut(NamedTuple):
     """Where a varlen CTA writes: O (its address and row and head strides, in elements),
     LSE (h_q, total_q) as one flat tensor, the sequence's first row, the packed rows, the
-    head."""
+    head, the query heads, O's head dim (columns: at most the variant's)."""
 
     o_ptr: object
     o_ss: object
@@ -775,3 +776,4 @@ class RowsOut(NamedTuple):
     total: object
     head: object
     heads_q: object
+    columns: object

@@ -1,0 +1,353 @@
+"""Head dims between the built ones (any multiple of 8 up to 256) on the narrowest built
+variant at least as wide (docs/design.md, "Head dims"), against the float32 reference, on
+an sm_90 GPU: dense, varlen and decode, forward and backward (deterministic too), GQA,
+boundary shapes, windows, sinks and softcap, the torch layer's autograd and the SDPA hook.
+
+Every tensor, input and output, is a view of the first d columns of a tensor 8 columns
+wider whose extra columns hold NaN: a kernel that reads past the tensors' head dim brings
+NaN into what it computes, and one that writes there replaces the NaN (checked after each
+call). Outputs are NaN-poisoned, inputs fresh draws; tolerances are the dense tests'.
+
+    PYTHONPATH=$PWD python -m pytest tests/gpu/test_head_dims.py -q
+"""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fa4_aot  # noqa: E402
+from fa4_aot.errors import UnsupportedVariantError  # noqa: E402
+from fa4_aot.torch import (  # noqa: E402
+    flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_bwd, flash_attn_varlen_fwd,
+)
+from fa4_aot.variants import MATRIX  # noqa: E402
+
+from ..reference import check_attention  # noqa: E402
+from .test_bwd import check_grads  # noqa: E402
+from .test_local import _sinks  # noqa: E402
+from .test_local_bwd import _assert_within, grad_errors  # noqa: E402
+from .test_varlen import _check_grads_by_sequence, _check_sequences, _lengths_to_cu  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PAD = 8  # NaN columns past each tensor's head dim
+# a head dim each built one serves (none of them built), and the edges: the narrowest
+# (8: one 16-byte chunk) and 8 below each built one
+SERVED = {64: 40, 96: 80, 128: 112, 192: 160, 256: 232}
+EDGES = [8, 56, 88, 120, 184, 248]
+
+
+def _sarm(variants):
+    return [v for v in variants if v.arch == "sm90a"]
+
+
+FWD = _sarm(v for v in MATRIX if v.kind == "fwd" and not v.varlen and not v.local)
+BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and not v.varlen and not v.local and v.dtype == "bf16")
+VARLEN = _sarm(v for v in MATRIX if v.kind == "fwd" and v.varlen and not v.local and v.dtype == "bf16")
+VARLEN_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.varlen and not v.local and v.dtype == "bf16")
+DECODE = _sarm(v for v in MATRIX if v.kind == "decode" and not v.local)
+LOCAL = _sarm(v for v in MATRIX if v.kind == "fwd" and v.local and not v.varlen and v.dtype == "bf16")
+LOCAL_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.local and not v.varlen and v.dtype == "bf16"
+                  and not v.deterministic)
+DECODE_LOCAL = _sarm(v for v in MATRIX if v.kind == "decode" and v.local and v.dtype == "bf16")
+
+SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
+    (1, 1, 1, 2, 2),  # one token: a single, mostly padded tile
+    (2, 1000, 1000, 4, 2),  # GQA, ragged last q and k tiles
+    (2, 128, 700, 2, 2),  # seqlen_q < seqlen_k: causal diagonal far right
+    (2, 700, 128, 2, 1),  # seqlen_q > seqlen_k, MQA: causal rows that see no key
+]
+BWD_SHAPES = [(3, 17, 17, 2, 1), (2, 1000, 1000, 4, 2), (2, 700, 128, 2, 2)]
+
+
+def _wide(lead: tuple, d: int, dtype, gen=None):
+    """A (*lead, d) view of a (*lead, d + PAD) tensor: a fresh draw in its d columns (NaN
+    there where ``gen`` is None: an output), NaN past them."""
+    full = torch.full((*lead, d + PAD), float("nan"), device="cuda", dtype=dtype)
+    if gen is not None:
+        full[..., :d] = torch.randn(*lead, d, device="cuda", dtype=dtype, generator=gen)
+    return full[..., :d]
+
+
+def _untouched(*views):
+    """Each view's extra columns (its base's past the view) still NaN: nothing written there."""
+    for t in views:
+        assert t._base[..., t.shape[-1]:].isnan().all(), "a kernel wrote past the tensors' head dim"
+
+
+def _dense(shape, d, dtype, gen):
+    b, sq, sk, hq, hkv = shape
+    return _wide((b, sq, hq), d, dtype, gen), _wide((b, sk, hkv), d, dtype, gen), _wide((b, sk, hkv), d, dtype, gen)
+
+
+def _poisoned(q):
+    b, sq, hq, d = q.shape
+    return _wide((b, sq, hq), d, q.dtype), torch.full((b, hq, sq), float("nan"), device="cuda")
+
+
+def _workspace(q, causal, deterministic, local=False):
+    b, sq, hq, d = q.shape
+    size = fa4_aot.backward_workspace_bytes(b, sq, hq, d, causal=causal, deterministic=deterministic, local=local)
+    return torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda")
+
+
+# ---------------------------------------------------------------- dense
+@pytest.mark.parametrize("variant", FWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_forward_on_the_next_wider_variant(variant, shape, gen):
+    q, k, v = _dense(shape, SERVED[variant.head_dim], DTYPES[variant.dtype], gen)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=variant.causal, out=out, lse=lse, q_tiles=variant.q_tiles)
+    torch.cuda.synchronize()
+    check_attention(out, lse, q, k, v, variant.causal)
+    _untouched(out)
+
+
+@pytest.mark.parametrize("d", EDGES)
+def test_forward_at_the_edges(d, gen):
+    for causal in (False, True):
+        q, k, v = _dense((2, 300, 513, 4, 2), d, torch.bfloat16, gen)
+        out, lse = _poisoned(q)
+        flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse)
+        torch.cuda.synchronize()
+        check_attention(out, lse, q, k, v, causal)
+        _untouched(out)
+
+
+def _backward_case(shape, d, dtype, causal, deterministic, q_tiles, gen):
+    """Forward, then backward into NaN-poisoned wide gradients: (q, k, v, dout, out, grads)."""
+    q, k, v = _dense(shape, d, dtype, gen)
+    dout = _wide(q.shape[:3], d, dtype, gen)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse)
+    grads = [_wide(x.shape[:3], d, dtype) for x in (q, k, v)]
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=deterministic, q_tiles=q_tiles,
+                   dq=grads[0], dk=grads[1], dv=grads[2], workspace=_workspace(q, causal, deterministic))
+    torch.cuda.synchronize()
+    return q, k, v, dout, out, grads
+
+
+@pytest.mark.parametrize("variant", BWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_backward_on_the_next_wider_variant(variant, shape, gen):
+    options = (variant.causal, variant.deterministic, variant.q_tiles)
+    q, k, v, dout, out, grads = _backward_case(shape, SERVED[variant.head_dim], torch.bfloat16, *options, gen)
+    check_grads(grads, q, k, v, dout, out, variant.causal)
+    _untouched(*grads)
+    if variant.deterministic:
+        seeded = lambda: torch.Generator(device="cuda").manual_seed(7)  # noqa: E731
+        once = _backward_case(shape, SERVED[variant.head_dim], torch.bfloat16, *options, seeded())[5]
+        again = _backward_case(shape, SERVED[variant.head_dim], torch.bfloat16, *options, seeded())[5]
+        assert all(torch.equal(a, b) for a, b in zip(once, again)), "deterministic runs differ"
+
+
+@pytest.mark.parametrize("d, dtype, causal", [(72, torch.float16, False), (8, torch.bfloat16, True),
+                                              (248, torch.bfloat16, True), (136, torch.float16, True)])
+def test_backward_fp16_and_the_edges(d, dtype, causal, gen):
+    q, k, v, dout, out, grads = _backward_case((2, 300, 257, 4, 2), d, dtype, causal, False, None, gen)
+    check_grads(grads, q, k, v, dout, out, causal)
+    _untouched(*grads)
+
+
+def test_packed_qkv_of_one_projection(gen):
+    """q, k, v as views of one (b, s, 3, h, 80) projection (a ViT's), forward and
+    backward through the autograd layer, against the reference; the same on contiguous copies."""
+    qkv = torch.randn(2, 577, 3, 4, 80, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    q, k, v = qkv.unbind(2)
+    out = flash_attn_func(q, k, v)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    check_grads(qkv.grad.unbind(2), *(x.detach() for x in (q, k, v)), dout, out.detach(), False)
+    copies = [x.detach().contiguous().requires_grad_(True) for x in (q, k, v)]
+    again = flash_attn_func(*copies)
+    again.backward(dout)
+    assert torch.equal(again, out)
+
+
+def test_torch_autograd_and_lse(gen):
+    q, k, v = (_wide((2, 333, 4), 72, torch.bfloat16, gen).requires_grad_(True) for _ in range(3))
+    out, lse = flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, 333)
+    check_attention(out.detach(), lse.detach(), q.detach(), k.detach(), v.detach(), True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    check_grads([x.grad for x in (q, k, v)], *(x.detach() for x in (q, k, v)), dout, out.detach(), True)
+
+
+# ---------------------------------------------------------------- varlen
+MIXES = [  # (query lengths, key lengths, heads_q, heads_kv)
+    ([1, 0, 130, 257, 64], [1, 5, 130, 300, 1000], 4, 4),  # one-token, empty, tile +-1, sq != sk
+    ([700, 3, 0, 191], [700, 3, 0, 193], 6, 2),  # GQA; an empty sequence in both q and k
+]
+
+
+def _packed(lengths, heads, d, gen=None):
+    return _wide((sum(lengths), heads), d, torch.bfloat16, gen)
+
+
+@pytest.mark.parametrize("variant", VARLEN, ids=lambda v: v.name)
+@pytest.mark.parametrize("mix", MIXES, ids=lambda m: f"{len(m[0])}seqs_h{m[2]}x{m[3]}")
+def test_varlen_forward_on_the_next_wider_variant(variant, mix, gen):
+    lq, lk, hq, hkv = mix
+    d = SERVED[variant.head_dim]
+    q, k, v = _packed(lq, hq, d, gen), _packed(lk, hkv, d, gen), _packed(lk, hkv, d, gen)
+    out = _packed(lq, hq, d)
+    lse = torch.full((hq, sum(lq)), float("nan"), device="cuda")
+    flash_attn_varlen_fwd(q, k, v, _lengths_to_cu(lq), _lengths_to_cu(lk), max(lq), max(lk), causal=variant.causal,
+                          out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, variant.causal)
+    _untouched(out)
+
+
+@pytest.mark.parametrize("variant", VARLEN_BWD, ids=lambda v: v.name)
+def test_varlen_backward_on_the_next_wider_variant(variant, gen):
+    lq, lk, hq, hkv = MIXES[variant.head_dim % 2]
+    d = SERVED[variant.head_dim]
+    q, k, v = _packed(lq, hq, d, gen), _packed(lk, hkv, d, gen), _packed(lk, hkv, d, gen)
+    dout, out = _packed(lq, hq, d, gen), _packed(lq, hq, d)
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    lse = torch.full((hq, sum(lq)), float("nan"), device="cuda")
+    flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=variant.causal, out=out, lse=lse)
+    size = fa4_aot.backward_varlen_workspace_bytes(sum(lq), len(lq), hq, d, causal=variant.causal,
+                                                   deterministic=variant.deterministic)
+    grads = [_packed(lq, hq, d), _packed(lk, hkv, d), _packed(lk, hkv, d)]
+    flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), causal=variant.causal,
+                          deterministic=variant.deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
+                          workspace=torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, lq, lk, variant.causal)
+    _untouched(*grads)
+
+
+# ---------------------------------------------------------------- decode
+# (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None), each with its edge
+DECODE_CASES = [
+    (4, 1, 32, 8, 1000, None),  # GQA 4, one token, cache not a multiple of the tile
+    (4, 16, 16, 1, 300, 48),  # MQA: 256 packed rows; pages of 48 keys
+    (2, 128, 8, 8, 700, 64),  # the most query tokens decode takes
+]
+
+
+def _cache(batch, max_cache, heads_kv, d, page, gen):
+    """(k_cache, v_cache, page_table, contiguous (batch, max_cache, h, d) views), pages permuted."""
+    if page is None:
+        k, v = (_wide((batch, max_cache, heads_kv), d, torch.bfloat16, gen) for _ in range(2))
+        return k, v, None, k, v
+    max_pages = -(-max_cache // page)
+    pages = batch * max_pages + 3
+    k, v = (_wide((pages, page, heads_kv), d, torch.bfloat16, gen) for _ in range(2))
+    table = torch.randperm(pages, generator=gen, device="cuda")[:batch * max_pages].view(batch, max_pages)
+    table = table.to(torch.int32).contiguous()
+    gathered = lambda c: c[table.long()].reshape(batch, max_pages * page, heads_kv, d)  # noqa: E731
+    return k, v, table, gathered(k), gathered(v)
+
+
+def _decode(q, k, v, lengths, table, causal, splits, **mods):
+    b, sq, hq, d = q.shape
+    out, lse = _poisoned(q)
+    reach = k.shape[1] * (table.shape[1] if table is not None else 1)
+    need = fa4_aot.forward_kvcache_workspace_bytes(b, sq, hq, k.shape[2], d, reach, num_splits=splits)
+    space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+    fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table, causal=causal,
+                            num_splits=splits, stream=torch.cuda.current_stream().cuda_stream, **mods)
+    torch.cuda.synchronize()
+    _untouched(out)
+    return out, lse
+
+
+def _check_decode(out, lse, q, k_full, v_full, lengths, causal, **mods):
+    for b, n in enumerate(lengths.tolist()):
+        if n:
+            check_attention(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal,
+                            what=f"sequence {b} ({n} keys): ", **mods)
+
+
+@pytest.mark.parametrize("variant", [v for v in DECODE if v.dtype == "bf16"], ids=lambda v: v.name)
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
+def test_decode_on_the_next_wider_variant(variant, case, gen):
+    batch, sq, hq, hkv, max_cache, page = case
+    d = SERVED[variant.head_dim]
+    q = _wide((batch, sq, hq), d, torch.bfloat16, gen)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, page, gen)
+    lengths = torch.randint(1, max_cache + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+    lengths[0] = max_cache
+    for splits in (None, 1, 3):  # 3: the combine writes out
+        out, lse = _decode(q, k, v, lengths, table, variant.causal, splits)
+        _check_decode(out, lse, q, k_full, v_full, lengths, variant.causal)
+
+
+def test_dense_decode_shapes_and_the_kvcache_layer(gen):
+    """A decode shape through fa4_aot.forward (the decode kernel, full cache) and
+    flash_attn_with_kvcache with an append, at head dim 80."""
+    from fa4_aot.torch import flash_attn_with_kvcache
+
+    q, k, v = _dense((2, 1, 8192, 32, 4), 80, torch.bfloat16, gen)
+    out, lse = flash_attn_fwd(q, k, v)
+    check_attention(out, lse, q, k, v, False)
+    kc, vc = (_wide((2, 1000, 4), 80, torch.bfloat16, gen) for _ in range(2))
+    k_new, v_new = (_wide((2, 3, 4), 80, torch.bfloat16, gen) for _ in range(2))
+    lengths = torch.tensor([500, 997], dtype=torch.int32, device="cuda")
+    q = _wide((2, 3, 32), 80, torch.bfloat16, gen)
+    out, lse = flash_attn_with_kvcache(q, kc, vc, k_new, v_new, cache_seqlens=lengths, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    _untouched(kc, vc)
+    for b, n in enumerate((503, 1000)):
+        assert torch.equal(kc[b, n - 3:n], k_new[b]) and torch.equal(vc[b, n - 3:n], v_new[b])
+        check_attention(out[b:b + 1], lse[b:b + 1], q[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], True)
+
+
+# ---------------------------------------------------------------- local
+@pytest.mark.parametrize("variant", LOCAL, ids=lambda v: v.name)
+def test_local_forward_and_backward(variant, gen):
+    """A window of (100, 20) and sinks (softcap 30 where built), forward then backward with
+    the sinks' gradient."""
+    d = SERVED[variant.head_dim]
+    cap = 30.0 if variant.softcap else 0.0
+    q, k, v = _dense((2, 700, 900, 4, 2), d, torch.bfloat16, gen)
+    sinks = _sinks(4, gen)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, window_size=(100, 20), softcap=cap, learnable_sink=sinks, out=out, lse=lse,
+                   q_tiles=variant.q_tiles)
+    torch.cuda.synchronize()
+    check_attention(out, lse, q, k, v, False, window=(100, 20), sink=sinks, softcap=cap)
+    _untouched(out)
+    if not any(b.head_dim == variant.head_dim and b.softcap == variant.softcap for b in LOCAL_BWD):
+        return
+    dout = _wide(q.shape[:3], d, torch.bfloat16, gen)
+    grads = [_wide(x.shape[:3], d, torch.bfloat16) for x in (q, k, v)]
+    dsink = torch.full_like(sinks, float("nan"))
+    flash_attn_bwd(q, k, v, out, dout, lse, window_size=(100, 20), softcap=cap, learnable_sink=sinks, dsink=dsink,
+                   dq=grads[0], dk=grads[1], dv=grads[2], workspace=_workspace(q, False, False, local=True))
+    torch.cuda.synchronize()
+    _assert_within(grad_errors([*grads, dsink], q, k, v, dout, out, (100, 20), sinks, cap))
+    _untouched(*grads)
+
+
+@pytest.mark.parametrize("variant", DECODE_LOCAL, ids=lambda v: v.name)
+def test_local_decode(variant, gen):
+    d = SERVED[variant.head_dim]
+    cap = 30.0 if variant.softcap else 0.0
+    q = _wide((4, 1, 32), d, torch.bfloat16, gen)
+    k, v, table, k_full, v_full = _cache(4, 2000, 8, d, 64, gen)
+    lengths = torch.tensor([2000, 1, 130, 1777], dtype=torch.int32, device="cuda")
+    sinks = _sinks(32, gen)
+    for splits in (None, 1, 3):
+        out, lse = _decode(q, k, v, lengths, table, False, splits, window_size=(300, 0), softcap=cap,
+                           learnable_sink=sinks)
+        _check_decode(out, lse, q, k_full, v_full, lengths, False, window=(300, 0), sink=sinks, softcap=cap)
+
+
+# ---------------------------------------------------------------- refusals
+@pytest.mark.parametrize("d", [4, 36, 100, 264])
+def test_a_head_dim_no_variant_serves_is_refused_before_launch(d, gen):
+    """Not a multiple of 8, or past the widest built: a typed error, nothing written (q,
+    k, v one tensor of one head and one token, so that no stride rule refuses it first)."""
+    q = torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse = torch.full_like(q, float("nan")), torch.full((1, 1, 1), float("nan"), device="cuda")
+    with pytest.raises(UnsupportedVariantError, match=f"head_dim {d}"):
+        fa4_aot.forward(q, q, q, out, lse, stream=torch.cuda.current_stream().cuda_stream)
+    with pytest.raises(UnsupportedVariantError, match=f"head_dim {d}"):
+        fa4_aot.backward_workspace_bytes(1, 64, 2, d)
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all()
