@@ -1,9 +1,11 @@
 """Decode: a few query tokens per sequence against a KV cache, contiguous or paged
 (``forward_kvcache``), from raw pointers or any framework's arrays.
 
-Layouts (flash-attn's): q, out (batch, seqlen_q, heads_q, head_dim); the cache either
-contiguous, k_cache and v_cache (batch, max_cache, heads_kv, head_dim), or paged,
-(num_pages, page_size, heads_kv, head_dim) with page_table int32 (batch, max_pages):
+Layouts (flash-attn's): q (batch, seqlen_q, heads_q, head_dim), out (batch, seqlen_q,
+heads_q, head_dim_v); the cache either contiguous, k_cache (batch, max_cache, heads_kv,
+head_dim) and v_cache (batch, max_cache, heads_kv, head_dim_v), or paged, (num_pages,
+page_size, heads_kv, head_dim or head_dim_v) with page_table int32 (batch, max_pages)
+(head_dim_v: v_cache's, head_dim's or another):
 key j of sequence b is row j % page_size of page page_table[b, j // page_size];
 cache_seqlens int32 (batch,) on the device: sequence b's keys are its first
 cache_seqlens[b] (None: every sequence's whole cache, max_cache or max_pages x page_size
@@ -33,7 +35,7 @@ from .errors import DeviceError, DTypeError, LayoutError, OptionError, ShapeErro
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
-from .launch.calls import LOG2E, check_built, default_library, launch_tensors, repeat_key, served_sizes
+from .launch.calls import LOG2E, check_built, default_library, kernel_head_dim, launch_tensors, repeat_key, served_sizes
 from .launch.checks import (
     GRID_YZ_MAX, INT32_MAX, check_bshd, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -68,10 +70,11 @@ def check_forward_kvcache(arrays: dict) -> dict:
         check_bshd(name, t)
     b, sq, hq, d = q.shape
     pages, rows, hkv, dk = k.shape
-    if v.shape != k.shape:
-        raise ShapeError(f"v_cache {v.shape} must have k_cache's shape {k.shape}")
-    if out.shape != q.shape:
-        raise ShapeError(f"out {out.shape} must have q's shape {q.shape}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ShapeError(f"v_cache {v.shape} must be k_cache's {k.shape[:3]} with its own head_dim")
+    if out.shape != (*q.shape[:3], v.shape[3]):
+        raise ShapeError(f"out {out.shape} must be q's (batch, seqlen_q, heads_q) with v_cache's head_dim: "
+                         f"{(*q.shape[:3], v.shape[3])}")
     if dk != d:
         raise ShapeError(f"k_cache head_dim {dk} must be q's {d}")
     if hq % hkv:
@@ -102,7 +105,8 @@ def check_forward_kvcache(arrays: dict) -> dict:
         raise ShapeError("the cache's keys per sequence, the page table or the LSE rows overflow int32")
     if hkv > GRID_YZ_MAX or b > GRID_YZ_MAX:
         raise ShapeError(f"heads_kv={hkv} and batch={b} must each be at most {GRID_YZ_MAX} (grid limits)")
-    return {"batch": b, "seqlen_q": sq, "heads_q": hq, "heads_kv": hkv, "head_dim": d, "dtype": q.dtype,
+    return {"batch": b, "seqlen_q": sq, "heads_q": hq, "heads_kv": hkv, "head_dim": d, "head_dim_v": v.shape[3],
+            "dtype": q.dtype,
             "cache_rows": rows, "cache_pages": pages, "max_pages": max_pages, "paged": int(paged),
             "max_seqlen_k": reach}
 
@@ -156,18 +160,20 @@ def _ctas(sizes: dict, tile_m: int) -> int:
 
 def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, head_dim: int,
                                     max_seqlen_k: int, *, num_splits: int | None = None,
-                                    library: KernelLibrary | None = None, sm_count: int | None = None) -> int:
+                                    library: KernelLibrary | None = None, sm_count: int | None = None,
+                                    head_dim_v: int | None = None) -> int:
     """Bytes of device memory ``forward_kvcache`` needs as its ``workspace`` (0: none)
     for ``num_splits`` splits, or where None for the splits it picks for these sizes
     (``max_seqlen_k``: the cache's keys per sequence, max_cache or max_pages x page_size)
     on a GPU of ``sm_count`` multiprocessors; with neither, for the most splits it could
-    pick on any GPU (no GPU is asked: enough wherever the call runs)."""
+    pick on any GPU (no GPU is asked: enough wherever the call runs). ``head_dim_v``:
+    v_cache's head dim where it is not q's."""
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
                        max_seqlen_k=max_seqlen_k)
     if sm_count is not None:
         checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
-    head_dim = library.manifest.kernel_head_dim("decode", head_dim)
+    head_dim = kernel_head_dim(library.manifest, "decode", head_dim, head_dim_v)
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
         check_built(library.manifest, dict(kind="decode", head_dim=head_dim, dtype="bf16", causal=False), 1)

@@ -14,7 +14,9 @@ from .decode import forward_kvcache_workspace_bytes, prepare_checked, splits_for
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
-from .launch.calls import LOG2E, backward_rows, check_built, default_library, launch_tensors, repeat_key, served
+from .launch.calls import (
+    LOG2E, backward_rows, check_built, default_library, kernel_head_dim, launch_tensors, repeat_key, served,
+)
 from .launch.checks import (
     GRID_YZ_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -55,9 +57,11 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
             q_tiles: int | None = None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v, and lse = logsumexp of the scaled scores.
 
-    q, out: (batch, seqlen_q, heads_q, head_dim); k, v: (batch, seqlen_k, heads_kv, head_dim),
-    bf16 or fp16, last dim contiguous, other strides and pointers 16-byte aligned;
-    heads_q a multiple of heads_kv. lse: float32, contiguous (batch, heads_q, seqlen_q).
+    q: (batch, seqlen_q, heads_q, head_dim); k: (batch, seqlen_k, heads_kv, head_dim); v:
+    (batch, seqlen_k, heads_kv, head_dim_v), out: (batch, seqlen_q, heads_q, head_dim_v)
+    (head_dim_v: v's, head_dim's or another, e.g. 128 beside 192), bf16 or fp16, last dim
+    contiguous, other strides and pointers 16-byte aligned; heads_q a multiple of
+    heads_kv. lse: float32, contiguous (batch, heads_q, seqlen_q).
     Each is a DeviceArray or an object with __dlpack__ / __cuda_array_interface__.
     Causal masking is aligned to the bottom-right corner (query i sees keys
     j <= i + seqlen_k - seqlen_q); a query row that sees no key gets out = 0, lse = -inf.
@@ -171,18 +175,21 @@ def decode_splits(library: KernelLibrary, problem, mods, arch: str, device: int)
 def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, head_dim: int, seqlen_k: int,
                             *, causal: bool = False, window_size=(-1, -1), softcap: float = 0.0,
                             learnable_sink: bool = False, dtype: str = "bf16", sm_count: int | None = None,
-                            library: KernelLibrary | None = None) -> int:
+                            head_dim_v: int | None = None, library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``forward`` takes as its ``workspace`` for this problem: 0
     but for decode shapes that the decode kernel splits over the keys (their partial
     results), on a GPU of ``sm_count`` multiprocessors, or where None on any GPU (no GPU
-    is asked). ``learnable_sink``: whether the call gives sinks."""
+    is asked). ``learnable_sink``: whether the call gives sinks; ``head_dim_v``: v's head
+    dim where it is not q's."""
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, heads_kv=heads_kv, head_dim=head_dim,
-                       seqlen_k=seqlen_k)
+                       seqlen_k=seqlen_k, **({} if head_dim_v is None else {"head_dim_v": head_dim_v}))
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     if sm_count is not None:
         checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
     mods = checks.score_mods(checks.flag("causal", causal), window_size, softcap, bool(learnable_sink))
-    problem = checks.ForwardProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim, dtype, head_dim)
+    problem = checks.ForwardProblem(batch, seqlen_q, seqlen_k, heads_q, heads_kv, max(head_dim, head_dim_v), dtype,
+                                    head_dim, head_dim_v)
     row = decode_row(library, problem, mods, None, sm_count)
     if row is None:
         return 0
@@ -191,13 +198,13 @@ def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: i
     if splits == 1:
         return 0
     return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_k,
-                                           num_splits=splits, library=library)
+                                           num_splits=splits, head_dim_v=head_dim_v, library=library)
 
 
 def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: int, *, causal: bool = False,
                              deterministic: bool = False, seqlen_k: int | None = None,
                              heads_kv: int | None = None, dtype: str | None = None, local: bool = False,
-                             library: KernelLibrary | None = None) -> int:
+                             head_dim_v: int | None = None, library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``backward`` needs as its ``workspace`` for this problem
     (called with the same ``causal`` and ``deterministic``: the deterministic non-causal
     backward keeps more than one copy of its fp32 dQ accumulator). With ``seqlen_k`` and
@@ -206,11 +213,12 @@ def backward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, head_dim: 
     manifest's workspace rules (no GPU needed): the most that any built backward of this
     head_dim, causal, deterministic (and ``dtype``, "bf16" or "fp16", where given) needs,
     so enough for whichever the backward picks. ``local``: for a backward with a window or
-    sinks (the local kernels: causal or not, they share one layout)."""
+    sinks (the local kernels: causal or not, they share one layout); ``head_dim_v``: v's
+    head dim where it is not q's."""
     checks.check_sizes(batch=batch, seqlen_q=seqlen_q, heads_q=heads_q, head_dim=head_dim,
                        **{n: x for n, x in (("seqlen_k", seqlen_k), ("heads_kv", heads_kv)) if x is not None})
     library = library or default_library()
-    head_dim = library.manifest.kernel_head_dim("bwd", head_dim)
+    head_dim = kernel_head_dim(library.manifest, "bwd", head_dim, head_dim_v)
     rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=False, local=local)
     sizes = {"batch": batch, "seqlen_q": seqlen_q, "heads_q": heads_q, "head_dim": head_dim}
     if seqlen_k is not None:

@@ -44,7 +44,8 @@ AXES = {
 # What a call may give beyond an axis's built values, printed by `fa4-aot list --all`.
 AXIS_NOTES = {
     "head_dim": "tensors of any multiple of 8 up to 256 run on the narrowest built head dim at least as wide "
-                "(zeros past their columns, nothing written there: docs/design.md, \"Head dims\")",
+                "(zeros past their columns, nothing written there), v's head dim its own or q's (192/128: on the "
+                "d192 kernels) (docs/design.md, \"Head dims\")",
 }
 # What each kind is, and the forms it takes at run time (no axis of their own: one cubin
 # serves them), printed by `fa4-aot list --all`.

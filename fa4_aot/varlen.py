@@ -3,8 +3,9 @@ framework's arrays: the forward (``forward_varlen``, its optional workspace for 
 heaviest-first order sized by ``forward_varlen_workspace_bytes``) and the backward (``backward_varlen``,
 its workspace sized by ``backward_varlen_workspace_bytes``).
 
-Layouts (flash-attn's): q, out (total_q, heads_q, head_dim); k, v (total_k, heads_kv,
-head_dim); lse (heads_q, total_q) float32, contiguous; cu_seqlens_q, cu_seqlens_k int32
+Layouts (flash-attn's): q (total_q, heads_q, head_dim), out (total_q, heads_q, head_dim_v);
+k (total_k, heads_kv, head_dim), v (total_k, heads_kv, head_dim_v) (head_dim_v: v's,
+head_dim's or another); lse (heads_q, total_q) float32, contiguous; cu_seqlens_q, cu_seqlens_k int32
 (batch + 1,) on the device: sequence i has rows [cu[i], cu[i + 1]); seqused_q, seqused_k
 int32 (batch,), optional: only the first seqused[i] rows of sequence i are used (fewer
 than packed). max_seqlen_q, max_seqlen_k: the longest sequence, from the caller, so
@@ -23,7 +24,7 @@ from .errors import DTypeError, LayoutError, OptionError, ShapeError, Unsupporte
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import DeviceArray, as_device_arrays
-from .launch.calls import LOG2E, backward_rows, check_built, default_library, served_sizes
+from .launch.calls import LOG2E, backward_rows, check_built, default_library, kernel_head_dim, served_sizes
 from .launch.checks import (
     GRID_YZ_MAX, INT32_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
 )
@@ -81,7 +82,7 @@ def check_forward_varlen(arrays: dict, max_seqlen_q, max_seqlen_k) -> dict:
     total_k = problem.seqlen_k
     return {"total_q": total_q, "total_k": total_k, "heads_q": heads_q, "heads_kv": problem.heads_kv,
             "batch": batch, "max_seqlen_q": max_q, "max_seqlen_k": max_k,
-            "head_dim": problem.head_dim, "dtype": problem.dtype, "packed": packed}
+            "head_dim": problem.columns, "head_dim_v": problem.columns_v, "dtype": problem.dtype, "packed": packed}
 
 
 def forward_varlen_workspace_bytes(batch: int, *, library: KernelLibrary | None = None) -> int:
@@ -224,15 +225,16 @@ def _workspace_bytes(rule: dict, values: dict) -> int:
 
 def backward_varlen_workspace_bytes(total_q: int, batch: int, heads_q: int, head_dim: int, *, causal: bool = False,
                                     deterministic: bool = False, dtype: str | None = None, local: bool = False,
-                                    library: KernelLibrary | None = None) -> int:
+                                    head_dim_v: int | None = None, library: KernelLibrary | None = None) -> int:
     """Bytes of device memory ``backward_varlen`` needs as its ``workspace``: for packed
     queries of ``total_q`` rows in ``batch`` sequences (called with the same ``causal`` and
     ``deterministic``), with room for the heaviest-first order (batch int32). The most any
     built varlen backward of this head_dim (and dtype, where given) needs; no GPU needed.
-    ``local``: for a backward with a window or sinks."""
+    ``local``: for a backward with a window or sinks; ``head_dim_v``: v's head dim where it
+    is not q's."""
     checks.check_sizes(total_q=total_q, batch=batch, heads_q=heads_q, head_dim=head_dim)
     library = library or default_library()
-    head_dim = library.manifest.kernel_head_dim("bwd", head_dim)
+    head_dim = kernel_head_dim(library.manifest, "bwd", head_dim, head_dim_v)
     rows = backward_rows(library.manifest, head_dim, causal, deterministic, dtype, varlen=True, local=local)
     sizes = {"total_q": total_q, "batch": batch, "heads_q": heads_q, "head_dim": head_dim}
     return max(_workspace_bytes(r["workspace"], _varlen_workspace_values(r["workspace"], sizes, True)) for r in rows)

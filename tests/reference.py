@@ -8,7 +8,7 @@ import torch
 
 
 def attention_ref(q, k, v, causal=False, softmax_scale=None, upcast=True, window=None, softcap=0.0, sink=None):
-    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d).
+    """(out, lse) for q (b, s_q, h_q, d), k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v).
 
     upcast=True: float32 math, the reference. upcast=False: the same math in the inputs'
     precision, as a framework would do it; its error sets the tolerance.
@@ -82,7 +82,7 @@ def attention_bwd_tensor_cores(q, k, v, dout, out, causal=False, softmax_scale=N
     dv = _bmm32(p16.transpose(-1, -2), doh)
     dk = _bmm32(ds16.transpose(-1, -2), qh) * scale
     dq = _bmm32(ds16, kh) * scale
-    by_group = lambda x: heads(x).reshape(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
+    by_group = lambda x: heads(x).reshape(x.shape[0], s_k, h_kv, group, x.shape[-1]).sum(3)  # noqa: E731
     return heads(dq), by_group(dk), by_group(dv)
 
 
@@ -110,7 +110,7 @@ def attention_bwd_from_out(q, k, v, dout, out, causal=False, softmax_scale=None,
     dv = torch.einsum("bhst,bshd->bthd", p, dout)
     dk = torch.einsum("bhst,bshd->bthd", ds, q) * scale
     dq = torch.einsum("bhst,bthd->bshd", ds, k_q) * scale
-    by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, d).sum(3)  # noqa: E731
+    by_group = lambda x: x.view(x.shape[0], s_k, h_kv, group, x.shape[-1]).sum(3)  # noqa: E731
     return dq, by_group(dk), by_group(dv)
 
 

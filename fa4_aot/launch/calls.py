@@ -58,15 +58,24 @@ def check_built(manifest, axes: dict, q_tiles: int | None) -> None:
 
 def served(manifest, kind: str, problem: checks.ForwardProblem) -> checks.ForwardProblem:
     """``problem`` with the head dim of the ``kind`` kernels that serve its tensors
-    (Manifest.kernel_head_dim, a typed error where none does); the tensors' own stays its
-    ``columns``, which the kernels read and write."""
-    return problem._replace(head_dim=manifest.kernel_head_dim(kind, problem.columns))
+    (Manifest.kernel_head_dim of the wider of q's and v's, a typed error where none does);
+    the tensors' own stay its ``columns`` and ``columns_v``, which the kernels read and
+    write."""
+    return problem._replace(head_dim=manifest.kernel_head_dim(kind, max(problem.columns, problem.columns_v)))
 
 
 def served_sizes(manifest, kind: str, sizes: dict) -> dict:
-    """``served`` for a dict of sizes ("head_dim": the tensors'): the kernels' head dim as
-    "head_dim", the tensors' as "columns"."""
-    return {**sizes, "head_dim": manifest.kernel_head_dim(kind, sizes["head_dim"]), "columns": sizes["head_dim"]}
+    """``served`` for a dict of sizes ("head_dim", "head_dim_v": the tensors'): the kernels'
+    head dim as "head_dim", the tensors' as "columns" and "columns_v"."""
+    d, dv = sizes["head_dim"], sizes["head_dim_v"]
+    return {**sizes, "head_dim": manifest.kernel_head_dim(kind, max(d, dv)), "columns": d, "columns_v": dv}
+
+
+def kernel_head_dim(manifest, kind: str, head_dim: int, head_dim_v: int | None) -> int:
+    """The workspace functions' head dim: the kernels' for q's ``head_dim`` and v's
+    ``head_dim_v`` (None: q's)."""
+    checks.check_sizes(head_dim=head_dim, **({} if head_dim_v is None else {"head_dim_v": head_dim_v}))
+    return manifest.kernel_head_dim(kind, max(head_dim, head_dim_v or head_dim))
 
 
 def repeat_key(kind: str, arrays, options, stream):

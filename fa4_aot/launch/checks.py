@@ -26,7 +26,8 @@ TMA_STRIDE_MAX = 2**40
 # a NamedTuple: made at import, it costs a fresh process a tenth of a frozen dataclass's time
 class ForwardProblem(NamedTuple):
     """A dense call's sizes. ``head_dim``: the kernels' (calls.served: the narrowest built
-    head dim at least ``columns`` wide); ``columns``: the tensors' own head dim."""
+    head dim at least as wide as both tensors' own); ``columns``: q and k's head dim,
+    ``columns_v``: v and out's."""
 
     batch: int
     seqlen_q: int
@@ -36,12 +37,14 @@ class ForwardProblem(NamedTuple):
     head_dim: int
     dtype: str
     columns: int
+    columns_v: int
 
     @property
     def sizes(self) -> dict:
         return {
             "batch": self.batch, "seqlen_q": self.seqlen_q, "seqlen_k": self.seqlen_k,
             "heads_q": self.heads_q, "heads_kv": self.heads_kv, "head_dim": self.head_dim, "columns": self.columns,
+            "columns_v": self.columns_v,
         }
 
 
@@ -83,12 +86,15 @@ def check_forward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArr
         check_bshd(name, t)
     b, sq, hq, d = q.shape
     _, sk, hkv, _ = k.shape
+    dv = v.shape[3]
     if k.shape[0] != b or k.shape[3] != d:
         raise ShapeError(f"k {k.shape} must be (batch={b}, seqlen_k, heads_kv, head_dim={d}) to match q {q.shape}")
-    if v.shape != k.shape:
-        raise ShapeError(f"v {v.shape} must have k's shape {k.shape}")
-    if out.shape != q.shape:
-        raise ShapeError(f"out {out.shape} must have q's shape {q.shape}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ShapeError(f"v {v.shape} must be (batch, seqlen_k, heads_kv) = {k.shape[:3]} like k, with its own "
+                         "head_dim")
+    if out.shape != (b, sq, hq, dv):
+        raise ShapeError(f"out {out.shape} must be q's (batch, seqlen_q, heads_q) with v's head_dim: "
+                         f"{(b, sq, hq, dv)}")
     if hq % hkv:
         raise ShapeError(f"heads_q={hq} must be a multiple of heads_kv={hkv} (MQA/GQA)")
     if tuple(lse.shape) != (b, hq, sq):
@@ -101,7 +107,7 @@ def check_forward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceArr
         raise ShapeError(f"batch*heads_q*seqlen_q = {b * hq * sq} overflows the kernel's int32 LSE index")
     if hq > GRID_YZ_MAX or b > GRID_YZ_MAX:
         raise ShapeError(f"heads_q={hq} and batch={b} must each be at most {GRID_YZ_MAX} (grid limits)")
-    return ForwardProblem(b, sq, sk, hq, hkv, d, q.dtype, d)
+    return ForwardProblem(b, sq, sk, hq, hkv, max(d, dv), q.dtype, d, dv)
 
 
 def device_of(arrays: dict[str, DeviceArray]) -> int:
@@ -328,7 +334,7 @@ def check_backward(q: DeviceArray, k: DeviceArray, v: DeviceArray, out: DeviceAr
                    dout: DeviceArray, lse: DeviceArray, dq: DeviceArray, dk: DeviceArray,
                    dv: DeviceArray) -> ForwardProblem:
     problem = check_forward(q, k, v, out, lse)
-    for name, t, like in (("dout", dout, q), ("dq", dq, q), ("dk", dk, k), ("dv", dv, k)):
+    for name, t, like in (("dout", dout, out), ("dq", dq, q), ("dk", dk, k), ("dv", dv, v)):
         if t.dtype != q.dtype:
             raise DTypeError(f"{name} is {t.dtype}; it must be {q.dtype} like q")
         check_bshd(name, t)

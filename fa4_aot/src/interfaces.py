@@ -9,10 +9,10 @@ To add a run-time argument to a family: declare its input (and where it is optio
 config flag), add it to the kernels' ``Params`` that take it, read ``p.<field>`` in the
 kernel, and give the run time a value or tensor of that name.
 
-Columns: the tensors' head dim (q, k, v, out and their gradients, the cache) may be narrower
-than the variant's: TMA fills the columns past it with zeros on load and clips them on
-store, and where a kernel addresses rows by hand (``rows``) it reads and writes only the
-first ``columns`` of each (docs/design.md, "Head dims").
+Columns: the tensors' head dims may be narrower than the variant's, q and k's (and dq, dk,
+the k cache) ``columns``, v and out's (dv, dout, the v cache) ``columns_v``: TMA fills the
+columns past them with zeros on load and clips them on store, and where a kernel addresses
+rows by hand (``rows``) it reads and writes only those columns (docs/design.md, "Head dims").
 
 Names: a tensor input is named as the public API's argument (``out``, ``dout``,
 ``k_cache``), a workspace region as the workspace rule's. Shapes: (b, s, h, d) tensors as
@@ -57,7 +57,7 @@ FWD_INPUTS = Inputs(
     Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
     Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
     Input("softcap_scale", "Float32", when="softcap"),  # softmax_scale / cap
-    Input("columns", "Int32", when="varlen"),  # the tensors' head dim (O rows by hand)
+    Input("columns_v", "Int32", when="varlen"),  # O's head dim (its rows by hand)
     *SEQUENCE_INPUTS,
 )
 FWD_LPT = lpt_params(FWD_INPUTS)
@@ -67,7 +67,7 @@ FWD = Params(
     tma("q"), tma("k"), tma("v"), tma("out", when="not varlen"), rows("out_rows", "sh", "out", when="varlen"),
     ptr("lse"), f32("scale_log2"),
     i32("window_left", when="local"), i32("window_right", when="local"), ptr("sink", when="local"),
-    i32("use_sink", when="local"), f32("softcap_scale", when="softcap"), i32("columns", when="varlen"),
+    i32("use_sink", when="local"), f32("softcap_scale", when="softcap"), i32("columns_v", when="varlen"),
     *SEQUENCE_PARAMS, *LPT_PARAMS,
     inputs=FWD_INPUTS,
 )
@@ -92,7 +92,8 @@ BWD_INPUTS = Inputs(
     *SEQUENCE_INPUTS,
     Input("seqlen_q", "Int32", when="not varlen"), Input("seqlen_k", "Int32", when="not varlen"),
     Input("heads_q", "Int32"), Input("heads_kv", "Int32", when="varlen"),
-    Input("columns", "Int32"),  # the tensors' head dim (O, dO, dQ; varlen dK, dV rows by hand)
+    Input("columns", "Int32"),  # q's head dim: dQ (and varlen dK) rows by hand
+    Input("columns_v", "Int32"),  # v's head dim: O and dO (and varlen dV) rows by hand
     # local: the forward's window (the sinks are in the forward's LSE already); where
     # use_sink, the sinks' gradient (h_q,) out, from per-warp partial sums in the workspace
     # ((h_q, sink_slots, tile_m // 8): sink_slots = the preprocess's blocks per head)
@@ -110,7 +111,7 @@ BWD_PREPROCESS = Params(
     ptr("lse"), ptr("lse2"), ptr("dsum"), ptr("dq_accum"), ptr("dq_semaphore"), ptr("dq_done"),
     ptr("tail_counters", when="not varlen"), ptr("ctas_done", when="varlen"),
     i32("seqlen_q", when="not varlen"), i32("total_q", when="varlen"), i32("heads_q"), i32("first_write"),
-    i32("columns"),
+    i32("columns_v"),
     ptr("cu_seqlens_q", when="varlen"), ptr("seqused_q", when="varlen"), i32("use_seqused_q", when="varlen"),
     i32("batch", when="varlen"),
     ptr("sink", when="local"), i32("use_sink", when="local"), ptr("sink_partial", when="local"),
@@ -133,7 +134,7 @@ BWD_MAIN = Params(
     i32("tail_tiles", when="not varlen"), i32("tail_pieces", when="not varlen"),
     *SEQUENCE_PARAMS, *LPT_PARAMS,
     i32("window_left", when="local"), i32("window_right", when="local"), f32("softcap_scale", when="softcap"),
-    i32("columns", when="varlen"),
+    i32("columns", when="varlen"), i32("columns_v", when="varlen"),
     inputs=BWD_INPUTS,
 )
 BWD_POSTPROCESS = Params(
@@ -168,7 +169,7 @@ DECODE_INPUTS = Inputs(
     Input("page_table", "i32", 2),  # (b, max_pages), read where paged
     Input("scale_log2", "Float32"),  # softmax_scale * log2(e); softcap: cap * log2(e)
     *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "max_pages", "piece_rows", "paged",
-                                  "turn_stride", "full_cache", "columns")),
+                                  "turn_stride", "full_cache", "columns", "columns_v")),
     # local and softcap: as the forward's
     Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
     Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
@@ -184,7 +185,7 @@ DECODE = Params(
     i32("paged"),  # 1: K/V pages from the page table; 0: page = batch entry
     i32("turn_stride"),  # key tiles between consecutive (sequence, split) CTAs' starts
     i32("full_cache"),  # 1: every sequence's keys are its whole cache (cache_seqlens not read)
-    i32("columns"),  # the tensors' head dim: Q read and O written by hand
+    i32("columns"), i32("columns_v"),  # q's and v's head dims: Q read and O written by hand
     i32("window_left", when="local"), i32("window_right", when="local"), ptr("sink", when="local"),
     i32("use_sink", when="local"), f32("softcap_scale", when="softcap"),
     inputs=DECODE_INPUTS,
@@ -192,11 +193,11 @@ DECODE = Params(
 COMBINE_INPUTS = Inputs(
     "CombineInputs",
     Input("o_partial", "f32", 5), Input("lse_partial", "f32", 4), Input("out", "io"), Input("lse", "f32", 3),
-    *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "columns")),
+    *(Input(n, "Int32") for n in ("batch", "seqlen_q", "heads_q", "splits", "columns_v")),
 )
 COMBINE = Params(
     "CombineParams",
     ptr("o_partial"), ptr("lse_partial"), rows("out", "bsh"), ptr("lse"),
-    i32("batch"), i32("seqlen_q"), i32("heads_q"), i32("splits"), i32("columns"),
+    i32("batch"), i32("seqlen_q"), i32("heads_q"), i32("splits"), i32("columns_v"),
     inputs=COMBINE_INPUTS,
 )

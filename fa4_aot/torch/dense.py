@@ -20,18 +20,19 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
                    causal: bool = False, out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
                    q_tiles: int | None = None, window_size=(-1, -1), softcap: float = 0.0,
                    learnable_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (b, s_q, h_q, d), k, v (b, s_k, h_kv, d); see fa4_aot.forward
+    """(out, lse) for q (b, s_q, h_q, d), k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v): out (b,
+    s_q, h_q, d_v); see fa4_aot.forward
     (``learnable_sink``: float32 (h_q,); decode shapes take the decode kernel, its split
     workspace from torch's allocator). Every option is keyword-only."""
     repeat, stream = None, None
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and q.is_cuda and q.dim() == 4
-            and k.dim() == 4 and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
+            and k.dim() == 4 and v.dim() == 4 and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
             and (learnable_sink is None or type(learnable_sink) is torch.Tensor)):
         # outputs (and a decode shape's workspace) made first, so that a call without them
         # (autograd's) repeats too: the caching allocator gives a training step's the same
         # addresses step after step
-        out, lse = _outputs(q, out, lse)
-        workspace = _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink)
+        out, lse = _outputs(q, v, out, lse)
+        workspace = _workspace(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink)
         device = q.get_device()
         stream = current_stream(device)
         repeat = ("fwd", q.data_ptr(), q.shape, q.stride(), q.dtype, k.data_ptr(), k.shape, k.stride(), k.dtype,
@@ -46,9 +47,9 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
     check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))
-    out, lse = _outputs(q, out, lse)
+    out, lse = _outputs(q, v, out, lse)
     if repeat is None:
-        workspace = _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink)
+        workspace = _workspace(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     sink = None if learnable_sink is None else as_device_array(learnable_sink)
     stream = stream_of(q) if stream is None else stream  # asked once a call
@@ -57,22 +58,23 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     return out, lse
 
 
-def _workspace(q, k, causal, q_tiles, window_size, softcap, learnable_sink) -> torch.Tensor | None:
+def _workspace(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink) -> torch.Tensor | None:
     """The forward's workspace where the problem is a decode shape that the decode kernel
     splits (fa4_aot.forward_workspace_bytes), else None."""
     if q_tiles is not None or q.shape[1] > DENSE_DECODE_MAX_SEQLEN_Q:  # the prefill kernel: no workspace
         return None
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     try:
-        size = _forward_workspace_bytes(tuple(q.shape), tuple(k.shape), KERNEL_DTYPES.get(q.dtype), causal, window,
-                                        softcap, learnable_sink is not None, q.get_device(), default_library())
+        size = _forward_workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype), causal,
+                                        window, softcap, learnable_sink is not None, q.get_device(), default_library())
     except TypeError:  # an option that is not hashable: the checks say what they make of it
         size = 0
     return torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
 
 
 @functools.lru_cache(maxsize=256)
-def _forward_workspace_bytes(q_shape, k_shape, dtype, causal, window_size, softcap, sink, device, library) -> int:
+def _forward_workspace_bytes(q_shape, k_shape, head_dim_v, dtype, causal, window_size, softcap, sink, device,
+                             library) -> int:
     """forward_workspace_bytes of a problem on GPU ``device``; 0 for one the checks refuse
     (the call then raises there, with the checks' message)."""
     b, s_q, h_q, d = q_shape
@@ -81,15 +83,16 @@ def _forward_workspace_bytes(q_shape, k_shape, dtype, causal, window_size, softc
     try:
         return forward_workspace_bytes(b, s_q, h_q, k_shape[2], d, k_shape[1], causal=causal, window_size=window_size,
                                        softcap=softcap, learnable_sink=sink, dtype=dtype,
-                                       sm_count=library.sm_count(device), library=library)
+                                       sm_count=library.sm_count(device), head_dim_v=head_dim_v, library=library)
     except Fa4AotError:
         return 0
 
 
-def _outputs(q: torch.Tensor, out, lse):
-    """out and lse as given, or made for q (b, s_q, h_q, d): out like q, lse float32 (b, h_q, s_q)."""
+def _outputs(q: torch.Tensor, v: torch.Tensor, out, lse):
+    """out and lse as given, or made for q (b, s_q, h_q, d) and v (..., d_v): out (b, s_q,
+    h_q, d_v) of q's dtype, lse float32 (b, h_q, s_q)."""
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = q.new_empty((*q.shape[:3], v.shape[-1]))
     if lse is None:
         b, s_q, h_q, _ = q.shape
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
@@ -146,7 +149,7 @@ def _gradients(q, k, v, given, causal, deterministic, window_size, softcap, lear
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if workspace is None:
         local = checks.score_mods(causal, window_size, softcap, learnable_sink is not None).local
-        size = _workspace_bytes(tuple(q.shape), tuple(k.shape), KERNEL_DTYPES.get(q.dtype), bool(causal),
+        size = _workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype), bool(causal),
                                 bool(deterministic), local, default_library())
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     if learnable_sink is not None and dsink is None:
@@ -155,11 +158,12 @@ def _gradients(q, k, v, given, causal, deterministic, window_size, softcap, lear
 
 
 @functools.lru_cache(maxsize=256)
-def _workspace_bytes(q_shape, k_shape, dtype, causal, deterministic, local, library) -> int:
+def _workspace_bytes(q_shape, k_shape, head_dim_v, dtype, causal, deterministic, local, library) -> int:
     """backward_workspace_bytes of a problem (a refusal is raised, not kept)."""
     b, s_q, h_q, d = q_shape
     return backward_workspace_bytes(b, s_q, h_q, d, causal=causal, deterministic=deterministic, seqlen_k=k_shape[1],
-                                    heads_kv=k_shape[2], dtype=dtype, local=local, library=library)
+                                    heads_kv=k_shape[2], dtype=dtype, local=local, head_dim_v=head_dim_v,
+                                    library=library)
 
 
 def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:

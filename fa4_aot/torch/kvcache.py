@@ -41,18 +41,18 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
     addresses); any other is checked in full before the cache is written."""
     device = as_device_array(q).device  # on a GPU (a typed refusal where not)
     if k is not None:
-        check_new(q, k_cache, k, v)
+        check_new(q, k_cache, v_cache, k, v)
     batch = q.shape[0]
     new = k.shape[1] if k is not None else 0
     # the lengths the attention covers: the cache's and, appended, the new keys (a new tensor:
     # the caller's cache_seqlens is not changed)
     lengths = (cache_seqlens + new).to(torch.int32) if new else cache_seqlens  # None: the whole cache
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    out = q.new_empty((*q.shape[:3], v_cache.shape[-1]))
     lse = torch.empty((batch, q.shape[2], q.shape[1]), dtype=torch.float32, device=q.device)
     library = default_library()
     reach = k_cache.shape[1] * (page_table.shape[1] if page_table is not None else 1)
-    need = _workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], reach, num_splits,
-                            library.sm_count(device), library)
+    need = _workspace_bytes(batch, q.shape[1], q.shape[2], k_cache.shape[2], q.shape[3], v_cache.shape[-1], reach,
+                            num_splits, library.sm_count(device), library)
     workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
     stream = current_stream(device)
     optional = (lengths, page_table, learnable_sink, workspace)
@@ -85,17 +85,19 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
 
 
 @functools.lru_cache(maxsize=256)
-def _workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, reach, num_splits, sm_count, library) -> int:
+def _workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, head_dim_v, reach, num_splits, sm_count,
+                     library) -> int:
     """forward_kvcache_workspace_bytes of a call (a refusal is raised, not kept)."""
     return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, reach,
-                                           num_splits=num_splits, sm_count=sm_count, library=library)
+                                           num_splits=num_splits, sm_count=sm_count, head_dim_v=head_dim_v,
+                                           library=library)
 
 
-def check_new(q, k_cache, k, v) -> None:
-    """The keys and values to append: (batch, seqlen_new, heads_kv, head_dim) each, of the
-    cache's dtype and device."""
-    want = (q.shape[0], k.shape[1], *k_cache.shape[2:])
-    for name, t in (("k", k), ("v", v)):
+def check_new(q, k_cache, v_cache, k, v) -> None:
+    """The keys and values to append: (batch, seqlen_new, heads_kv, head_dim) each (v's head
+    dim v_cache's), of the cache's dtype and device."""
+    for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
+        want = (q.shape[0], k.shape[1], *cache.shape[2:])
         if tuple(t.shape) != want:
             raise ShapeError(f"{name} {tuple(t.shape)} must be (batch, seqlen_new, heads_kv, head_dim) = {want}")
         if t.dtype != k_cache.dtype:

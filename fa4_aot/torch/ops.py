@@ -24,7 +24,7 @@ def fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, soft
 def _(q, k, v, causal, softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0,
       learnable_sink=None):
     b, s_q, h_q, _ = q.shape
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+    return q.new_empty((b, s_q, h_q, v.shape[-1])), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("fa4_aot::bwd", mutates_args=(), device_types="cuda")
@@ -76,5 +76,5 @@ def kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k:
 @kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits, window_left,
       window_right, softcap, learnable_sink):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
+    return (q.new_empty((*q.shape[:3], v_cache.shape[-1])),
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))

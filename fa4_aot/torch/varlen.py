@@ -32,7 +32,7 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k,
                                             **passed(seqused_q=seqused_q, seqused_k=seqused_k, out=out, lse=lse,
                                                      workspace=workspace, learnable_sink=learnable_sink)})
-    out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
+    out = q.new_empty((*q.shape[:2], v.shape[-1])) if out is None else out
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
@@ -63,8 +63,7 @@ def _fwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
 @_fwd_varlen_op.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
       softmax_scale, deterministic, window_left=-1, window_right=-1, softcap=0.0, learnable_sink=None):
-    return (torch.empty_like(q, memory_format=torch.contiguous_format),
-            q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
+    return (q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32))
 
 
 def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
@@ -86,7 +85,7 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if workspace is None:
         size = backward_varlen_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
-                                               causal=causal, deterministic=deterministic,
+                                               causal=causal, deterministic=deterministic, head_dim_v=v.shape[-1],
                                                dtype=DTYPES.get(q.dtype),
                                                local=checks.score_mods(causal, window_size, softcap,
                                                                        learnable_sink is not None).local)

@@ -159,6 +159,35 @@ def test_a_head_dim_between_the_built_ones_runs_on_the_next_wider(library):
         assert not loader.missing_sources(launch, values, tensors), launch["symbol"]
 
 
+def test_v_of_its_own_head_dim_runs_on_the_wider_ones_kernels(library):
+    """q, k at 64 and v, out at 128: the d128 forward, told both head dims, the default scale
+    q's 1/sqrt(64); q at 64 and v at 256 (fp16): the d256 backward, its workspace sized for
+    256, every value its plans name given."""
+    from fa4_aot.launch import loader
+
+    f = good_forward()
+    f["v"], f["out"] = arr((B, SK, HKV, 128), "bf16"), arr((B, SQ, HQ, 128), "bf16")
+    api.forward(*f.values(), library=library)
+    values = library.last["values"]
+    assert library.launched[-1][0] == "fwd.sm90a.bf16.d128"
+    assert (values["head_dim"], values["columns"], values["columns_v"]) == (128, 64, 128)
+    assert values["scale_log2"] == pytest.approx(math.log2(math.e) / math.sqrt(64))
+    size = api.backward_workspace_bytes(B, SQ, HQ, 64, head_dim_v=256, library=library)
+    assert size == api.backward_workspace_bytes(B, SQ, HQ, 256, library=library)
+    g = good_backward(library)
+    for name, like in (("v", (B, SK, HKV)), ("out", (B, SQ, HQ)), ("dout", (B, SQ, HQ)), ("dv", (B, SK, HKV))):
+        g[name] = arr(like + (256,), "fp16")
+    g["workspace"] = arr((size,), "u8")
+    api.backward(*g.values(), library=library)
+    values, tensors = library.last["values"], library.last["tensors"]
+    assert library.launched[-1][0] == "bwd.sm90a.fp16.d256"
+    assert (values["head_dim"], values["columns"], values["columns_v"]) == (256, 64, 256)
+    for launch in library.last["row"]["launches"]:
+        assert not loader.missing_sources(launch, values, tensors), launch["symbol"]
+    g["dv"] = arr((B, SK, HKV, 64), "fp16")  # dv takes v's head dim
+    refused(api.backward, g, {}, library)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_forward_fuzz(library, seed):
     for arrays, kwargs in cases(good_forward(), ("softmax_scale", "causal", "q_tiles", "stream"), seed, 150):

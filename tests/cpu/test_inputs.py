@@ -46,8 +46,9 @@ def test_a_good_problem_passes():
     ({"k": bshd(2, -3, 2, 128)}, ShapeError, "zero or negative"),
     ({"k": bshd(2, 300, 3, 128), "v": bshd(2, 300, 3, 128)}, ShapeError, "multiple of heads_kv"),
     ({"k": bshd(3, 300, 2, 128), "v": bshd(3, 300, 2, 128)}, ShapeError, "batch=2"),
-    ({"v": bshd(2, 299, 2, 128)}, ShapeError, "v .* must have k's shape"),
-    ({"out": bshd(2, 100, 8, 64)}, ShapeError, "out .* must have q's shape"),
+    ({"v": bshd(2, 299, 2, 128)}, ShapeError, "v .* like k"),
+    ({"out": bshd(2, 100, 8, 64)}, ShapeError, "out .* with v's head_dim"),  # v's head dim is 128
+    ({"out": bshd(2, 100, 4, 128)}, ShapeError, "out .* must be q's"),
     ({"lse": DeviceArray(BASE, (2, 100, 8), (800, 8, 1), "fp32")}, ShapeError, "lse"),
     ({"lse": DeviceArray(BASE, (2, 8, 100), (1600, 200, 1), "fp32")}, LayoutError, "lse must be contiguous"),
     ({"lse": DeviceArray(BASE + 2, (2, 8, 100), (800, 100, 1), "fp32")}, LayoutError, "4-byte"),

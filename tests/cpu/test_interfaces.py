@@ -117,7 +117,7 @@ def test_kernel_argument_reads_as_separate_arguments_to_the_dsls_namer():
     the name: one argument must read as its leaves did as separate arguments."""
     args = interfaces.COMBINE.tuple_type(o_partial="ptr<f32, gmem>", lse_partial=None,
                                          out=P.Rows("ptr<bf16>", ("?", "?", "?")), lse="class X", batch="?",
-                                         seqlen_q="?", heads_q="?", splits="?", columns="?")
+                                         seqlen_q="?", heads_q="?", splits="?", columns_v="?")
     assert str(args) == "ptr<f32,gmem>_ptr<bf16>_?_?_?_X_?_?_?_?_?"
 
 

@@ -193,7 +193,7 @@ def test_parameter_buffer_follows_the_plan(built, monkeypatch):
 def test_backward_packs_strides_and_workspaces(built, monkeypatch):
     row = Manifest(built[0]).rows["bwd.sm90a.bf16.d128.causal.det"]
     pre, main, post = row["launches"]
-    values = {"seqlen_q": 100, "heads_q": 4, "first_write": 1, "columns": 128}
+    values = {"seqlen_q": 100, "heads_q": 4, "first_write": 1, "columns": 128, "columns_v": 128}
     tensors = {n: {"ptr": 0x1000 * (i + 1)} for i, n in enumerate(
         ("lse", "lse2", "dsum", "dq_accum", "dq_semaphore", "dq_done", "tail_counters"))}
     tensors["out"] = {"ptr": 0x10, "strides": (1 << 33, 512, 128, 1)}

@@ -34,12 +34,13 @@ RAW = {
               workspace=None, q_tiles=None, stream=0, library=None),
     "forward_workspace_bytes": positional("batch", "seqlen_q", "heads_q", "heads_kv", "head_dim", "seqlen_k")
     + options(causal=False, window_size=(-1, -1), softcap=0.0, learnable_sink=False, dtype="bf16", sm_count=None,
-              library=None),
+              head_dim_v=None, library=None),
     "backward": positional("q", "k", "v", "out", "dout", "lse", "dq", "dk", "dv", "workspace")
     + options(softmax_scale=None, causal=False, deterministic=False, window_size=(-1, -1), softcap=0.0,
               learnable_sink=None, dsink=None, q_tiles=None, stream=0, library=None),
     "backward_workspace_bytes": positional("batch", "seqlen_q", "heads_q", "head_dim")
-    + options(causal=False, deterministic=False, seqlen_k=None, heads_kv=None, dtype=None, local=False, library=None),
+    + options(causal=False, deterministic=False, seqlen_k=None, heads_kv=None, dtype=None, local=False,
+              head_dim_v=None, library=None),
 }
 
 TORCH = {

@@ -351,3 +351,155 @@ def test_a_head_dim_no_variant_serves_is_refused_before_launch(d, gen):
         fa4_aot.backward_workspace_bytes(1, 64, 2, d)
     torch.cuda.synchronize()
     assert out.isnan().all() and lse.isnan().all()
+
+
+# ---------------------------------------------------------------- v's head dim not q's
+# (q/k head dim, v head dim): DeepSeek V3's 192/128 on the d192 kernels; v wider than q on
+# the d128 kernels; two sizes between the built ones on the d96 kernels
+PAIRS = [(192, 128), (64, 128), (96, 40)]
+PAIR_IDS = [f"qk{d}_v{dv}" for d, dv in PAIRS]
+
+
+def _pair(shape, d, dv, dtype, gen):
+    b, sq, sk, hq, hkv = shape
+    return (_wide((b, sq, hq), d, dtype, gen), _wide((b, sk, hkv), d, dtype, gen),
+            _wide((b, sk, hkv), dv, dtype, gen))
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_forward_with_v_of_its_own_head_dim(pair, causal, shape, gen):
+    d, dv = pair
+    q, k, v = _pair(shape, d, dv, torch.bfloat16, gen)
+    b, sq, hq = q.shape[:3]
+    out, lse = _wide((b, sq, hq), dv, torch.bfloat16), torch.full((b, hq, sq), float("nan"), device="cuda")
+    flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    check_attention(out, lse, q, k, v, causal)
+    _untouched(out)
+
+
+def _pair_backward(shape, d, dv, dtype, causal, deterministic, gen):
+    q, k, v = _pair(shape, d, dv, dtype, gen)
+    b, sq, hq = q.shape[:3]
+    dout = _wide((b, sq, hq), dv, dtype, gen)
+    out, lse = _wide((b, sq, hq), dv, dtype), torch.full((b, hq, sq), float("nan"), device="cuda")
+    flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse)
+    grads = [_wide(x.shape[:3], x.shape[3], dtype) for x in (q, k, v)]
+    size = fa4_aot.backward_workspace_bytes(b, sq, hq, d, causal=causal, deterministic=deterministic, head_dim_v=dv)
+    flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, deterministic=deterministic, dq=grads[0], dk=grads[1],
+                   dv=grads[2], workspace=torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    return q, k, v, dout, out, grads
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD if v.head_dim == 192] +
+                         [next(v for v in MATRIX if v.kind == "bwd" and v.head_dim == 192 and v.dtype == "fp16"
+                               and not v.varlen and not v.local and v.causal)], ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+def test_backward_192_128_with_gqa(variant, shape, gen):
+    """Every d192 backward (GQA and MQA shapes among them: dK and dV summed over a group of
+    query heads) with v's head dim 128; deterministic ones twice, bitwise."""
+    dtype = DTYPES[variant.dtype]
+    q, k, v, dout, out, grads = _pair_backward(shape, 192, 128, dtype, variant.causal, variant.deterministic, gen)
+    check_grads(grads, q, k, v, dout, out, variant.causal)
+    _untouched(*grads)
+    if variant.deterministic:
+        seeded = lambda: torch.Generator(device="cuda").manual_seed(11)  # noqa: E731
+        once = _pair_backward(shape, 192, 128, dtype, variant.causal, True, seeded())[5]
+        again = _pair_backward(shape, 192, 128, dtype, variant.causal, True, seeded())[5]
+        assert all(torch.equal(a, b) for a, b in zip(once, again)), "deterministic runs differ"
+
+
+@pytest.mark.parametrize("pair", PAIRS[1:], ids=PAIR_IDS[1:])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_other_pairs(pair, causal, gen):
+    q, k, v, dout, out, grads = _pair_backward((2, 300, 257, 4, 2), *pair, torch.bfloat16, causal, False, gen)
+    check_grads(grads, q, k, v, dout, out, causal)
+    _untouched(*grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_192_128(causal, gen):
+    lq, lk, hq, hkv = MIXES[1]
+    q, k, v = _packed(lq, hq, 192, gen), _packed(lk, hkv, 192, gen), _packed(lk, hkv, 128, gen)
+    dout, out = _packed(lq, hq, 128, gen), _packed(lq, hq, 128)
+    cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
+    lse = torch.full((hq, sum(lq)), float("nan"), device="cuda")
+    flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, causal)
+    size = fa4_aot.backward_varlen_workspace_bytes(sum(lq), len(lq), hq, 192, causal=causal, head_dim_v=128)
+    grads = [_packed(lq, hq, 192), _packed(lk, hkv, 192), _packed(lk, hkv, 128)]
+    flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), causal=causal, dq=grads[0],
+                          dk=grads[1], dv=grads[2],
+                          workspace=torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, lq, lk, causal)
+    _untouched(out, *grads)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
+def test_decode_192_128(case, causal, gen):
+    batch, sq, hq, hkv, max_cache, page = case
+    q = _wide((batch, sq, hq), 192, torch.bfloat16, gen)
+    k, _, table, k_full, _ = _cache(batch, max_cache, hkv, 192, page, gen)
+    v = _wide(k.shape[:3], 128, torch.bfloat16, gen)
+    v_full = v if table is None else v[table.long()].reshape(batch, -1, hkv, 128)
+    lengths = torch.randint(1, max_cache + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
+    for splits in (None, 1, 3):
+        out, lse = _wide((batch, sq, hq), 128, torch.bfloat16), torch.full((batch, hq, sq), float("nan"),
+                                                                          device="cuda")
+        reach = k.shape[1] * (table.shape[1] if table is not None else 1)
+        need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, 192, reach, num_splits=splits,
+                                                       head_dim_v=128)
+        space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+        fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table, causal=causal,
+                                num_splits=splits, stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        _untouched(out)
+        _check_decode(out, lse, q, k_full, v_full, lengths, causal)
+
+
+def test_torch_layers_with_v_of_its_own_head_dim(gen):
+    """flash_attn_func's autograd (out and dv of v's head dim) and flash_attn_with_kvcache
+    with an append, at 192/128."""
+    from fa4_aot.torch import flash_attn_with_kvcache
+
+    q, k = (torch.randn(2, 333, h, 192, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+            for h in (8, 2))
+    v = torch.randn(2, 333, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    out = flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (2, 333, 8, 128)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    check_grads([x.grad for x in (q, k, v)], *(x.detach() for x in (q, k, v)), dout, out.detach(), True)
+    kc = torch.randn(2, 300, 2, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    vc = torch.randn(2, 300, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k_new = torch.randn(2, 1, 2, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v_new = torch.randn(2, 1, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lengths = torch.tensor([10, 299], dtype=torch.int32, device="cuda")
+    q1 = torch.randn(2, 1, 8, 192, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out, lse = flash_attn_with_kvcache(q1, kc, vc, k_new, v_new, cache_seqlens=lengths, return_lse=True)
+    assert out.shape == (2, 1, 8, 128)
+    for b, n in enumerate((11, 300)):
+        check_attention(out[b:b + 1], lse[b:b + 1], q1[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], False)
+
+
+def test_mismatched_head_dims_are_refused_before_launch(gen):
+    q, k = (torch.randn(1, 64, 2, 192, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    v = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+    lse = torch.full((1, 2, 64), float("nan"), device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    like_q = torch.full_like(q, float("nan"))
+    with pytest.raises(fa4_aot.ShapeError, match="v's head_dim"):  # out takes v's head dim, not q's
+        fa4_aot.forward(q, k, v, like_q, lse, stream=stream)
+    out = torch.full((1, 64, 2, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(fa4_aot.ShapeError, match="like k"):  # v's keys must be k's
+        fa4_aot.forward(q, k, v[:, :32], out, lse, stream=stream)
+    with pytest.raises(UnsupportedVariantError, match="head_dim 36"):
+        fa4_aot.forward(q, k, v[..., :36], out[..., :36], lse, stream=stream)
+    torch.cuda.synchronize()
+    assert like_q.isnan().all() and out.isnan().all() and lse.isnan().all()

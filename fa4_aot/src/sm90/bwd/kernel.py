@@ -271,7 +271,7 @@ class FlashBwdSm90:
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
         self._run_roles(warp, tidx, start, (tma_q, gQ, tma_do, gdO, tma_k, gK, tma_v, gV),
                         Outputs(None, PackedRows(dk_ptr, dk_ss, dk_sh, p.columns), start.sdK,
-                                None, PackedRows(dv_ptr, dv_ss, dv_sh, p.columns), start.sdV),
+                                None, PackedRows(dv_ptr, dv_ss, dv_sh, p.columns_v), start.sdV),
                         DqTarget(tma_dq, tma_dq_store, gdQacc, dqacc_ptr, sem_ptr, done_ptr, ended_ptr),
                         (lse2_ptr, dsum_ptr), Scalars(scale, scale_log2, turn_tiles, first_write, self._softcap(p)),
                         prob, work, sds_layout)

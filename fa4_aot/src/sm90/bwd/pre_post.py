@@ -152,7 +152,7 @@ class PrePostSm90:
         where = RowBlock(batch, head, bidx, seqlen_q, heads_q)
         term = self._preprocess_block(tidx, where, (o_ptr, o_sb, o_ss, o_sh), (do_ptr, do_sb, do_ss, do_sh),
                                       (lse_ptr, lse2_ptr, dsum_ptr, dqacc_ptr, sem_ptr, done_ptr), first_write,
-                                      p.columns, (tail_ptr, linear), self._sink(p))
+                                      p.columns_v, (tail_ptr, linear), self._sink(p))
         if const_expr(self.cfg.local):
             self._store_sink_partial(p, term, tidx, head, batch * cute.ceil_div(seqlen_q, self.cfg.tile_m) + bidx)
 
@@ -189,12 +189,12 @@ class PrePostSm90:
             term = Float32(0.0)
             if where.batch >= 0:
                 term = self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
-                                              first_write, p.columns, None, self._sink(p))
+                                              first_write, p.columns_v, None, self._sink(p))
             self._store_sink_partial(p, term, tidx, head, x)  # every block, whether it has rows or not
         else:
             if where.batch >= 0:
                 self._preprocess_block(tidx, where, (o_ptr, 0, o_ss, o_sh), (do_ptr, 0, do_ss, do_sh), stats,
-                                       first_write, p.columns, None)
+                                       first_write, p.columns_v, None)
 
     def _varlen_block(self, cu_q_ptr, used_q_ptr, use_used_q, batches, total_q, heads_q) -> "RowBlock":
         """The varlen row block's sequence and tile (batch -1 past the last tile)."""
@@ -210,7 +210,7 @@ class PrePostSm90:
     @cute.jit
     def _preprocess_block(self, tidx, where, o_rows, do_rows, ptrs, first_write, columns, tail, sink=None):
         """The preprocess of one query tile of one head (``where``: a RowBlock), reading the
-        first ``columns`` of each O and dO row (their head dim); ``tail``:
+        first ``columns`` of each O and dO row (v's head dim); ``tail``:
         (the split tiles' counters, the block's linear index), cleared by the first block,
         or None (varlen). ``sink``: local, (the sinks, use_sink); returns this thread's
         term of the sink's gradient, -exp2(sink log2(e) - LSE2) D of its row where

@@ -9,7 +9,7 @@ splits saw a key gets out 0 and lse -inf, as the one-split kernel writes it. The
 are summed in order, so a given num_splits gives the same bits every run.
 
 One warp per row: lanes take the splits 32 at a time for the maximum and the sum, then
-head_dim / 32 columns each for O (written within O's own head dim, ``columns``).
+head_dim / 32 columns each for O (written within O's own head dim, ``columns_v``).
 """
 
 import math
@@ -48,7 +48,7 @@ class CombineSm90:
         """The split workspace (splits, b, s_q, h_q, d) and (splits, b, h_q, s_q) fp32 in; O
         (b, s_q, h_q, d) by address and strides and LSE (b, h_q, s_q) out."""
         o_part_ptr, lse_part_ptr, (o_ptr, (o_sb, o_ss, o_sh)), lse_ptr = p.o_partial, p.lse_partial, p.out, p.lse
-        batch, seqlen_q, heads_q, splits, columns = p.batch, p.seqlen_q, p.heads_q, p.splits, p.columns
+        batch, seqlen_q, heads_q, splits, columns = p.batch, p.seqlen_q, p.heads_q, p.splits, p.columns_v
         d = self.cfg.head_dim
         per_lane = d // 32
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

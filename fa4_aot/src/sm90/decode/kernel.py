@@ -180,7 +180,7 @@ class DecodeSm90:
             softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
             acc_o, softmax = self.attend(ctidx, (sQ, sK, sV), (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
                                          turn, scale_log2, (window, softcap_scale))
-            out = (o_ptr, o_sb, o_ss, o_sh, p.columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
+            out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
             sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
             self.epilogue(ctidx, acc_o, softmax, place, out, sinks)
 

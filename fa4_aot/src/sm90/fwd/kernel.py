@@ -214,7 +214,7 @@ class FlashFwdSm90:
         head_kv = head // (heads_q // gK.shape[2])
         opts = self._score_options(p, head, heads_q, seqlen_q, seqlen_k)
         out = RowsOut(o_ptr, o_ss, o_sh, cute.make_tensor(lse_ptr, cute.make_layout(heads_q * total_q)),
-                      seq_q.offset, total_q, head, heads_q, p.columns)
+                      seq_q.offset, total_q, head, heads_q, p.columns_v)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         if warp < 4:
