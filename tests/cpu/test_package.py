@@ -67,6 +67,7 @@ def test_cli_list_info_verify(built):
     assert "fwd.sm90a.bf16.d64 " in out.output and "not in this build" in out.output
     n = len(SUBSET)
     assert f"{n} of {n} built variants" in out.output and "not built: arch=sm100a" in out.output
+    assert "any multiple of 8 up to 256" in out.output and "192/128" in out.output  # the head dims served
     out = runner.invoke(main, ["--kernels", folder, "info"])
     assert out.exit_code == 0 and "driver floor: CUDA 13.0" in out.output
     out = runner.invoke(main, ["--kernels", folder, "verify", "--checksums-only"])
