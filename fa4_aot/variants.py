@@ -176,6 +176,15 @@ def arch_for_capability(cc: tuple[int, int]) -> str | None:
     return ARCH_OF_CAPABILITY.get(tuple(cc))
 
 
+def serving_head_dim(built_dims, head_dim: int) -> int | None:
+    """The built head dim whose kernels serve tensors ``head_dim`` wide: the narrowest of
+    ``built_dims`` at least as wide (docs/design.md, "Head dims"); None where head_dim is
+    not a positive multiple of 8 (TMA rows are whole 16-byte units) or none is as wide."""
+    if head_dim <= 0 or head_dim % 8:
+        return None
+    return min((d for d in built_dims if d >= head_dim), default=None)
+
+
 def built_values(kind: str, axis: str) -> tuple:
     return KIND_AXES.get(kind, {}).get(axis, AXES[axis]["built"])
 

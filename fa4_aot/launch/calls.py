@@ -72,10 +72,12 @@ def served_sizes(manifest, kind: str, sizes: dict) -> dict:
 
 
 def kernel_head_dim(manifest, kind: str, head_dim: int, head_dim_v: int | None) -> int:
-    """The workspace functions' head dim: the kernels' for q's ``head_dim`` and v's
-    ``head_dim_v`` (None: q's)."""
-    checks.check_sizes(head_dim=head_dim, **({} if head_dim_v is None else {"head_dim_v": head_dim_v}))
-    return manifest.kernel_head_dim(kind, max(head_dim, head_dim_v or head_dim))
+    """The workspace functions' head dim: the kernels' for q's ``head_dim`` (checked by the
+    caller) and v's ``head_dim_v`` (None: q's)."""
+    if head_dim_v is None:
+        return manifest.kernel_head_dim(kind, head_dim)
+    checks.check_sizes(head_dim_v=head_dim_v)
+    return manifest.kernel_head_dim(kind, max(head_dim, head_dim_v))
 
 
 def repeat_key(kind: str, arrays, options, stream):

@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import ChecksumError, ManifestError, UnsupportedVariantError
-from ..variants import NOT_BUILT_REASONS, Variant, matches
+from ..variants import NOT_BUILT_REASONS, Variant, matches, serving_head_dim
 
 SCHEMA = 14  # 14: rows' "limits" (what a launch may ask), "values" (launch values derived by fa4_aot.launch.rules expressions, also in grids, workspace counts and tensor-map boxes), launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
@@ -209,12 +209,12 @@ class Manifest:
         found = self._head_dims.get(key)
         if found is None:
             dims = sorted({v.head_dim for v in self.variants if v.kind == kind})
-            wider = [d for d in dims if d >= head_dim]
-            if head_dim <= 0 or head_dim % 8 or not wider:
+            found = serving_head_dim(dims, head_dim)
+            if found is None:
                 raise UnsupportedVariantError(
                     f"head_dim {head_dim}: the {kind} kernels serve multiples of 8 up to {max(dims, default=0)} "
                     f"(built: {', '.join(map(str, dims)) or 'none'}; a narrower head dim runs on the next wider)")
-            found = self._head_dims[key] = wider[0]
+            self._head_dims[key] = found
         return found
 
     def built(self, **axes) -> bool:

@@ -26,7 +26,8 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     workspace from torch's allocator). Every option is keyword-only."""
     repeat, stream = None, None
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and q.is_cuda and q.dim() == 4
-            and k.dim() == 4 and v.dim() == 4 and type(out) in (torch.Tensor, type(None)) and type(lse) in (torch.Tensor, type(None))
+            and k.dim() == 4 and v.dim() == 4 and type(out) in (torch.Tensor, type(None))
+            and type(lse) in (torch.Tensor, type(None))
             and (learnable_sink is None or type(learnable_sink) is torch.Tensor)):
         # outputs (and a decode shape's workspace) made first, so that a call without them
         # (autograd's) repeats too: the caching allocator gives a training step's the same

@@ -35,7 +35,7 @@ import torch
 
 from ..errors import FrameworkError
 from ..launch import checks
-from ..variants import arch_for_capability
+from ..variants import arch_for_capability, serving_head_dim
 from .dense import flash_attn_bwd, flash_attn_fwd
 from .tensors import KERNEL_DTYPES
 
@@ -80,8 +80,8 @@ def fallback_reason(dtype: str | None, q_shape: tuple, k_shape: tuple, v_shape: 
     if b * h_q * s_q > checks.INT32_MAX or max(b, h_q) > checks.GRID_YZ_MAX or max(s_q, s_k) > checks.INT32_MAX:
         return "sizes past the kernels' index or grid limits"
     arch = arch_for_capability(capability)
-    wider = sorted(dim for a, _, dim, _ in built if a == arch and dim >= d)  # the kernels' head dim: the narrowest
-    if d % 8 or not wider or (arch, dtype, wider[0], bool(causal)) not in built:
+    served = serving_head_dim({dim for a, _, dim, _ in built if a == arch}, d)  # the forward's choice
+    if served is None or (arch, dtype, served, bool(causal)) not in built:
         return f"no fa4_aot kernels built for {arch or capability}, {dtype}, head_dim {d}, causal={bool(causal)}"
     return None
 

@@ -15,7 +15,7 @@ from fa4_aot import dense as api, policy
 from fa4_aot.launch import workspace as ws
 from fa4_aot.errors import LayoutError, ShapeError, UnsupportedVariantError
 from fa4_aot.launch.manifest import Manifest
-from fa4_aot.variants import MATRIX, Variant
+from fa4_aot.variants import MATRIX, Variant, serving_head_dim
 
 from .test_inputs import BASE
 
@@ -45,11 +45,11 @@ class RulesLibrary:
                 return [r for r in rows if all(r["variant"].get(a) == x for a, x in axes.items())]
 
             def kernel_head_dim(self, kind, head_dim):  # as Manifest.kernel_head_dim
-                dims = sorted({r["variant"]["head_dim"] for r in rows if r["variant"]["kind"] == kind})
-                wider = [d for d in dims if d >= head_dim and head_dim % 8 == 0]
-                if not wider:
+                served = serving_head_dim({r["variant"]["head_dim"] for r in rows if r["variant"]["kind"] == kind},
+                                          head_dim)
+                if served is None:
                     raise UnsupportedVariantError(f"head_dim {head_dim}: not served")
-                return wider[0]
+                return served
 
         _Manifest.rows = {r["name"]: r for r in rows}
         self.manifest = _Manifest()

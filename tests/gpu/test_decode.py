@@ -34,44 +34,50 @@ def _lengths(batch, max_cache, seqlen_q, gen):
     return torch.tensor((fixed + rand)[:batch], dtype=torch.int32, device="cuda")
 
 
-def _cache(batch, max_cache, heads_kv, d, dtype, page_size, gen):
+def _cache(batch, max_cache, heads_kv, d, dtype, page_size, gen, d_v=None, make=None):
     """(k_cache, v_cache, page_table, contiguous views (batch, max_cache, h, d)) with pages
-    permuted and spare pages between them."""
+    permuted and spare pages between them; v's head dim ``d_v`` (None: d); ``make(lead,
+    width)``: a tensor of fresh draws (None: torch.randn's)."""
+    d_v = d if d_v is None else d_v
+    if make is None:
+        make = lambda lead, width: torch.randn(*lead, width, device="cuda", dtype=dtype, generator=gen)  # noqa: E731
     if page_size is None:
-        k = torch.randn(batch, max_cache, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
-        v = torch.randn(batch, max_cache, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+        k, v = make((batch, max_cache, heads_kv), d), make((batch, max_cache, heads_kv), d_v)
         return k, v, None, k, v
     max_pages = -(-max_cache // page_size)
     num_pages = batch * max_pages + 3
-    k = torch.randn(num_pages, page_size, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
-    v = torch.randn(num_pages, page_size, heads_kv, d, device="cuda", dtype=dtype, generator=gen)
+    k, v = make((num_pages, page_size, heads_kv), d), make((num_pages, page_size, heads_kv), d_v)
     table = torch.randperm(num_pages, generator=gen, device="cuda")[:batch * max_pages].view(batch, max_pages)
     table = table.to(torch.int32).contiguous()
-    gathered = lambda c: c[table.long()].reshape(batch, max_pages * page_size, heads_kv, d)  # noqa: E731
+    gathered = lambda c: c[table.long()].reshape(batch, max_pages * page_size, heads_kv, c.shape[-1])  # noqa: E731
     return k, v, table, gathered(k), gathered(v)
 
 
-def _check(out, lse, q, k_full, v_full, lengths, causal):
+def _check(out, lse, q, k_full, v_full, lengths, causal, **mods):
     for b, n in enumerate(lengths.tolist()):
         qs, got, got_lse = q[b:b + 1], out[b:b + 1], lse[b:b + 1]
         if n:
             check_attention(got, got_lse, qs, k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal,
-                            what=f"sequence {b} ({n} keys): ")
+                            what=f"sequence {b} ({n} keys): ", **mods)
         else:
             assert torch.equal(got, torch.zeros_like(got)) and (got_lse == float("-inf")).all(), \
                 f"sequence {b} (no keys): out 0 and lse -inf"
 
 
-def _run(q, k_cache, v_cache, lengths, table, causal, num_splits):
+def _run(q, k_cache, v_cache, lengths, table, causal, num_splits, out=None, **mods):
+    """forward_kvcache into NaN-poisoned out (or the given ``out``) and lse, with a workspace
+    of 0xff bytes of exactly the size asked for; ``mods``: window_size, softcap, learnable_sink."""
     b, sq, hq, d = q.shape
-    out = torch.full_like(q, float("nan"))
+    out = torch.full((b, sq, hq, v_cache.shape[-1]), float("nan"), device="cuda", dtype=q.dtype) if out is None \
+        else out
     lse = torch.full((b, hq, sq), float("nan"), device="cuda")
     reach = k_cache.shape[1] * (table.shape[1] if table is not None else 1)
-    need = fa4_aot.forward_kvcache_workspace_bytes(b, sq, hq, k_cache.shape[2], d, reach, num_splits=num_splits)
+    need = fa4_aot.forward_kvcache_workspace_bytes(b, sq, hq, k_cache.shape[2], d, reach, num_splits=num_splits,
+                                                   head_dim_v=v_cache.shape[-1])
     space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
     fa4_aot.forward_kvcache(q, k_cache, v_cache, out, lse, lengths, space if need else None, page_table=table,
                             causal=causal, num_splits=num_splits,
-                            stream=torch.cuda.current_stream().cuda_stream)
+                            stream=torch.cuda.current_stream().cuda_stream, **mods)
     torch.cuda.synchronize()
     return out, lse
 

@@ -24,6 +24,7 @@ from fa4_aot.variants import MATRIX  # noqa: E402
 
 from ..reference import check_attention  # noqa: E402
 from .test_bwd import check_grads  # noqa: E402
+from .test_decode import _cache as decode_cache, _check as check_decode, _run as run_decode  # noqa: E402
 from .test_local import _sinks  # noqa: E402
 from .test_local_bwd import _assert_within, grad_errors  # noqa: E402
 from .test_varlen import _check_grads_by_sequence, _check_sequences, _lengths_to_cu  # noqa: E402
@@ -229,38 +230,18 @@ DECODE_CASES = [
 ]
 
 
-def _cache(batch, max_cache, heads_kv, d, page, gen):
-    """(k_cache, v_cache, page_table, contiguous (batch, max_cache, h, d) views), pages permuted."""
-    if page is None:
-        k, v = (_wide((batch, max_cache, heads_kv), d, torch.bfloat16, gen) for _ in range(2))
-        return k, v, None, k, v
-    max_pages = -(-max_cache // page)
-    pages = batch * max_pages + 3
-    k, v = (_wide((pages, page, heads_kv), d, torch.bfloat16, gen) for _ in range(2))
-    table = torch.randperm(pages, generator=gen, device="cuda")[:batch * max_pages].view(batch, max_pages)
-    table = table.to(torch.int32).contiguous()
-    gathered = lambda c: c[table.long()].reshape(batch, max_pages * page, heads_kv, d)  # noqa: E731
-    return k, v, table, gathered(k), gathered(v)
+def _cache(batch, max_cache, heads_kv, d, page, gen, d_v=None):
+    """test_decode's cache (pages permuted), every tensor a wide view."""
+    return decode_cache(batch, max_cache, heads_kv, d, torch.bfloat16, page, gen, d_v,
+                        make=lambda lead, width: _wide(lead, width, torch.bfloat16, gen))
 
 
 def _decode(q, k, v, lengths, table, causal, splits, **mods):
-    b, sq, hq, d = q.shape
-    out, lse = _poisoned(q)
-    reach = k.shape[1] * (table.shape[1] if table is not None else 1)
-    need = fa4_aot.forward_kvcache_workspace_bytes(b, sq, hq, k.shape[2], d, reach, num_splits=splits)
-    space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
-    fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table, causal=causal,
-                            num_splits=splits, stream=torch.cuda.current_stream().cuda_stream, **mods)
-    torch.cuda.synchronize()
+    """test_decode's run into a wide NaN-poisoned out, its extra columns checked after."""
+    out, lse = run_decode(q, k, v, lengths, table, causal, splits, out=_wide(q.shape[:3], v.shape[-1], q.dtype),
+                          **mods)
     _untouched(out)
     return out, lse
-
-
-def _check_decode(out, lse, q, k_full, v_full, lengths, causal, **mods):
-    for b, n in enumerate(lengths.tolist()):
-        if n:
-            check_attention(out[b:b + 1], lse[b:b + 1], q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], causal,
-                            what=f"sequence {b} ({n} keys): ", **mods)
 
 
 @pytest.mark.parametrize("variant", [v for v in DECODE if v.dtype == "bf16"], ids=lambda v: v.name)
@@ -274,7 +255,7 @@ def test_decode_on_the_next_wider_variant(variant, case, gen):
     lengths[0] = max_cache
     for splits in (None, 1, 3):  # 3: the combine writes out
         out, lse = _decode(q, k, v, lengths, table, variant.causal, splits)
-        _check_decode(out, lse, q, k_full, v_full, lengths, variant.causal)
+        check_decode(out, lse, q, k_full, v_full, lengths, variant.causal)
 
 
 def test_dense_decode_shapes_and_the_kvcache_layer(gen):
@@ -335,7 +316,7 @@ def test_local_decode(variant, gen):
     for splits in (None, 1, 3):
         out, lse = _decode(q, k, v, lengths, table, False, splits, window_size=(300, 0), softcap=cap,
                            learnable_sink=sinks)
-        _check_decode(out, lse, q, k_full, v_full, lengths, False, window=(300, 0), sink=sinks, softcap=cap)
+        check_decode(out, lse, q, k_full, v_full, lengths, False, window=(300, 0), sink=sinks, softcap=cap)
 
 
 # ---------------------------------------------------------------- refusals
@@ -445,22 +426,11 @@ def test_varlen_192_128(causal, gen):
 def test_decode_192_128(case, causal, gen):
     batch, sq, hq, hkv, max_cache, page = case
     q = _wide((batch, sq, hq), 192, torch.bfloat16, gen)
-    k, _, table, k_full, _ = _cache(batch, max_cache, hkv, 192, page, gen)
-    v = _wide(k.shape[:3], 128, torch.bfloat16, gen)
-    v_full = v if table is None else v[table.long()].reshape(batch, -1, hkv, 128)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, 192, page, gen, d_v=128)
     lengths = torch.randint(1, max_cache + 1, (batch,), generator=gen, device="cuda", dtype=torch.int32)
     for splits in (None, 1, 3):
-        out, lse = _wide((batch, sq, hq), 128, torch.bfloat16), torch.full((batch, hq, sq), float("nan"),
-                                                                          device="cuda")
-        reach = k.shape[1] * (table.shape[1] if table is not None else 1)
-        need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, 192, reach, num_splits=splits,
-                                                       head_dim_v=128)
-        space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
-        fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table, causal=causal,
-                                num_splits=splits, stream=torch.cuda.current_stream().cuda_stream)
-        torch.cuda.synchronize()
-        _untouched(out)
-        _check_decode(out, lse, q, k_full, v_full, lengths, causal)
+        out, lse = _decode(q, k, v, lengths, table, causal, splits)
+        check_decode(out, lse, q, k_full, v_full, lengths, causal)
 
 
 def test_torch_layers_with_v_of_its_own_head_dim(gen):
