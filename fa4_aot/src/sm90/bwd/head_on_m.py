@@ -23,7 +23,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..fragments import acc_as_rows_cols, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER
-from .packed_rows import store_rows
+from ..packed_rows import store_rows
 from .scores import TileAt
 
 

@@ -46,7 +46,7 @@ from .dq_writer import DQ_WRITER_WARP, DqBuffers, DqWriter
 from .head_on_m import HeadOnM
 from .keys_on_m import KeysOnM
 from .pre_post import DqFragments, PrePostSm90
-from .packed_rows import PackedRows
+from ..packed_rows import PackedRows
 from .producer import Producer
 from .scheduler import Sequences, TileWalk, varlen_grid_x
 from .scores import ScoreMath

@@ -24,7 +24,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..primitives import DTYPES, WARPGROUP, convert_into, stage, stage_and_store, tiled_mma, wgmma
 from .barriers import DS_BARRIER, EPILOGUE_BARRIER, READY_BARRIER
-from .packed_rows import store_rows
+from ..packed_rows import store_rows
 from .scores import TileAt
 
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32, Int32, Int64, const_expr
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ...common import lpt, symbols
@@ -40,6 +40,7 @@ from ...common.seqlen import packed_tile_of_cta, sequence
 from ...common.launch_order import forward_head_group, launch_in_head_groups
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask, Window
+from ..packed_rows import PackedRows, store_rows
 from ..primitives import (
     DTYPES, WARPGROUP, convert_into, sdhb, smem_buffer, smem_layout, stage_and_store, tiled_mma, tma_pipeline, wait_after,
     wgmma,
@@ -700,20 +701,9 @@ class FlashFwdSm90:
         thr = copy.get_slice(tidx)
         cute.copy(copy, thr.retile(staged), thr.partition_D(sO))
         cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=threads)
-        vec = 16 // (self.dtype.width // 8)  # elements per 16-byte access
-        per_row = cfg.head_dim // vec
-        assert cfg.tile_m * per_row % threads == 0
         first_row = m_block * cfg.tile_m
-        for i in cutlass.range_constexpr(cfg.tile_m * per_row // threads):
-            chunk = i * threads + tidx
-            row, part = chunk // per_row, chunk % per_row
-            if (first_row + row < seqlen_q) & (part * vec < out.columns):
-                values = cute.make_rmem_tensor((vec,), self.dtype)
-                cute.autovec_copy(cute.local_tile(sO[row, None], (vec,), (part,)), values)
-                at = (Int64(out.offset + first_row + row) * out.o_ss + Int64(out.head) * out.o_sh
-                      + part * vec) * (self.dtype.width // 8)
-                dst = cute.make_ptr(self.dtype, out.o_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
-                cute.autovec_copy(values, cute.make_tensor(dst, cute.make_layout(vec)))
+        store_rows(tidx, threads, sO, PackedRows(out.o_ptr, out.o_ss, out.o_sh, out.columns, out.offset, seqlen_q,
+                                                 out.head), first_row)
         coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):

@@ -1,8 +1,9 @@
-"""The varlen backward's dK and dV stores (sm_90a): a key tile's last rows may belong to the
-next packed sequence, which a TMA store's box would overwrite, so the consumers stage the
-tile in shared memory as for the TMA store and write only the sequence's rows, 16 bytes per
-access, every consumer thread taking every ``threads``-th chunk (as the varlen forward
-writes O: docs/design.md, "Variable length")."""
+"""Row stores of packed (varlen) outputs (sm_90a): the varlen forward's O and the varlen
+backward's dK and dV. A tile's last rows may belong to the next packed sequence, which a TMA
+store's box would overwrite, so the consumers stage the tile in shared memory as for the TMA
+store and write only the sequence's rows and the tensor's columns, 16 bytes per access,
+every consumer thread taking every ``threads``-th chunk (docs/design.md, "Variable length",
+"Head dims")."""
 
 from typing import NamedTuple
 
