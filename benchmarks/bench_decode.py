@@ -14,7 +14,11 @@ the decode's bottom-right; at one query token they agree). Time: median of CUDA-
 timings (triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves ours
 and cuDNN round by round and reports each cell's median and range. --placement N: a placement
 sweep (each shape N more times, every buffer fresh behind an unrelated allocation of a
-random size), its minimum beside its median. Writes
+random size), its minimum beside its median. --fp8: each shape also with an FP8 (e4m3)
+cache with scales per (sequence, KV head): its own bytes (half) per second against the
+copy, and its speed-up over the same shape's bf16 cache in the same round (tokens per
+second: the ratio of times); the peers stay bf16 (neither cuDNN nor FA4 has an FP8 decode
+on sm90). Writes
 decode-<date>.json and a plot of bandwidth against keys (decode-keys-<date>.png).
 """
 
@@ -44,8 +48,8 @@ KEYS = [("keys", 8, 1, 32, 8, 128, n, None) for n in (1024, 4096, 16384, 65536, 
 PAGED = [(f"{n} paged {p}", b, sq, hq, hkv, d, s, p) for n, b, sq, hq, hkv, d, s, _ in ISSUE for p in (256, 64, 16)]
 
 
-def kv_bytes(batch, heads_kv, head_dim, keys):
-    return batch * keys * heads_kv * head_dim * 2 * 2
+def kv_bytes(batch, heads_kv, head_dim, keys, itemsize=2):
+    return batch * keys * heads_kv * head_dim * 2 * itemsize
 
 
 def copy_bandwidth(bench):
@@ -55,7 +59,7 @@ def copy_bandwidth(bench):
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
+def setup(batch, sq, hq, hkv, d, keys, page, split_counts=(), fp8=False):
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(batch, keys, hkv, d, device="cuda", dtype=torch.bfloat16)
@@ -63,15 +67,19 @@ def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
     lse = torch.empty(batch, hq, sq, device="cuda")
     lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
     table = None
+    scales = {}
+    if fp8:  # e4m3 with scales per (sequence, KV head), as a serving stack quantizes
+        k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+        scales = {n: as_device_array(torch.rand(batch, hkv, device="cuda") + 0.5) for n in ("k_descale", "v_descale")}
     k_cache, v_cache = k, v
     if page:
         pages = keys // page
         perm = torch.randperm(batch * pages, device="cuda")
         table = perm.view(batch, pages).to(torch.int32).contiguous()
-        k_cache = torch.empty(batch * pages, page, hkv, d, device="cuda", dtype=torch.bfloat16)
+        k_cache = torch.empty(batch * pages, page, hkv, d, device="cuda", dtype=k.dtype)
         v_cache = torch.empty_like(k_cache)
-        k_cache[perm] = k.view(batch * pages, page, hkv, d)
-        v_cache[perm] = v.view(batch * pages, page, hkv, d)
+        k_cache.view(torch.uint8)[perm] = k.view(torch.uint8).view(batch * pages, page, hkv, -1)
+        v_cache.view(torch.uint8)[perm] = v.view(torch.uint8).view(batch * pages, page, hkv, -1)
     need = max(fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, keys, num_splits=n)
                for n in (None, *split_counts))
     space = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
@@ -84,7 +92,7 @@ def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
     table_a = as_device_array(table) if table is not None else None
 
     def ours(splits=None):
-        fa4_aot.forward_kvcache(*args, space_a, page_table=table_a, num_splits=splits, stream=stream)
+        fa4_aot.forward_kvcache(*args, space_a, page_table=table_a, num_splits=splits, stream=stream, **scales)
 
     ours.split_counts = split_counts
 
@@ -94,7 +102,7 @@ def setup(batch, sq, hq, hkv, d, keys, page, split_counts=()):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-    return ours, (cudnn if not page else None), (q, k, v, out, qt, kt, vt)
+    return ours, (cudnn if not page and not fp8 else None), (q, k, v, out, qt, kt, vt)
 
 
 def placement_sweep(shapes, trials, bench, cells):
@@ -131,6 +139,7 @@ def main():
                     "beside the policy's (an A/B of the CTAs' starting points)")
     ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the heuristic's")
     ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
+    ap.add_argument("--fp8", action="store_true", help="each shape also with an FP8 (e4m3) cache")
     ap.add_argument("--placement", type=int, default=0, metavar="N",
                     help="a placement sweep: each shape N more times, every buffer made fresh behind an "
                     "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
@@ -162,7 +171,8 @@ def main():
                 ours()
                 ref = cudnn().transpose(1, 2)
                 cell["max_diff_vs_cudnn"] = (keep[3].float() - ref.float()).abs().max().item()
-            cell["ours"].append(nbytes / (bench(ours) * 1e-3))
+            t16 = bench(ours)
+            cell["ours"].append(nbytes / (t16 * 1e-3))
             for n in ours.split_counts:
                 cell.setdefault(f"splits{n}", []).append(nbytes / (bench(lambda: ours(n)) * 1e-3))
             for turn in turns:
@@ -175,6 +185,12 @@ def main():
                 except RuntimeError as e:
                     cell["cudnn_error"] = str(e)[:200]
             del keep
+            if args.fp8:
+                ours8, _, keep = setup(batch, sq, hq, hkv, d, keys, page, fp8=True)
+                t8 = bench(ours8)
+                cell.setdefault("fp8", []).append(kv_bytes(batch, hkv, d, keys, 1) / (t8 * 1e-3))
+                cell.setdefault("fp8_speedup", []).append(t16 / t8)
+                del keep
             torch.cuda.empty_cache()
     if args.placement:
         placement_sweep(shapes, args.placement, bench, cells)
@@ -191,6 +207,11 @@ def main():
             line += f" {statistics.median(o) / statistics.median(c):10.2f}"
         line += "".join(f"  {n} splits: {statistics.median(cell[f'splits{n}']) / 1e12:.2f}" for n in split_counts)
         line += "".join(f"  turn {t}: {statistics.median(cell[f'turn{t}']) / 1e12:.2f}" for t in turns)
+        if "fp8" in cell:
+            f, u = cell["fp8"], cell["fp8_speedup"]
+            line += (f"  fp8: {statistics.median(f) / 1e12:.2f} ({min(f) / 1e12:.2f}-{max(f) / 1e12:.2f}) TB/s "
+                     f"{statistics.median(f) / copy:.2f} x copy, {statistics.median(u):.2f}x bf16 "
+                     f"({min(u):.2f}-{max(u):.2f})")
         if "placed" in cell:
             p = cell["placed"]
             line += (f"  placement: median {statistics.median(p) / 1e12:.2f} min {min(p) / 1e12:.2f} "

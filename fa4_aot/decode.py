@@ -18,6 +18,13 @@ a sync): the kernel clamps each length to the cache (max_cache, or max_pages x p
 and each page number to the pages, so metadata that lies gives wrong numbers at worst
 and is never read out of bounds.
 
+An FP8 cache: k_cache and v_cache of float8_e4m3fn (dtype "e4m3") with q and out bf16 or
+fp16; ``k_descale``, ``v_descale`` float32, (batch, heads_kv) (any strides, 0 included)
+or one value (shape () or (1,)), the cache's dequantization scales (None: 1), as
+flash-attn 3 names them: the attention is that of k_cache * k_descale and v_cache *
+v_descale. The kernels widen the tiles to q's dtype on chip (exact) and apply the scales
+to the scores and to O (docs/design.md, "Decode": FP8 cache).
+
 The key range of each (sequence, KV head) is split over ``num_splits`` CTAs (None:
 fa4_aot.policy.decode_splits, from the shapes alone, so a CUDA graph may be captured);
 with more than one, their partial results go to ``workspace``
@@ -41,7 +48,8 @@ from .launch.checks import (
 )
 from .launch.loader import KernelLibrary
 
-OPTIONAL = ("cache_seqlens", "page_table", "workspace", "sink")  # arrays a call may leave out (None)
+OPTIONAL = ("cache_seqlens", "page_table", "workspace", "sink", "k_descale", "v_descale")  # may be None
+KV_DTYPES = ("e4m3",)  # cache dtypes other than q's (an FP8 cache's variants: kv_dtype)
 WRITTEN = ("out", "lse", "workspace")  # what the launches write (the workspace: the splits' partials)
 
 
@@ -60,12 +68,21 @@ def _check_vector(name: str, t: DeviceArray, shape: tuple) -> None:
 def check_forward_kvcache(arrays: dict) -> dict:
     """Every rule the host can check without the device; returns the launch's sizes."""
     q, k, v, out, lse = (arrays[n] for n in ("q", "k_cache", "v_cache", "out", "lse"))
-    for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
+    for name, t in (("q", q), ("out", out)):
         if t.dtype not in ("bf16", "fp16"):
-            raise DTypeError(f"{name} is {t.dtype}; q, k_cache, v_cache and out must be bf16 or fp16")
-    if len({q.dtype, k.dtype, v.dtype, out.dtype}) != 1:
-        raise DTypeError(f"q, k_cache, v_cache, out must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}, "
-                         f"{out.dtype}")
+            raise DTypeError(f"{name} is {t.dtype}; q and out must be bf16 or fp16")
+    for name, t in (("k_cache", k), ("v_cache", v)):
+        if t.dtype not in ("bf16", "fp16", *KV_DTYPES):
+            raise DTypeError(f"{name} is {t.dtype}; a cache is bf16, fp16 (q's dtype) or {', '.join(KV_DTYPES)}")
+    if q.dtype != out.dtype or k.dtype != v.dtype or k.dtype not in (q.dtype, *KV_DTYPES):
+        raise DTypeError(f"q and out must share one dtype, k_cache and v_cache one dtype, q's or "
+                         f"{', '.join(KV_DTYPES)}; got q {q.dtype}, k_cache {k.dtype}, v_cache {v.dtype}, out {out.dtype}")
+    kv_dtype = "same" if k.dtype == q.dtype else k.dtype
+    for name in ("k_descale", "v_descale"):
+        if name in arrays:
+            if kv_dtype == "same":
+                raise DTypeError(f"{name} dequantizes an FP8 cache; k_cache is {k.dtype}, q's dtype")
+            _check_descale(name, arrays[name], (q.shape[0], k.shape[2]))
     for name, t in (("q", q), ("k_cache", k), ("v_cache", v), ("out", out)):
         check_bshd(name, t)
     b, sq, hq, d = q.shape
@@ -106,9 +123,32 @@ def check_forward_kvcache(arrays: dict) -> dict:
     if hkv > GRID_YZ_MAX or b > GRID_YZ_MAX:
         raise ShapeError(f"heads_kv={hkv} and batch={b} must each be at most {GRID_YZ_MAX} (grid limits)")
     return {"batch": b, "seqlen_q": sq, "heads_q": hq, "heads_kv": hkv, "head_dim": d, "head_dim_v": v.shape[3],
-            "dtype": q.dtype,
+            "dtype": q.dtype, "kv_dtype": kv_dtype,
             "cache_rows": rows, "cache_pages": pages, "max_pages": max_pages, "paged": int(paged),
             "max_seqlen_k": reach}
+
+
+def _check_descale(name: str, t: DeviceArray, shape: tuple) -> None:
+    """A dequantization scale: float32 of ``shape`` (batch, heads_kv), any strides, or one
+    value (shape () or (1,)); 4-byte aligned."""
+    if t.dtype != "fp32":
+        raise DTypeError(f"{name} must be float32; got {t.dtype}")
+    if tuple(t.shape) not in ((), (1,), shape):
+        raise ShapeError(f"{name} {t.shape} must be (batch, heads_kv) = {shape}, or one value (shape () or (1,))")
+    if any(n > 1 and s < 0 for n, s in zip(t.shape, t.strides)):
+        raise LayoutError(f"{name} strides {t.strides} must not be negative")
+    if t.ptr % 4:
+        raise LayoutError(f"{name}'s data pointer {t.ptr:#x} is not 4-byte aligned")
+
+
+def _descale_values(arrays: dict, values: dict, tensors: dict) -> None:
+    """An FP8 call's descale tensors and values (their strides over (batch, heads_kv), and
+    whether given: one not given reads nothing, its address lse's)."""
+    for name in ("k_descale", "v_descale"):
+        t = arrays.get(name)
+        sb, sh = t.strides if t is not None and len(t.shape) == 2 else (0, 0)
+        values.update({f"{name}_sb": sb, f"{name}_sh": sh, f"use_{name}": int(t is not None)})
+        tensors.setdefault(name, tensors["lse"])
 
 
 def check_limits(sizes: dict, limits: dict) -> None:
@@ -196,15 +236,16 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
 
 def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
-                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
-                    stream: int = 0, library: KernelLibrary | None = None) -> None:
+                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None, k_descale=None,
+                    v_descale=None, stream: int = 0, library: KernelLibrary | None = None) -> None:
     """out = softmax(q k^T * scale [+ causal mask]) v and lse, each sequence against its cache.
 
     Layouts and metadata: see the module's docstring. ``workspace``: contiguous device
     memory of ``forward_kvcache_workspace_bytes(...)`` bytes, 256-byte aligned, any
     contents; may be None where that is 0 (one split). ``window_size``, ``softcap``,
     ``learnable_sink``: as ``fa4_aot.forward``'s, each sequence's queries at the end of its
-    cache (key tiles wholly outside the windows are not read). ``stream``: a raw CUstream
+    cache (key tiles wholly outside the windows are not read). ``k_descale``,
+    ``v_descale``: an FP8 cache's scales (the module's docstring). ``stream``: a raw CUstream
     handle. Asynchronous and allocation-free; bad arguments raise a Fa4AotError before
     anything is launched.
     """
@@ -212,16 +253,16 @@ def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace
     _check_splits(num_splits)
     # a repeated call of DeviceArrays on an int stream: its launches again, as packed
     # (the raw API's key by the arrays' ids, pinned by the kept plan: fa4_aot.launch.calls.repeat_key)
-    given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table, learnable_sink)
-                  if a is not None)
-    repeat = repeat_key("decode", given, (workspace is None, page_table is None, learnable_sink is None, causal,
-                                          softmax_scale, num_splits, window_size, softcap,
-                                          policy.DECODE_TURN_STRIDE), stream)
+    given = tuple(a for a in (q, k_cache, v_cache, out, lse, cache_seqlens, workspace, page_table, learnable_sink,
+                              k_descale, v_descale) if a is not None)
+    repeat = repeat_key("decode", given, (workspace is None, page_table is None, learnable_sink is None,
+                                          k_descale is None, v_descale is None, causal, softmax_scale, num_splits,
+                                          window_size, softcap, policy.DECODE_TURN_STRIDE), stream)
     if repeat is not None and library.launch_again(repeat):
         return
     arrays, waits, mods, scale, stream = _read_call(
-        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink), causal, softmax_scale,
-        window_size, softcap, stream)
+        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink, k_descale, v_descale),
+        causal, softmax_scale, window_size, softcap, stream)
     # the decode and its combine are kept as one plan under the arrays' values (and the
     # repeat key's ids): a call with the same ones is launched again as packed
     key = ("decode", *arrays.items(), mods, scale, num_splits, policy.DECODE_TURN_STRIDE, stream)
@@ -243,29 +284,30 @@ class PreparedDecode(NamedTuple):
 
 def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace=None, *, page_table=None,
                     causal: bool = False, softmax_scale: float | None = None, num_splits: int | None = None,
-                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None,
-                    stream: int = 0, library: KernelLibrary | None = None) -> PreparedDecode:
+                    window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None, k_descale=None,
+                    v_descale=None, stream: int = 0, library: KernelLibrary | None = None) -> PreparedDecode:
     """``forward_kvcache``'s every check and its launches packed, not issued: for a caller
     that writes something once the call is known good (fa4_aot.torch's cache append),
     then calls ``.issue()``. A bad argument raises here, before anything is written."""
     library = library or default_library()
     _check_splits(num_splits)
     arrays, waits, mods, scale, stream = _read_call(
-        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink), causal, softmax_scale,
-        window_size, softcap, stream)
+        (q, k_cache, v_cache, out, lse, cache_seqlens, page_table, workspace, learnable_sink, k_descale, v_descale),
+        causal, softmax_scale, window_size, softcap, stream)
     if waits:
         raise DeviceError("prepare_kvcache takes arrays of its stream (no __cuda_array_interface__ of another)")
     return prepare_checked(arrays, mods, scale, num_splits, stream, library)
 
 
-ARRAY_NAMES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table", "workspace", "sink")
+ARRAY_NAMES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table", "workspace", "sink",
+               "k_descale", "v_descale")
 
 
 def _read_call(given: tuple, causal, softmax_scale, window_size, softcap, stream):
     """A decode call's options checked and its arrays (``given`` in ARRAY_NAMES' order)
     read on its stream: (arrays, waits, ScoreMods, scale, stream)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
-    mods = checks.score_mods(causal, window_size, softcap, given[-1] is not None)
+    mods = checks.score_mods(causal, window_size, softcap, given[ARRAY_NAMES.index("sink")] is not None)
     stream = checks.stream_handle(stream)
     arrays, waits = as_device_arrays({name: x for name, x in zip(ARRAY_NAMES, given)
                                       if x is not None or name not in OPTIONAL}, stream)
@@ -280,7 +322,8 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
-    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], **mods.axes())
+    axes = dict(kind="decode", dtype=sizes["dtype"], head_dim=sizes["head_dim"], kv_dtype=sizes["kv_dtype"],
+                **mods.axes())
     check_built(library.manifest, axes, 1)
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
@@ -304,9 +347,11 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     if full_cache:  # every sequence's whole cache: no lengths read
         tensors["cache_seqlens"] = arrays["lse"].as_launch_tensor()
     tensors.setdefault("page_table", tensors["cache_seqlens"])  # not paged: read by no one
-    values = {**{n: x for n, x in sizes.items() if n != "dtype"}, "scale_log2": scale * LOG2E, "splits": splits,
+    values = {**{n: x for n, x in sizes.items() if n not in ("dtype", "kv_dtype")}, "scale_log2": scale * LOG2E, "splits": splits,
               "turn_stride": policy.DECODE_TURN_STRIDE, "full_cache": int(full_cache)}
     mods.add_launch_values(values, tensors, scale, LOG2E)
+    if sizes["kv_dtype"] != "same":
+        _descale_values(arrays, values, tensors)
     # the combine found, and both packed, before anything is launched: a call refused
     # after the decode ran would have kept a plan of the decode alone for its repeats
     then = ()

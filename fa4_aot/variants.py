@@ -40,6 +40,9 @@ AXES = {
     "local": {"declared": (False, True), "built": (False, True)},
     # scores capped as cap * tanh(s / cap) (the cap at run time)
     "softcap": {"declared": (False, True), "built": (False, True)},
+    # the KV cache's element type: q's ("same") or FP8 e4m3 with fp32 dequantization scales
+    # per (sequence, KV head), widened to q's dtype on chip (decode only)
+    "kv_dtype": {"declared": ("same", "e4m3"), "built": ("same", "e4m3")},
 }
 # What a call may give beyond an axis's built values, printed by `fa4-aot list --all`.
 AXIS_NOTES = {
@@ -59,10 +62,11 @@ KINDS = {
 }
 # Per kind, the axes whose built values differ from AXES.
 KIND_AXES = {
-    "fwd": {"deterministic": (False,)},
+    "fwd": {"deterministic": (False,), "kv_dtype": ("same",)},
+    "bwd": {"kv_dtype": ("same",)},
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
-                "local": (False,), "softcap": (False,)},
+                "local": (False,), "softcap": (False,), "kv_dtype": ("same",)},
 }
 
 NOT_BUILT_REASONS = {
@@ -85,6 +89,10 @@ NOT_BUILT_REASONS = {
     "kind=combine,varlen=True": "the combine merges rows whatever the layout was",
     "kind=combine,deterministic=True": "the combine sums the splits in order: deterministic already",
     "kind=combine,q_tiles=2": "the combine has no query tiles",
+    "kind=fwd,kv_dtype=e4m3": "an FP8 KV cache is decode's (serving reads the cache for every token; "
+    "prefill and training read K and V in q's dtype)",
+    "kind=bwd,kv_dtype=e4m3": "an FP8 KV cache is decode's: there is no backward through a cache",
+    "kind=combine,kv_dtype=e4m3": "the combine merges fp32 partials whatever the cache held",
     # the backward's q_tiles: query tiles per step, where a variant has both kernels
     "kind=bwd,causal=False,q_tiles=2": "not causal, head_dim 64 steps over two query tiles already (q_tiles 1)",
     "kind=bwd,deterministic=True,q_tiles=2": "deterministic, head_dim 64 steps over two query tiles already "
@@ -113,6 +121,7 @@ class Variant:
     q_tiles: int = 1
     local: bool = False  # sliding window and sinks (run-time values)
     softcap: bool = False  # cap * tanh(s / cap) on the scores
+    kv_dtype: str = "same"  # decode's cache: q's dtype, or "e4m3" (FP8, dequantization scales at run time)
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -137,6 +146,8 @@ class Variant:
             parts.append("local")
         if self.softcap:
             parts.append("softcap")
+        if self.kv_dtype != "same":
+            parts.append(f"kv_{self.kv_dtype}")
         return ".".join(parts)
 
     @property
@@ -197,11 +208,12 @@ def _build_matrix() -> tuple[Variant, ...]:
                 for head_dim in built_values(kind, "head_dim"):
                     for causal, varlen in itertools.product(built_values(kind, "causal"),
                                                             built_values(kind, "varlen")):
-                        for det, q_tiles, local, softcap in itertools.product(
+                        for det, q_tiles, local, softcap, kv_dtype in itertools.product(
                                 built_values(kind, "deterministic"), built_values(kind, "q_tiles"),
-                                built_values(kind, "local"), built_values(kind, "softcap")):
+                                built_values(kind, "local"), built_values(kind, "softcap"),
+                                built_values(kind, "kv_dtype")):
                             v = Variant(kind, arch, dtype, head_dim, causal, varlen=varlen, deterministic=det,
-                                        q_tiles=q_tiles, local=local, softcap=softcap)
+                                        q_tiles=q_tiles, local=local, softcap=softcap, kv_dtype=kv_dtype)
                             if not any(matches(v, key) for key in NOT_BUILT_REASONS):
                                 out.append(v)
     return tuple(sorted(out))

@@ -198,7 +198,8 @@ def check_attention(out, lse, q, k, v, causal, scale=None, what="", **mods):
     # twin's would both often round to it exactly, and the per-row ratio would compare
     # one-ulp flips (docs/design.md, Tolerances)
     ref, lse32 = attention_ref(q.float(), k.float(), v.float(), causal, scale, upcast=True, **mods)
-    low, _ = attention_ref(q, k, v, causal, scale, upcast=False, **mods)
+    # the twin in q's dtype (an FP8 cache's dequantized float32 K and V rounded to it)
+    low, _ = attention_ref(q, k.to(q.dtype), v.to(q.dtype), causal, scale, upcast=False, **mods)
     _, lse64 = attention_ref(q.double(), k.double(), v.double(), causal,
                              scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]), upcast=False,
                              **{n: (m.double() if n == "sink" and m is not None else m) for n, m in mods.items()})

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from ..errors import DeviceError, DTypeError, LayoutError, ShapeError
 
-ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4}  # u8: workspaces; i32: sequence lengths
+# u8: workspaces; i32: sequence lengths; e4m3: FP8 KV caches (float8_e4m3fn)
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "u8": 1, "i32": 4, "e4m3": 1}
 
 
 _EXACT_INT = frozenset({int})
@@ -31,7 +32,7 @@ class DeviceArray:
     ptr: int  # device address of element [0, 0, ...]
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in elements
-    dtype: str  # "bf16", "fp16", "fp32" or "u8"
+    dtype: str  # a name of ITEMSIZE
     # The CUDA device ordinal, where the array's producer says it (torch, DLPack); None:
     # fa4_aot.launch.checks.device_of asks the driver about the pointer.
     device: int | None = None
@@ -141,7 +142,8 @@ class _DLTensor(ctypes.Structure):
 
 
 _DL_CUDA, _DL_CUDA_MANAGED = 2, 13
-_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16", (1, 8): "u8", (0, 32): "i32"}  # kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4
+# kDLInt=0, kDLUInt=1, kDLFloat=2, kDLBfloat=4, kDLFloat8_e4m3fn=10 (DLPack 1.1)
+_DL_TYPES = {(2, 16): "fp16", (2, 32): "fp32", (4, 16): "bf16", (1, 8): "u8", (0, 32): "i32", (10, 8): "e4m3"}
 
 
 def _from_dlpack(obj, stream: int | None = None) -> DeviceArray:

@@ -16,6 +16,7 @@ DATA_TYPES = {
     "bf16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     "fp16": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
     "fp32": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+    "e4m3": cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,  # TMA moves bytes: FP8 as uint8
 }
 SWIZZLE = {
     "NONE": cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,

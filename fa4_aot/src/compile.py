@@ -38,13 +38,15 @@ SWIZZLE_BYTES = {0: "NONE", 1: "32B", 2: "64B", 3: "128B"}
 # the user-facing (b, s, h, d) layout.
 COORD_AXES = ("s", "d", "h", "b")
 FP32_TENSORS = {"dq_accum": "fp32"}  # TMA tensors whose dtype is not the variant's
+KV_DTYPES = {"e4m3": cutlass.Float8E4M3FN}  # a decode variant's cache dtype other than q's
+KV_TENSORS = ("k_cache", "v_cache")
 _GBASIS = re.compile(r'tma_gbasis = <"\(([^)]*)\):\(([^)]*)\)">')
 
 
 def _fake_bshd(dtype, head_dim: int):
     """(b, s, h, d) with any 16-byte-aligned strides and a contiguous last dim."""
     dims = [cute.sym_int() for _ in range(3)]
-    strides = [cute.sym_int64(divisibility=8) for _ in range(3)]
+    strides = [cute.sym_int64(divisibility=128 // dtype.width) for _ in range(3)]
     return make_fake_tensor(
         dtype, (*dims, head_dim), stride=(*strides, 1), assumed_align=16
     )
@@ -131,10 +133,13 @@ def _launch(cubin: bytes, ptx: str, symbol: str, params: list[dict], block, grid
 
 
 def _recipes(kernel, variant: Variant) -> dict:
-    return {
-        name: tensormap_recipe(name, atom_type, swizzle, FP32_TENSORS.get(name, variant.dtype))
-        for name, (atom_type, swizzle) in kernel.tma_boxes.items()
-    }
+    def dtype(name):
+        if name in KV_TENSORS and variant.kv_dtype != "same":
+            return variant.kv_dtype
+        return FP32_TENSORS.get(name, variant.dtype)
+
+    return {name: tensormap_recipe(name, atom_type, swizzle, dtype(name))
+            for name, (atom_type, swizzle) in kernel.tma_boxes.items()}
 
 
 def _fake_rows(dtype, rank: int, static_last: int | None = None):
@@ -150,6 +155,8 @@ def _fake(spec: Input, cfg):
     """What the build compiles input ``spec`` against (common/params.Input)."""
     if spec.fake == "io":
         return _fake_bshd(DTYPES[cfg.dtype], cfg.head_dim)
+    if spec.fake == "kv":  # a KV cache: q's dtype, or FP8 where the config's kv_dtype says so
+        return _fake_bshd(KV_DTYPES.get(getattr(cfg, "kv_dtype", "same"), DTYPES[cfg.dtype]), cfg.head_dim)
     if spec.fake == "Int32":
         return cutlass.Int32(0)
     if spec.fake == "Float32":

@@ -160,7 +160,8 @@ BWD_SINK = Params(
 DECODE_INPUTS = Inputs(
     "DecodeInputs",
     Input("q", "io"),  # (b, s_q, h_q, d)
-    Input("k_cache", "io"), Input("v_cache", "io"),  # (pages, page rows, h_kv, d); (b, max_cache, ...) unpaged
+    # (pages, page rows, h_kv, d); (b, max_cache, ...) unpaged; of q's dtype, or e4m3 where fp8
+    Input("k_cache", "kv"), Input("v_cache", "kv"),
     Input("out", "io"),
     Input("lse", "f32", 3),  # (b, h_q, s_q)
     Input("o_partial", "f32", 5),  # workspace (splits, b, s_q, h_q, d)
@@ -174,6 +175,11 @@ DECODE_INPUTS = Inputs(
     Input("window_left", "Int32", when="local"), Input("window_right", "Int32", when="local"),
     Input("sink", "f32", 1, when="local"), Input("use_sink", "Int32", when="local"),
     Input("softcap_scale", "Float32", when="softcap"),
+    # fp8: the cache's dequantization scales, fp32 (b, h_kv) read at [b * sb + h * sh]
+    # (a scalar: strides 0), each read where use_ (else 1)
+    Input("k_descale", "f32", 2, when="fp8"), Input("v_descale", "f32", 2, when="fp8"),
+    *(Input(n, "Int32", when="fp8") for n in ("k_descale_sb", "k_descale_sh", "use_k_descale",
+                                              "v_descale_sb", "v_descale_sh", "use_v_descale")),
 )
 DECODE = Params(
     "DecodeParams",
@@ -188,6 +194,10 @@ DECODE = Params(
     i32("columns"), i32("columns_v"),  # q's and v's head dims: Q read and O written by hand
     i32("window_left", when="local"), i32("window_right", when="local"), ptr("sink", when="local"),
     i32("use_sink", when="local"), f32("softcap_scale", when="softcap"),
+    ptr("k_descale", when="fp8"), i32("k_descale_sb", when="fp8"), i32("k_descale_sh", when="fp8"),
+    i32("use_k_descale", when="fp8"),
+    ptr("v_descale", when="fp8"), i32("v_descale_sb", when="fp8"), i32("v_descale_sh", when="fp8"),
+    i32("use_v_descale", when="fp8"),
     inputs=DECODE_INPUTS,
 )
 COMBINE_INPUTS = Inputs(

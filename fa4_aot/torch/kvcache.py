@@ -15,8 +15,25 @@ from ..launch.calls import default_library
 from .tensors import as_device_array, current_stream, repeat_key
 
 
-def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
-    """k, v into the cache at each sequence's end (see decode.py's docstring)."""
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+
+
+def quantized(x, descale, cache_dtype):
+    """x (batch, new, heads_kv, d) as the cache stores it: itself, or for an FP8 cache
+    x / descale (float32 (batch, heads_kv) or one value; None: 1) rounded to nearest,
+    saturated at the format's largest value."""
+    if cache_dtype == x.dtype:
+        return x
+    x = x.float()
+    if descale is not None:
+        x = x / (descale.reshape(descale.shape[0], 1, descale.shape[1], 1) if descale.dim() == 2 else descale)
+    return x.clamp(-FP8_MAX, FP8_MAX).to(cache_dtype)
+
+
+def append(k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale=None, v_descale=None):
+    """k, v into the cache at each sequence's end (see decode.py's docstring), quantized
+    where the cache is FP8."""
+    k, v = quantized(k, k_descale, k_cache.dtype), quantized(v, v_descale, v_cache.dtype)
     batch, new = k.shape[0], k.shape[1]
     positions = cache_seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]  # (b, new)
     if page_table is None:
@@ -33,7 +50,7 @@ def append(k_cache, v_cache, k, v, cache_seqlens, page_table):
 
 
 def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-                      window_size, softcap, learnable_sink):
+                      window_size, softcap, learnable_sink, k_descale=None, v_descale=None):
     """flash_attn_with_kvcache's work once cache_seqlens is a tensor (or None without
     appending: the whole cache): (out, lse). A call whose tensors (pointers, shapes,
     strides, dtypes) and options were launched before appends and repeats the kept
@@ -55,7 +72,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
                             num_splits, library.sm_count(device), library)
     workspace = torch.empty(need, dtype=torch.uint8, device=q.device) if need else None
     stream = current_stream(device)
-    optional = (lengths, page_table, learnable_sink, workspace)
+    optional = (lengths, page_table, learnable_sink, workspace, k_descale, v_descale)
     repeat = repeat_key("kvcache", [t for t in (q, k_cache, v_cache, out, lse, *optional) if t is not None],
                         (*(t is None for t in optional), softmax_scale, causal, num_splits, window_size, softcap,
                          policy.DECODE_TURN_STRIDE, device, stream))
@@ -65,7 +82,7 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
         repeat = None
     if repeat is not None and library.kept(repeat):  # checked when kept: append, then the same launches
         if k is not None:
-            append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+            append(k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
         if library.launch_again(repeat):
             return out, lse
     # every check, and the launches packed, before the cache is written: a refused call
@@ -77,9 +94,11 @@ def attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, soft
                                causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,
                                window_size=window_size, softcap=softcap,
                                learnable_sink=as_device_array(learnable_sink) if learnable_sink is not None else None,
+                               k_descale=as_device_array(k_descale) if k_descale is not None else None,
+                               v_descale=as_device_array(v_descale) if v_descale is not None else None,
                                stream=stream)
     if k is not None:
-        append(k_cache, v_cache, k, v, cache_seqlens, page_table)
+        append(k_cache, v_cache, k, v, cache_seqlens, page_table, k_descale, v_descale)
     prepared.issue(repeat)  # kept under the repeat key (None: not kept)
     return out, lse
 
@@ -95,12 +114,14 @@ def _workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, head_dim_v, r
 
 def check_new(q, k_cache, v_cache, k, v) -> None:
     """The keys and values to append: (batch, seqlen_new, heads_kv, head_dim) each (v's head
-    dim v_cache's), of the cache's dtype and device."""
+    dim v_cache's), of the cache's dtype (an FP8 cache: q's, quantized when appended) and
+    device."""
     for name, t, cache in (("k", k, k_cache), ("v", v, v_cache)):
         want = (q.shape[0], k.shape[1], *cache.shape[2:])
         if tuple(t.shape) != want:
             raise ShapeError(f"{name} {tuple(t.shape)} must be (batch, seqlen_new, heads_kv, head_dim) = {want}")
-        if t.dtype != k_cache.dtype:
-            raise DTypeError(f"{name} is {t.dtype}; it must be the cache's {k_cache.dtype}")
+        dtype = q.dtype if k_cache.dtype == torch.float8_e4m3fn else k_cache.dtype
+        if t.dtype != dtype:
+            raise DTypeError(f"{name} is {t.dtype}; it must be {dtype} (a {k_cache.dtype} cache's)")
         if t.device != k_cache.device:
             raise DeviceError(f"{name} is on {t.device}, the cache on {k_cache.device}")

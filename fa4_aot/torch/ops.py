@@ -65,16 +65,17 @@ fwd_op.register_autograd(_backward, setup_context=setup_context)
 def kvcache_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor | None,
                 v: torch.Tensor | None, cache_seqlens: torch.Tensor, page_table: torch.Tensor | None,
                 softmax_scale: float | None, causal: bool, num_splits: int | None, window_left: int,
-                window_right: int, softcap: float, learnable_sink: torch.Tensor | None
+                window_right: int, softcap: float, learnable_sink: torch.Tensor | None,
+                k_descale: torch.Tensor | None = None, v_descale: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache under torch.compile: appends k, v into the caches (declared
     mutated) and attends; (out, lse)."""
     return attend_with_cache(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits,
-                    (window_left, window_right), softcap, learnable_sink)
+                    (window_left, window_right), softcap, learnable_sink, k_descale, v_descale)
 
 
 @kvcache_op.register_fake
 def _(q, k_cache, v_cache, k, v, cache_seqlens, page_table, softmax_scale, causal, num_splits, window_left,
-      window_right, softcap, learnable_sink):
+      window_right, softcap, learnable_sink, k_descale=None, v_descale=None):
     return (q.new_empty((*q.shape[:3], v_cache.shape[-1])),
             q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))

@@ -9,7 +9,7 @@ from ..errors import DeviceError, DTypeError, ShapeError
 from ..launch.arrays import DeviceArray
 
 DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
-          torch.int32: "i32"}
+          torch.int32: "i32", torch.float8_e4m3fn: "e4m3"}
 KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v may be
 
 
@@ -22,7 +22,7 @@ def as_device_array(t: torch.Tensor) -> DeviceArray:
     if device.type != "cuda":
         raise DeviceError(f"tensor is on {device}; move it to a CUDA device")
     if t.dtype not in DTYPES:
-        raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16, fp32, uint8 or int32")
+        raise DTypeError(f"tensor dtype {t.dtype} is not bf16, fp16, fp32, uint8, int32 or float8_e4m3fn")
     # the device torch knows: fa4_aot then asks the driver nothing about the pointer
     return DeviceArray(t.data_ptr(), tuple(t.shape), tuple(t.stride()), DTYPES[t.dtype], device.index)
 
@@ -92,4 +92,4 @@ def check_on_gpu(named: dict) -> None:
         if t.device.type != "cuda":
             raise DeviceError(f"{name} is on {t.device}; move it to a CUDA device")
         if t.dtype not in DTYPES:
-            raise DTypeError(f"{name} is {t.dtype}, not bf16, fp16, fp32, uint8 or int32")
+            raise DTypeError(f"{name} is {t.dtype}, not bf16, fp16, fp32, uint8, int32 or float8_e4m3fn")

@@ -214,7 +214,7 @@ def test_a_split_call_is_kept_as_one_plan_under_its_values_and_ids(built):
     given = tuple(a[n] for n in ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "workspace"))
     (alias, pinned), = aliases
     assert pinned == given
-    assert alias == repeat_key("decode", given, (False, True, True, False, None, 2, (-1, -1), 0.0,
+    assert alias == repeat_key("decode", given, (False, True, True, True, True, False, None, 2, (-1, -1), 0.0,
                                                  policy.DECODE_TURN_STRIDE), 0)
 
 

@@ -30,7 +30,8 @@ def test_matrix_is_the_product_of_the_built_axes():
     assert len(MATRIX) == len(set(MATRIX)) == len({v.name for v in MATRIX})
     for axis, spec in AXES.items():
         assert {getattr(v, axis) for v in MATRIX} == set(spec["built"]), axis
-    axes = ("arch", "dtype", "head_dim", "causal", "varlen", "deterministic", "q_tiles", "local", "softcap")
+    axes = ("arch", "dtype", "head_dim", "causal", "varlen", "deterministic", "q_tiles", "local", "softcap",
+            "kv_dtype")
     for kind in AXES["kind"]["built"]:
         mine = [v for v in MATRIX if v.kind == kind]
         for axis in axes:

@@ -155,7 +155,7 @@ def varlen_backward_cases():
 
 
 def decode_cases():
-    """Decode of every variant, contiguous and paged (pages of 48 keys: pieces of 16), one
+    """Decode of every variant (an FP8 cache's with scales), contiguous and paged (pages of 48 keys: pieces of 16), one
     split and three (the combine), one row tile per KV head and two (4 query heads x 5
     tokens = 20 rows; 8 x 16 = 128), with metadata that lies: cache lengths negative and
     past the cache, page numbers negative and past the pages."""
@@ -164,8 +164,10 @@ def decode_cases():
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
     for v in (v for v in MATRIX if v.kind == "decode"):
         dtype, d = DTYPES[v.dtype], v.head_dim
-        k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
-        pk, pv = (torch.randn(7, 48, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        cache = torch.float8_e4m3fn if v.kv_dtype == "e4m3" else dtype  # FP8: with scales per (sequence, head)
+        k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=dtype).to(cache) for _ in range(2))
+        pk, pv = (torch.randn(7, 48, 2, d, device="cuda", dtype=dtype).to(cache) for _ in range(2))
+        scales = {n: torch.rand(3, 2, device="cuda") for n in ("k_descale", "v_descale")} if cache != dtype else {}
         table = as_i32([[0, 1, 2, 3], [-4, 6, 2**30, 5], [6, 5, 4, 3]])
         for tokens, heads_q in ((5, 8), (16, 16)):
             q = torch.randn(3, tokens, heads_q, d, device="cuda", dtype=dtype)
@@ -173,9 +175,9 @@ def decode_cases():
             for lengths in ([0, 1, 200], [-7, 2**30, 150]):
                 for splits in (1, 3):
                     flash_attn_with_kvcache(q, k, val, cache_seqlens=as_i32(lengths), causal=v.causal,
-                                            num_splits=splits, **mods)
+                                            num_splits=splits, **mods, **scales)
                     flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
-                                            causal=v.causal, num_splits=splits, **mods)
+                                            causal=v.causal, num_splits=splits, **mods, **scales)
 
 
 if __name__ == "__main__":

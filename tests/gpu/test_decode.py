@@ -12,7 +12,8 @@ from fa4_aot.variants import MATRIX
 
 from ..reference import check_attention
 
-DECODE = [v for v in MATRIX if v.kind == "decode" and not v.local]  # local: test_local.py
+# local: test_local.py; an FP8 cache: test_fp8_cache.py
+DECODE = [v for v in MATRIX if v.kind == "decode" and not v.local and v.kv_dtype == "same"]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 # (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None), each with its edge

@@ -45,11 +45,11 @@ FWD = _sarm(v for v in MATRIX if v.kind == "fwd" and not v.varlen and not v.loca
 BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and not v.varlen and not v.local and v.dtype == "bf16")
 VARLEN = _sarm(v for v in MATRIX if v.kind == "fwd" and v.varlen and not v.local and v.dtype == "bf16")
 VARLEN_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.varlen and not v.local and v.dtype == "bf16")
-DECODE = _sarm(v for v in MATRIX if v.kind == "decode" and not v.local)
+DECODE = _sarm(v for v in MATRIX if v.kind == "decode" and not v.local and v.kv_dtype == "same")
 LOCAL = _sarm(v for v in MATRIX if v.kind == "fwd" and v.local and not v.varlen and v.dtype == "bf16")
 LOCAL_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.local and not v.varlen and v.dtype == "bf16"
                   and not v.deterministic)
-DECODE_LOCAL = _sarm(v for v in MATRIX if v.kind == "decode" and v.local and v.dtype == "bf16")
+DECODE_LOCAL = _sarm(v for v in MATRIX if v.kind == "decode" and v.local and v.dtype == "bf16" and v.kv_dtype == "same")
 
 SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
     (1, 1, 1, 2, 2),  # one token: a single, mostly padded tile

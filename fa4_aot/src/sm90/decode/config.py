@@ -24,6 +24,12 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K 
 # compute (tile_n, stages, CTAs per SM, consumer registers: (40 + 120) x 128 = 80 a thread
 # of 256) (docs/design.md, "Local attention, sinks, softcap": windowed decode).
 LOCAL_NARROW = {64: (64, 2, 3, 120)}
+# An FP8 (e4m3) cache: TMA brings e4m3 tiles (half the bytes of a 16-bit one), a third
+# warpgroup widens each into one 16-bit K and one V buffer that the consumer's wgmmas read
+# (docs/design.md, "Decode": FP8 cache). (tile_n, e4m3 stages) per head dim: the stages
+# take what 227 KB leaves beside the Q tile and the two 16-bit buffers (96-128 KB in flight).
+TILES_E4M3 = {64: (128, 6), 96: (128, 5), 128: (128, 4), 192: (64, 5), 256: (64, 3)}
+WIDENER_REGS = 56
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
 MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
 MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
@@ -44,6 +50,8 @@ class DecodeConfig:
     local: bool = False  # a sliding window (left, right at run time) and sinks
     softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
     ctas_per_sm: int = 1  # the launch's min_blocks_per_mp
+    kv_dtype: str = "same"  # "e4m3": an FP8 cache, widened on chip by a third warpgroup
+    widener_regs: int = 0
 
     @classmethod
     def of(cls, variant) -> "DecodeConfig":
@@ -51,11 +59,19 @@ class DecodeConfig:
         assert variant.kind == "decode" and variant.arch == "sm90a", variant
         tile_n, stages = TILES[variant.head_dim]
         ctas, consumer_regs = 1, CONSUMER_REGS
-        if variant.local and variant.head_dim in LOCAL_NARROW:
+        fp8 = variant.kv_dtype == "e4m3"
+        if fp8:
+            tile_n, stages = TILES_E4M3[variant.head_dim]
+        elif variant.local and variant.head_dim in LOCAL_NARROW:
             tile_n, stages, ctas, consumer_regs = LOCAL_NARROW[variant.head_dim]
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
-                   tile_n=tile_n, stages=stages, threads=2 * WARPGROUP, producer_regs=PRODUCER_REGS,
-                   consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas)
+                   tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=PRODUCER_REGS,
+                   consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
+                   kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0)
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_dtype == "e4m3"
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -26,6 +26,13 @@ first token's window, so pages wholly outside the windows are not read and the s
 divide the window's tiles only; every key tile is masked (the window's both edges); the
 sink joins split 0's rows' denominators (the combine's merge by LSE then counts it once).
 
+An FP8 (e4m3) cache (``cfg.fp8``): TMA loads e4m3 tiles (half the bytes); a third
+warpgroup between the producer and the consumer widens each K and V tile into a 16-bit
+buffer of q's dtype (sm90/widen.py: exact) that the consumer's wgmmas read, one buffer
+each for K and V (so K of the next tile is widened while the consumer reads V). The
+dequantization scales (per sequence and KV head, run-time tensors) multiply the scores'
+scale and O's normalization (docs/design.md, "Decode": FP8 cache).
+
 Without cache_seqlens (``full_cache``: the dense API's decode shapes, docs/design.md,
 "Run-time selection policy") every sequence's keys are its whole cache.
 
@@ -51,6 +58,7 @@ from ..primitives import (
 )
 from ..mask import Window
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
+from ..widen import widen_tile
 from ...common import symbols
 from ...common.params import Tma
 from ...interfaces import DECODE, DECODE_INPUTS
@@ -76,35 +84,55 @@ class DecodeSm90:
         assert cfg.tile_m == 64 and cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        self.kv_type = cutlass.Float8E4M3FN if cfg.fp8 else self.dtype  # the cache's element type
+        # the wgmmas' operands: q's dtype, or fp16 for an FP8 cache (e4m3 widens to fp16 in one
+        # conversion per pair; docs/design.md, "Decode": FP8 cache)
+        self.mma_type = cutlass.Float16 if cfg.fp8 else self.dtype
         self.tma_boxes = {}
         self.smem_bytes = None
 
-    def _storage(self, sq, skv):
-        dtype, stages = self.dtype, self.cfg.stages
+    def _storage(self, sq, skv, skw):
+        dtype, kv_type, stages = self.mma_type, self.kv_type, self.cfg.stages
 
         @cute.struct
         class Storage:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             sQ: smem_buffer(sq, dtype)  # (64, d) packed rows
-            sK: smem_buffer(skv, dtype)  # (tile_n, d, stages)
-            sV: smem_buffer(skv, dtype)
+            sK: smem_buffer(skv, kv_type)  # (tile_n, d, stages)
+            sV: smem_buffer(skv, kv_type)
 
-        return Storage
+        if const_expr(not self.cfg.fp8):
+            return Storage
+
+        @cute.struct
+        class WideStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_kw: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_vw: cute.struct.MemRange[cutlass.Int64, 2]
+            sQ: smem_buffer(sq, dtype)
+            sK: smem_buffer(skv, kv_type)  # e4m3 (tile_n, d, stages)
+            sV: smem_buffer(skv, kv_type)
+            sKw: smem_buffer(skw, dtype)  # widened: (tile_n, d, 1)
+            sVw: smem_buffer(skw, dtype)
+
+        return WideStorage
 
     @cute.jit
     def __call__(self, x: DECODE_INPUTS.tuple_type):
         """One launch (interfaces.DECODE): a CTA per (row tile x split, KV head, batch)."""
         k, v = sdhb(x.k_cache), sdhb(x.v_cache)
-        sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim)
-        skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
+        sq = smem_layout(self.mma_type, self.cfg.tile_m, self.cfg.head_dim)
+        skv = smem_layout(self.kv_type, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
+        skw = smem_layout(self.mma_type, self.cfg.tile_n, self.cfg.head_dim, 1) if const_expr(self.cfg.fp8) else skv
         skv_one = cute.select(skv, mode=[0, 1])
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, skv_one, (self.cfg.tile_n, self.cfg.head_dim)))
                for name, t in (("k_cache", k), ("v_cache", v))}
         self.tma_boxes = {name: (str(t.atom.type), str(skv_one.inner)) for name, t in tma.items()}
-        self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
-        self.storage = self._storage(sq, skv)
+        self.kv_bytes = cute.size_in_bytes(self.kv_type, skv_one)
+        self.storage = self._storage(sq, skv, skw)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
         m_tiles = cute.ceil_div(x.heads_q // k.shape[2] * x.seqlen_q, self.cfg.tile_m)
         grid = (m_tiles * x.splits, k.shape[2], x.batch)
@@ -112,12 +140,13 @@ class DecodeSm90:
         # between the warpgroups within that); the carveout named so that the DSL asks no
         # device (the driver picks one that fits the CTAs)
         occupancy = {} if self.cfg.ctas_per_sm == 1 else {"preferred_smem_carveout": 100}
-        self.kernel(DECODE.bind(self.cfg, x, tma), sq, skv).launch(
+        self.kernel(DECODE.bind(self.cfg, x, tma), sq, skv, skw).launch(
             grid=grid, block=[self.cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=self.cfg.ctas_per_sm,
             **occupancy)
 
     @cute.kernel
-    def kernel(self, p: DECODE.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+    def kernel(self, p: DECODE.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
+               skw_layout: cute.ComposedLayout):
         """One (row tile x split, KV head, sequence). ``p``: interfaces.DECODE; the cache's
         TMA coordinates (page rows, d, h_kv, pages); Q, O (b, s_q, h_q, d) by address and
         strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
@@ -136,6 +165,14 @@ class DecodeSm90:
             cpasync.prefetch_descriptor(tma_v)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_k, pipe_v = [tma_pipeline(bar, cfg.stages, 1, self.kv_bytes) for bar in (storage.mbar_k, storage.mbar_v)]
+        wide = None  # fp8: the widened buffers and their pipelines (the widener's to the consumer's)
+        if const_expr(cfg.fp8):
+            every = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
+            wide = ((storage.sKw.get_tensor(skw_layout.outer, swizzle=skw_layout.inner),
+                     storage.sVw.get_tensor(skw_layout.outer, swizzle=skw_layout.inner)),
+                    tuple(pipeline.PipelineAsync.create(num_stages=1, producer_group=every, consumer_group=every,
+                                                        barrier_storage=bar.data_ptr(), defer_sync=True)
+                          for bar in (storage.mbar_kw, storage.mbar_vw)))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
@@ -172,17 +209,78 @@ class DecodeSm90:
                 self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
                           turn)
         else:
-            # ---------------- consumer warpgroup: Q, MMA, softmax, epilogue ----------------
-            cute.arch.setmaxregister_increase(cfg.consumer_regs)
-            ctidx = tidx - WARPGROUP
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
-            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
-            softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
-            acc_o, softmax = self.attend(ctidx, (sQ, sK, sV), (pipe_k, pipe_v), place, seqlen_k, n_begin, n_end,
-                                         turn, scale_log2, (window, softcap_scale))
-            out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch)
-            sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
-            self.epilogue(ctidx, acc_o, softmax, place, out, sinks)
+            consume = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
+            if const_expr(cfg.fp8):
+                if warp < 8:
+                    # ---------------- widener warpgroup: e4m3 tiles -> 16-bit buffers ----------------
+                    cute.arch.setmaxregister_decrease(cfg.widener_regs)
+                    self.widen(tidx - WARPGROUP, (sK, sV), wide, (pipe_k, pipe_v), n_end - n_begin)
+                else:
+                    self.consume(tidx - 2 * WARPGROUP, sQ, wide[0], wide[1], consume)
+            else:
+                self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume)
+
+    @cute.jit
+    def consume(self, ctidx, sQ, kv, pipes, consume):
+        """The consumer warpgroup (its thread ``ctidx``): Q, then per key tile MMA and
+        softmax from ``kv`` (sK, sV) as ``pipes`` fill them, then the epilogue."""
+        cfg = self.cfg
+        p, place, split, seqlen_k, n_begin, n_end, turn, window = consume
+        (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
+        cute.arch.setmaxregister_increase(cfg.consumer_regs)
+        b, head_kv = place[0], place[1]
+        self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
+        scale_log2 = p.scale_log2
+        softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
+        v_scale = None
+        if const_expr(cfg.fp8):  # the scores' scale times K's, O's normalization times V's
+            k_scale = self._descale(p.k_descale, p.k_descale_sb, p.k_descale_sh, p.use_k_descale, b, head_kv)
+            v_scale = self._descale(p.v_descale, p.v_descale_sb, p.v_descale_sh, p.use_v_descale, b, head_kv)
+            if const_expr(cfg.softcap):
+                softcap_scale = softcap_scale * k_scale
+            else:
+                scale_log2 = scale_log2 * k_scale
+        acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2,
+                                     (window, softcap_scale))
+        out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
+        sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
+        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale)
+
+    @cute.jit
+    def _descale(self, ptr, sb, sh, use, b, head_kv):
+        """A dequantization scale of (sequence b, KV head): ptr[b * sb + head_kv * sh], or 1."""
+        value = Float32(1.0)
+        if use != 0:
+            at = (Int64(b) * sb + Int64(head_kv) * sh) * 4
+            value = cute.make_tensor(cute.make_ptr(Float32, ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=4),
+                                     cute.make_layout(1))[0]
+        return value
+
+    @cute.jit
+    def widen(self, tidx, narrow, wide, pipes, steps):
+        """The widener warpgroup (its thread ``tidx``): each key tile's e4m3 K, then V, as
+        TMA fills their stages, into the 16-bit buffer the consumer reads once it has
+        released the tile before (one buffer each: K of a tile is widened while the
+        consumer reads the V before it)."""
+        (sK, sV), ((sKw, sVw), (pipe_kw, pipe_vw)) = narrow, wide
+        pipe_k, pipe_v = pipes
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
+        wstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        for _ in cutlass.range(steps, unroll=1):
+            self._widen_stage(tidx, pipe_k, sK, pipe_kw, sKw, state, wstate)
+            self._widen_stage(tidx, pipe_v, sV, pipe_vw, sVw, state, wstate)
+            state.advance()
+            wstate.advance()
+
+    @cute.jit
+    def _widen_stage(self, tidx, pipe, src, pipe_w, dst, state, wstate):
+        pipe.consumer_wait(state)
+        pipe_w.producer_acquire(wstate)
+        widen_tile(tidx, src[None, None, state.index], dst[None, None, 0], WARPGROUP)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the writes, visible to the wgmma
+        pipe_w.producer_commit(wstate)
+        pipe.consumer_release(state)
 
     @cute.jit
     def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k, window=None):
@@ -283,6 +381,10 @@ class DecodeSm90:
                 at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
                 src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
                 cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
+            if const_expr(self.mma_type is not self.dtype):  # bf16 q for fp16 wgmmas (an FP8 cache)
+                wide = cute.make_rmem_tensor((vec,), self.mma_type)
+                wide.store(values.load().to(self.mma_type))
+                values = wide
             cute.autovec_copy(values, cute.local_tile(sQ[r, None], (vec,), (part,)))
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
@@ -297,8 +399,8 @@ class DecodeSm90:
         cfg = self.cfg
         pipe_k, pipe_v = pipes
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
-        mma_qk = tiled_mma(self.dtype, "K", "K", (1, 1, 1), cfg.tile_n)
-        mma_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True)
+        mma_qk = tiled_mma(self.mma_type, "K", "K", (1, 1, 1), cfg.tile_n)
+        mma_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
@@ -330,7 +432,8 @@ class DecodeSm90:
         if const_expr(cfg.causal):
             lowest = cutlass.min(seqlen_k, seqlen_k - seqlen_q + first_row // group + 1)
         softmax_step = softmax.step
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        # fp8: the widened buffers' one stage
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1 if const_expr(cfg.fp8) else cfg.stages)
         steps = n_end - n_begin
         for i in cutlass.range(steps, unroll=1):
             n_block = _key_tile(i, n_end, steps, turn)
@@ -356,7 +459,7 @@ class DecodeSm90:
                             s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
             softmax_step(acc_s, row_scale)
             rescale_rows(acc_o, row_scale)
-            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
             pipe_v.consumer_wait(state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
             pipe_v.consumer_release(state)
@@ -364,19 +467,20 @@ class DecodeSm90:
         return acc_o, softmax
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None):
+    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
         packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
         columns per store. ``sinks``
-        (local): the sinks' address and use_sink; split 0 counts each row's head's sink."""
+        (local): the sinks' address and use_sink; split 0 counts each row's head's sink.
+        ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE)."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         o_ptr, o_sb, o_ss, o_sh, columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
         nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         inv_sum = cute.make_rmem_tensor((nrows,), Float32)
         lse = cute.make_rmem_tensor((nrows,), Float32)
-        thr_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True).get_slice(tidx)
+        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True).get_slice(tidx)
         coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
         sink_log2 = None
         if const_expr(sinks is not None):
@@ -389,6 +493,9 @@ class DecodeSm90:
                         head = head_kv * group + (first_row + coords[r, 0][0]) % group
                         sink_log2[r] = cute.make_tensor(sink_ptr, cute.make_layout(heads_q))[head] * Float32(LOG2E)
         softmax.finalize(inv_sum, lse, sink_log2)
+        if const_expr(v_scale is not None):
+            for r in cutlass.range_constexpr(nrows):
+                inv_sum[r] = inv_sum[r] * v_scale
         scale_rows(acc_o, inv_sum)
         o = acc_as_rows_cols(acc_o)
         ncols = cute.size(o, mode=[1])
