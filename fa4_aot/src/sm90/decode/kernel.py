@@ -152,10 +152,8 @@ class DecodeSm90:
         strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
         (splits, b, h_q, s_q) fp32, contiguous; cache_seqlens (b,), page_table (b, max_pages)."""
         (tma_k, gK), (tma_v, gV) = p.k_cache, p.v_cache
-        (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
-        lse_ptr, o_part_ptr, lse_part_ptr, seqlens_ptr, page_table_ptr = (p.lse, p.o_partial, p.lse_partial,
-                                                                          p.cache_seqlens, p.page_table)
-        scale_log2, batch, seqlen_q, heads_q, splits = p.scale_log2, p.batch, p.seqlen_q, p.heads_q, p.splits
+        seqlens_ptr, page_table_ptr = p.cache_seqlens, p.page_table
+        batch, seqlen_q, heads_q, splits = p.batch, p.seqlen_q, p.heads_q, p.splits
         max_pages, piece_rows, paged, turn_stride = p.max_pages, p.piece_rows, p.paged, p.turn_stride
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
