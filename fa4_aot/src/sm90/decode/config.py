@@ -29,7 +29,9 @@ LOCAL_NARROW = {64: (64, 2, 3, 120)}
 # (docs/design.md, "Decode": FP8 cache). (tile_n, e4m3 stages) per head dim: the stages
 # take what 227 KB leaves beside the Q tile and the two 16-bit buffers (96-128 KB in flight).
 TILES_E4M3 = {64: (128, 6), 96: (128, 5), 128: (128, 4), 192: (64, 5), 256: (64, 3)}
-WIDENER_REGS = 56
+# the widener's registers: at 56 it spilled addresses and loaded one 16-byte chunk at a time
+# (2.29-2.71 TB/s of FP8 bytes); at 96, 2.51-2.96 (docs/design.md, "FP8 cache")
+WIDENER_REGS = 96
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
 MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
 MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
