@@ -327,3 +327,73 @@ def test_no_decode_shape_has_more_query_tokens_than_the_callers_ask_for():
         for sq in range(most + 1, most + 200):
             for batch, sms in ((1, None), (1, 132), (64, 132)):
                 assert not policy.dense_decode(batch, sq, group * 2, 2, 1 << 20, sms), (group, sq, batch, sms)
+
+
+# ------------------------------------------------------------------ an FP8 cache
+def fp8(paged=False, **over):
+    """arrays() with e4m3 caches."""
+    cache = (40, 64, 8, 128) if paged else (4, 1000, 8, 128)
+    return arrays(paged=paged, **{"k_cache": bshd(*cache, "e4m3"), "v_cache": bshd(*cache, "e4m3"), **over})
+
+
+def scales(shape=(4, 8), dtype="fp32", strides=None, ptr=None):
+    ptr = fresh() if ptr is None else ptr
+    strides = strides if strides is not None else tuple(1 if i == len(shape) - 1 else shape[-1]
+                                                        for i in range(len(shape)))
+    return DeviceArray(ptr, tuple(shape), strides, dtype, 0)
+
+
+@pytest.mark.parametrize("descale", [None, scales(), scales(()), scales((1,)), scales(strides=(0, 0)),
+                                     scales(strides=(1, 4))])
+def test_fp8_caches_with_scales_pass(descale):
+    given = {"k_descale": descale, "v_descale": descale}
+    assert check_forward_kvcache(fp8(**given))["kv_dtype"] == "e4m3"
+    assert check_forward_kvcache(fp8(paged=True, **given))["kv_dtype"] == "e4m3"
+    assert check_forward_kvcache(arrays())["kv_dtype"] == "same"
+
+
+@pytest.mark.parametrize("over, error, message", [
+    ({"v_cache": bshd(4, 1000, 8, 128)}, DTypeError, "one dtype"),  # k e4m3, v bf16
+    ({"q": bshd(4, 1, 32, 128, "e4m3")}, DTypeError, "q and out must be bf16 or fp16"),
+    ({"out": bshd(4, 1, 32, 128, "e4m3")}, DTypeError, "q and out must be bf16 or fp16"),
+    ({"k_descale": scales((4, 9))}, ShapeError, "batch, heads_kv"),
+    ({"v_descale": scales((4,))}, ShapeError, "batch, heads_kv"),
+    ({"k_descale": scales(dtype="fp16")}, DTypeError, "float32"),
+    ({"v_descale": scales(strides=(-8, 1))}, LayoutError, "negative"),
+    ({"k_descale": scales(ptr=BASE + 2)}, LayoutError, "4-byte"),
+])
+def test_fp8_refusals(over, error, message):
+    with pytest.raises(error, match=message):
+        check_forward_kvcache(fp8(**over))
+
+
+def test_scales_for_a_16_bit_cache_are_refused():
+    with pytest.raises(DTypeError, match="FP8"):
+        check_forward_kvcache(arrays(k_descale=scales()))
+
+
+def test_an_fp8_row_must_be_whole_16_byte_units():
+    from fa4_aot.errors import UnsupportedVariantError
+
+    with pytest.raises(UnsupportedVariantError, match="multiples of 16"):
+        check_forward_kvcache(arrays(q=bshd(4, 1, 32, 72), out=bshd(4, 1, 32, 72), k_cache=bshd(4, 1000, 8, 72, "e4m3"),
+                                     v_cache=bshd(4, 1000, 8, 72, "e4m3")))
+
+
+@pytest.mark.parametrize("descale, want", [(None, (0, 0, 0)), (scales(), (8, 1, 1)), (scales(()), (0, 0, 1)),
+                                           (scales(strides=(0, 0)), (0, 0, 1))])
+def test_an_fp8_call_launches_the_fp8_row_with_its_scales(built, descale, want):
+    from fa4_aot.launch.manifest import Manifest
+
+    folder, _ = built
+    library = _FakeLibrary(Manifest(folder))
+    a = fp8()
+    forward_kvcache(a["q"], a["k_cache"], a["v_cache"], a["out"], a["lse"], a["cache_seqlens"], library=library,
+                    num_splits=1, k_descale=descale, v_descale=descale)
+    (row, values, tensors), = library.launches
+    assert row["name"] == "decode.sm90a.bf16.d128.kv_e4m3"
+    assert row["tensormaps"]["k_cache"]["dtype"] == "e4m3"
+    _every_slot_given(row, values, tensors)
+    for name in ("k_descale", "v_descale"):
+        assert (values[f"{name}_sb"], values[f"{name}_sh"], values[f"use_{name}"]) == want
+        assert tensors[name]["ptr"] == (descale.ptr if descale is not None else a["lse"].ptr)
