@@ -26,6 +26,10 @@ interface turns pack_gqa off in the backward; GQA accumulates dK/dV in float32 a
 two postprocess calls, one kernel for both since head_dim == head_dim_v), no batch-lookup
 aid (its interface adds one only above 256 sequences; bench_varlen's largest mix has 256).
 
+``dv`` (same_run_dv.py): head_dim 192 with head_dim_v 128, bf16, MHA, causal and not: the
+forward, and the backward's three kernels (FA4's sm90 backward asserts for GQA when the
+head dims differ), exports named ``..._d192v128...``.
+
 ``decode`` (same_run_decode.py): FA4's sm90 forward against a KV cache, head_dim 128 bf16,
 GQA 32:8 (qhead_per_kvhead 4, pack_gqa), not causal, with seqused_k as the cache lengths:
 dense cache (b, s_k, h_k, d); paged by its page table with TMA (page size == tile_n 128)
@@ -69,15 +73,20 @@ def export(name, fn, *args, kinds):
     print(name, f"{time.time() - t0:.1f}s", spec[name]["tensors"], flush=True)
 
 
-def fwd(d, causal):
-    cfg = _tile_size_fwd_sm90(d, d, causal, False)
-    fa = FlashAttentionForwardSm90(BF16, d, d, 1, is_causal=causal, is_local=False, pack_gqa=False,
+def _dv_tag(d, dv):
+    return "" if dv == d else f"v{dv}"
+
+
+def fwd(d, causal, dv=None):
+    dv = dv or d
+    cfg = _tile_size_fwd_sm90(d, dv, causal, False)
+    fa = FlashAttentionForwardSm90(BF16, d, dv, 1, is_causal=causal, is_local=False, pack_gqa=False,
                                    tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2,
                                    num_threads=(cfg.m_block_size // 64 + 1) * 128, Q_in_regs=False,
                                    intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
     b, s, sk, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
-    q, o = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
-    k, v = fake(BF16, (b, sk, h, d), 8), fake(BF16, (b, sk, h, d), 8)
+    q, o = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, dv), 8)
+    k, v = fake(BF16, (b, sk, h, d), 8), fake(BF16, (b, sk, h, dv), 8)
     lse = fake(Float32, (b, h, s), 1)
 
     @cute.jit
@@ -86,23 +95,25 @@ def fwd(d, causal):
         fa(q, k, v, o, lse, scale, None, None, None, None, None, None, None, None, None,
            AuxData(None, None), None, None, stream)
 
-    export(f"fa4_fwd_d{d}{'_causal' if causal else ''}", entry, q, k, v, o, lse, Float32(0.125),
+    export(f"fa4_fwd_d{d}{_dv_tag(d, dv)}{'_causal' if causal else ''}", entry, q, k, v, o, lse, Float32(0.125),
            cuda.CUstream(0), kinds=["t:q", "t:k", "t:v", "t:o", "t:lse", "f32", "stream"])
 
 
-def bwd(d, causal, det):
-    cfg = _tile_size_bwd_sm90(d, d, causal, False)
-    tag = f"d{d}{'_causal' if causal else ''}{'_det' if det else ''}"
+def bwd(d, causal, det, d_v=None):
+    d_v = d_v or d
+    cfg = _tile_size_bwd_sm90(d, d_v, causal, False)
+    tag = f"d{d}{_dv_tag(d, d_v)}{'_causal' if causal else ''}{'_det' if det else ''}"
     fa = FlashAttentionBackwardSm90(
-        BF16, d, d, 1, causal, is_local=False, deterministic=det, tile_m=cfg.m_block_size,
+        BF16, d, d_v, 1, causal, is_local=False, deterministic=det, tile_m=cfg.m_block_size,
         tile_n=cfg.n_block_size, Q_stage=cfg.num_stages_Q, dO_stage=cfg.num_stages_dO,
         PdS_stage=cfg.num_stages_PdS, SdP_swapAB=cfg.SdP_swapAB, dKV_swapAB=cfg.dKV_swapAB,
         dQ_swapAB=cfg.dQ_swapAB, AtomLayoutMSdP=cfg.AtomLayoutMSdP, AtomLayoutNdKV=cfg.AtomLayoutNdKV,
         AtomLayoutMdQ=cfg.AtomLayoutMdQ, num_threads=(cfg.num_wg + 1) * 128, V_in_regs=False,
         q_subtile_factor=2, dQ_single_wg=cfg.dQ_single_wg)
     b, s, sk, h, sqr, sqdr = [cute.sym_int() for _ in range(6)]
-    q, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
-    k, v, dk, dv = [fake(BF16, (b, sk, h, d), 8) for _ in range(4)]
+    q, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d_v), 8)
+    k, dk = [fake(BF16, (b, sk, h, d), 8) for _ in range(2)]
+    v, dv = [fake(BF16, (b, sk, h, d_v), 8) for _ in range(2)]
     lse2, dpsum = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, sqr), 4)
     dqacc = fake(Float32, (b, h, sqdr), 4)
     kinds = ["t:q", "t:k", "t:v", "t:do", "t:lse2", "t:dpsum", "t:dqacc", "t:dk", "t:dv", "f32"]
@@ -130,23 +141,24 @@ def bwd(d, causal, det):
                cuda.CUstream(0), kinds=kinds + ["stream"])
 
 
-def bwd_rows(d, causal):
+def bwd_rows(d, causal, dv=None):
     """Pre- and postprocess of the (d, causal) config (tile_m and the dQ layout)."""
-    pre_post(_tile_size_bwd_sm90(d, d, causal, False), d)
+    pre_post(_tile_size_bwd_sm90(d, dv or d, causal, False), d, dv=dv)
 
 
-def pre_post(cfg, d, sinks_too=False):
+def pre_post(cfg, d, sinks_too=False, dv=None):
     """The backward's preprocess and dQ postprocess for ``cfg``'s tile_m (fa4_pre_ and
     fa4_post_ d{d}_m{tile_m}); ``sinks_too``: also the dQ postprocess that reduces the
     sinks' gradient (fa4_spost_: one CTA per head, as FA4's interface launches it with
     learnable_sink). Each export skipped where the spec has it."""
-    tag = f"d{d}_m{cfg.m_block_size}"
+    dv = dv or d
+    tag = f"d{d}{_dv_tag(d, dv)}_m{cfg.m_block_size}"
     b, s, h, sqr, sqdr = [cute.sym_int() for _ in range(5)]
     dqacc = fake(Float32, (b, h, sqdr), 4)
     dpsum, lse = fake(Float32, (b, h, sqr), 4), fake(Float32, (b, h, s), 1)
     if f"fa4_pre_{tag}" not in spec:
-        pre = FlashAttentionBackwardPreprocess(BF16, d, d, cfg.m_block_size)
-        o, do = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, d), 8)
+        pre = FlashAttentionBackwardPreprocess(BF16, d, dv, cfg.m_block_size)
+        o, do = fake(BF16, (b, s, h, dv), 8), fake(BF16, (b, s, h, dv), 8)
         lse2 = fake(Float32, (b, h, sqr), 4)
 
         @cute.jit
@@ -486,7 +498,13 @@ if __name__ == "__main__":
     if "decode" in what:
         for paged in (None, "tma", "cpasync"):
             attempt(decode, 128, 4, paged)
+    if "dv" in what:  # head_dim 192 with head_dim_v 128 (DeepSeek V3), MHA (FA4's sm90 backward asserts for GQA)
+        for causal in (False, True):
+            attempt(fwd, 192, causal, 128)
+            attempt(bwd_rows, 192, causal, 128)
+            attempt(bwd, 192, causal, False, 128)
     cfgs = {d: {c: _tile_size_bwd_sm90(d, d, c, False).__dict__ for c in (False, True)} for d in (64, 128, 256)}
+    cfgs["192v128"] = {c: _tile_size_bwd_sm90(192, 128, c, False).__dict__ for c in (False, True)}
     fwd_cfgs = {d: {c: _tile_size_fwd_sm90(d, d, c, False).__dict__ for c in (False, True)} for d in (64, 128, 256)}
     json.dump({"exports": spec, "bwd_cfg": {str(d): {str(c): v for c, v in x.items()} for d, x in cfgs.items()},
                "fwd_cfg": {str(d): {str(c): v for c, v in x.items()} for d, x in fwd_cfgs.items()},
