@@ -301,13 +301,14 @@ def prepare_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace
 
 ARRAY_NAMES = ("q", "k_cache", "v_cache", "out", "lse", "cache_seqlens", "page_table", "workspace", "sink",
                "k_descale", "v_descale")
+SINK_AT = ARRAY_NAMES.index("sink")
 
 
 def _read_call(given: tuple, causal, softmax_scale, window_size, softcap, stream):
     """A decode call's options checked and its arrays (``given`` in ARRAY_NAMES' order)
     read on its stream: (arrays, waits, ScoreMods, scale, stream)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
-    mods = checks.score_mods(causal, window_size, softcap, given[ARRAY_NAMES.index("sink")] is not None)
+    mods = checks.score_mods(causal, window_size, softcap, given[SINK_AT] is not None)
     stream = checks.stream_handle(stream)
     arrays, waits = as_device_arrays({name: x for name, x in zip(ARRAY_NAMES, given)
                                       if x is not None or name not in OPTIONAL}, stream)
