@@ -121,7 +121,8 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     if "workspace" in arrays:
         checks.check_workspace(arrays["workspace"])
     check_no_overlap(written(arrays, "out", "lse", "workspace"), read(arrays, "out", "lse", "workspace"))
-    axes = dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
+    axes = library.manifest.own_head_dim_v(dict(kind="fwd", dtype=problem.dtype, head_dim=problem.head_dim,
+                                                **mods.axes()), problem.columns_v)
     check_built(library.manifest, axes, q_tiles)  # q_tiles=2 at head_dim 192, 256: not built, and says why
     device = device_of(arrays)
     arch = library.arch(device)
@@ -291,8 +292,10 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     space = arrays["workspace"]
     checks.check_workspace(space)
     check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
-    axes = dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim, deterministic=deterministic,
-                **(mods.axes() if mods.local else {"causal": causal}))
+    axes = library.manifest.own_head_dim_v(dict(kind="bwd", dtype=problem.dtype, head_dim=problem.head_dim,
+                                                deterministic=deterministic,
+                                                **(mods.axes() if mods.local else {"causal": causal})),
+                                           problem.columns_v)
     check_built(library.manifest, axes, q_tiles)
     device = device_of(arrays)
     row = backward_row(library.manifest, {**axes, "arch": library.arch(device)}, problem.seqlen_k, q_tiles)

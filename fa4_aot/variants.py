@@ -43,12 +43,17 @@ AXES = {
     # the KV cache's element type: q's ("same") or FP8 e4m3 with fp32 dequantization scales
     # per (sequence, KV head), widened to q's dtype on chip (decode only)
     "kv_dtype": {"declared": ("same", "e4m3"), "built": ("same", "e4m3")},
+    # v's (and out's) head dim where a kernel of its own serves it narrower than q's: 0 for
+    # q's; 128 beside 192 (DeepSeek V3-family prefill), whose forward then computes P V and
+    # stores O 128 columns wide instead of 192 (docs/design.md, "Head dims")
+    "head_dim_v": {"declared": (0, 128), "built": (0, 128)},
 }
 # What a call may give beyond an axis's built values, printed by `fa4-aot list --all`.
 AXIS_NOTES = {
     "head_dim": "tensors of any multiple of 8 up to 256 run on the narrowest built head dim at least as wide "
-                "(zeros past their columns, nothing written there), v's head dim its own or q's (192/128: on the "
-                "d192 kernels) (docs/design.md, \"Head dims\")",
+                "(zeros past their columns, nothing written there), v's head dim its own or q's (192/128: the "
+                "forward on its own d192v128 kernels, the backward and decode on the d192 ones) "
+                "(docs/design.md, \"Head dims\")",
 }
 # What each kind is, and the forms it takes at run time (no axis of their own: one cubin
 # serves them), printed by `fa4-aot list --all`.
@@ -64,9 +69,9 @@ KINDS = {
 KIND_AXES = {
     "fwd": {"deterministic": (False,), "kv_dtype": ("same",)},
     "bwd": {"kv_dtype": ("same",)},
-    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,)},
+    "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "head_dim_v": (0,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
-                "local": (False,), "softcap": (False,), "kv_dtype": ("same",)},
+                "local": (False,), "softcap": (False,), "kv_dtype": ("same",), "head_dim_v": (0,)},
 }
 
 NOT_BUILT_REASONS = {
@@ -101,6 +106,13 @@ NOT_BUILT_REASONS = {
        for d in (96, 128, 192, 256)},
     **{f"kind=fwd,head_dim={d},q_tiles=2": f"two Q buffers do not fit 227 KB of shared memory at head_dim {d}"
        for d in (192, 256)},
+    # v's own head dim: the forward's and backward's 192/128 (decode serves it on its d192
+    # kernels, v's columns past 128 read as zeros and never written)
+    **{f"head_dim={d},head_dim_v=128": "a v narrower than q has a kernel of its own only beside "
+       "q's 192 (DeepSeek V3's 192/128); other pairs run on q's head dim" for d in (64, 96, 128, 256)},
+    "local=True,head_dim_v=128": "windows, sinks and softcap at 192/128 run on the d192 local kernels",
+    "kind=decode,head_dim_v=128": "decode at 192/128 runs on the d192 kernels",
+    "kind=combine,head_dim_v=128": "the combine merges rows of any width on its d192 kernel",
     **{f"kind=fwd,local=True,head_dim={d},q_tiles=2": "two local query tiles per CTA measured slower than one "
        f"at head_dim 128 for every window (128: 89 against 111 TFLOP/s; 1024: 225 against 318)" for d in (96, 128)},
 }
@@ -122,6 +134,7 @@ class Variant:
     local: bool = False  # sliding window and sinks (run-time values)
     softcap: bool = False  # cap * tanh(s / cap) on the scores
     kv_dtype: str = "same"  # decode's cache: q's dtype, or "e4m3" (FP8, dequantization scales at run time)
+    head_dim_v: int = 0  # v's head dim where a kernel of its own serves it, 0: q's (head_dim)
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -131,7 +144,8 @@ class Variant:
 
     @property
     def name(self) -> str:
-        parts = [self.kind, self.arch, self.dtype, f"d{self.head_dim}"]
+        head_dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v else "")
+        parts = [self.kind, self.arch, self.dtype, head_dims]
         if self.causal:
             parts.append("causal")
         if self.varlen:
@@ -208,12 +222,13 @@ def _build_matrix() -> tuple[Variant, ...]:
                 for head_dim in built_values(kind, "head_dim"):
                     for causal, varlen in itertools.product(built_values(kind, "causal"),
                                                             built_values(kind, "varlen")):
-                        for det, q_tiles, local, softcap, kv_dtype in itertools.product(
+                        for det, q_tiles, local, softcap, kv_dtype, head_dim_v in itertools.product(
                                 built_values(kind, "deterministic"), built_values(kind, "q_tiles"),
                                 built_values(kind, "local"), built_values(kind, "softcap"),
-                                built_values(kind, "kv_dtype")):
+                                built_values(kind, "kv_dtype"), built_values(kind, "head_dim_v")):
                             v = Variant(kind, arch, dtype, head_dim, causal, varlen=varlen, deterministic=det,
-                                        q_tiles=q_tiles, local=local, softcap=softcap, kv_dtype=kv_dtype)
+                                        q_tiles=q_tiles, local=local, softcap=softcap, kv_dtype=kv_dtype,
+                                        head_dim_v=head_dim_v)
                             if not any(matches(v, key) for key in NOT_BUILT_REASONS):
                                 out.append(v)
     return tuple(sorted(out))

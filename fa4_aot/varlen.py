@@ -168,7 +168,8 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     if "workspace" in arrays:
         _check_order_workspace(arrays["workspace"], sizes["batch"], library)
     check_no_overlap(written(arrays, *WRITTEN_FORWARD), read(arrays, *WRITTEN_FORWARD))
-    axes = dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], varlen=True, **mods.axes())
+    axes = library.manifest.own_head_dim_v(dict(kind="fwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
+                                                varlen=True, **mods.axes()), sizes["columns_v"])
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)
@@ -300,8 +301,10 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     space = arrays["workspace"]
     checks.check_workspace(space)
     check_no_overlap(written(arrays, *WRITTEN_BACKWARD), read(arrays, *WRITTEN_BACKWARD))
-    axes = dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"], deterministic=deterministic,
-                varlen=True, **(mods.axes() if mods.local else {"causal": causal}))
+    axes = library.manifest.own_head_dim_v(dict(kind="bwd", dtype=sizes["dtype"], head_dim=sizes["head_dim"],
+                                                deterministic=deterministic, varlen=True,
+                                                **(mods.axes() if mods.local else {"causal": causal})),
+                                           sizes["columns_v"])
     check_built(library.manifest, axes, 1)
     device = device_of(arrays)
     row = library.manifest.find(**axes, arch=library.arch(device), q_tiles=1)

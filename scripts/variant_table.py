@@ -31,9 +31,10 @@ def table(manifest: dict) -> str:
     groups: dict[tuple, list[dict]] = {}
     for row in manifest["kernels"]:
         v = row["variant"]
-        groups.setdefault((v["kind"], v["arch"], v["head_dim"]), []).append(row)
+        head_dims = f"d{v['head_dim']}" + (f"v{v['head_dim_v']}" if v.get("head_dim_v") else "")
+        groups.setdefault((v["kind"], v["arch"], head_dims), []).append(row)
     lines = ["| variants | cubins | forms | launches per call | shared memory, KiB |", "|---|---|---|---|---|"]
-    for (kind, arch, head_dim), rows in groups.items():
+    for (kind, arch, head_dims), rows in groups.items():
         dtypes = sorted({r["variant"]["dtype"] for r in rows})
         forms = []
         for r in rows:
@@ -42,7 +43,7 @@ def table(manifest: dict) -> str:
             if form not in forms:
                 forms.append(form)
         smem = [max(launch["smem_bytes"] for launch in r["launches"]) // 1024 for r in rows]
-        lines.append(f"| `{kind}.{arch}.{{{','.join(dtypes)}}}.d{head_dim}` | {len(rows)} | {', '.join(forms)} | "
+        lines.append(f"| `{kind}.{arch}.{{{','.join(dtypes)}}}.{head_dims}` | {len(rows)} | {', '.join(forms)} | "
                      f"{_span([len(r['launches']) for r in rows])} | {_span(smem)} |")
     toolchain = manifest["toolchain"]
     lines.append(f"\n{len(manifest['kernels'])} cubins, built with {toolchain['dsl']}, ptxas {toolchain['ptxas']}.")

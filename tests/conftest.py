@@ -11,7 +11,8 @@ SUBSET = ("fwd.sm90a.bf16.d64", "fwd.sm90a.bf16.d128", "fwd.sm90a.bf16.d256.caus
           "bwd.sm90a.bf16.d128.causal.det", "bwd.sm90a.fp16.d256", "bwd.sm90a.bf16.d64.causal",
           "bwd.sm90a.bf16.d64.causal.q2", "bwd.sm90a.fp16.d64", "fwd.sm90a.bf16.d128.causal.varlen",
           "bwd.sm90a.bf16.d128.causal.varlen.det", "decode.sm90a.bf16.d128", "combine.sm90a.bf16.d128",
-          "decode.sm90a.bf16.d128.kv_e4m3",
+          "decode.sm90a.bf16.d128.kv_e4m3", "fwd.sm90a.bf16.d192v128.causal.varlen",
+          "bwd.sm90a.bf16.d192v128.causal",
           "fwd.sm90a.bf16.d64.local.softcap", "fwd.sm90a.bf16.d128.varlen.local", "bwd.sm90a.bf16.d64.local.softcap")
 
 

@@ -217,6 +217,19 @@ class Manifest:
             self._head_dims[key] = found
         return found
 
+    def own_head_dim_v(self, axes: dict, columns_v: int) -> dict:
+        """``axes`` (kind, dtype, head_dim, ...) with the narrowest ``head_dim_v`` built
+        beside them that holds v's ``columns_v`` columns (a kernel of v's own width,
+        narrower than q's: 192/128, docs/design.md "Head dims"); as given where none is
+        (v then runs on q's head dim)."""
+        key = ("v", columns_v, *sorted(axes.items()))
+        found = self._head_dims.get(key)
+        if found is None:
+            widths = [entry["variant"].get("head_dim_v", 0) for entry in self.index.values()
+                      if all(entry["variant"].get(axis) == value for axis, value in axes.items())]
+            found = self._head_dims[key] = min((w for w in widths if w >= columns_v), default=0)
+        return {**axes, "head_dim_v": found} if found else axes
+
     def built(self, **axes) -> bool:
         """Whether the variant with these axes is in this build (False for undeclared values)."""
         key = tuple(sorted(axes.items()))

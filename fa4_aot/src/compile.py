@@ -155,6 +155,8 @@ def _fake(spec: Input, cfg):
     """What the build compiles input ``spec`` against (common/params.Input)."""
     if spec.fake == "io":
         return _fake_bshd(DTYPES[cfg.dtype], cfg.head_dim)
+    if spec.fake == "io_v":
+        return _fake_bshd(DTYPES[cfg.dtype], cfg.head_dim_v)
     if spec.fake == "kv":  # a KV cache: q's dtype, or FP8 where the config's kv_dtype says so
         return _fake_bshd(KV_DTYPES.get(getattr(cfg, "kv_dtype", "same"), DTYPES[cfg.dtype]), cfg.head_dim)
     if spec.fake == "Int32":

@@ -49,7 +49,7 @@ def lpt_params(inputs: Inputs) -> Params:
 # ------------------------------------------------------------------ forward
 FWD_INPUTS = Inputs(
     "FwdInputs",
-    Input("q", "io"), Input("k", "io"), Input("v", "io"), Input("out", "io"),
+    Input("q", "io"), Input("k", "io"), Input("v", "io_v"), Input("out", "io_v"),
     Input("lse", "f32", 3, varlen_rank=2),  # (b, h_q, s_q); varlen (h_q, total_q)
     Input("scale_log2", "Float32"),  # softmax_scale * log2(e); softcap: cap * log2(e)
     # local: the window, keys left and right of each query's diagonal (-1: unbounded), and
@@ -75,7 +75,9 @@ FWD = Params(
 # ------------------------------------------------------------------ backward
 BWD_INPUTS = Inputs(
     "BwdInputs",
-    *(Input(n, "io") for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")),
+    # q's head dim ("io") or v's ("io_v": the config's head_dim_v)
+    *(Input(n, "io_v" if n in ("v", "out", "dout", "dv") else "io")
+      for n in ("q", "k", "v", "out", "dout", "dq", "dk", "dv")),
     Input("lse", "f32", 3, varlen_rank=2),  # from the forward
     Input("lse2", "f32", 3, varlen_rank=2),  # workspace: LSE * log2(e), rows padded to tile_m
     Input("dsum", "f32", 3, varlen_rank=2),  # workspace: rowsum(dO * O)

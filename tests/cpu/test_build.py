@@ -55,7 +55,7 @@ def test_manifest_records_toolchain_and_driver_floor(built):
     assert m["toolchain"]["ptxas"].startswith("13.")
     assert m["driver_floor"]["cuda_version"] >= 13000
     assert set(m["axes"]) == {"kind", "arch", "dtype", "head_dim", "causal", "varlen", "cta_mode", "deterministic",
-                              "q_tiles", "local", "softcap", "kv_dtype"}
+                              "q_tiles", "local", "softcap", "kv_dtype", "head_dim_v"}
 
 
 @pytest.mark.parametrize("name", SUBSET)
@@ -176,6 +176,26 @@ def test_manifest_loads_and_finds_rows(built):
     m = Manifest(built[0])
     row = m.find(kind="fwd", arch="sm90a", dtype="bf16", head_dim=64, causal=False)
     assert m.cubin(row)[:4] == b"\x7fELF"
+
+
+def test_v_of_its_own_head_dim_takes_its_kernel(built):
+    """A v of 128 columns or fewer beside q's 192 takes the d192v128 forward where it is
+    built (its V and O boxes 128 wide), anything else the d192 kernels (docs/design.md,
+    "Head dims")."""
+    m = Manifest(built[0])
+    axes = dict(kind="fwd", dtype="bf16", head_dim=192, causal=True, varlen=True, local=False, softcap=False)
+    for columns_v in (128, 72, 8):
+        assert m.own_head_dim_v(axes, columns_v) == {**axes, "head_dim_v": 128}
+    assert m.own_head_dim_v(axes, 136) == axes
+    assert m.own_head_dim_v({**axes, "varlen": False}, 128) == {**axes, "varlen": False}  # not in this build
+    row = m.find(**m.own_head_dim_v(axes, 128), arch="sm90a", q_tiles=1)
+    assert row["name"] == "fwd.sm90a.bf16.d192v128.causal.varlen" and row["config"]["head_dim_v"] == 128
+    assert row["tensormaps"]["v"]["box"][:2] == [64, 128] and row["tensormaps"]["q"]["box"][:2] == [64, 128]
+    bwd = dict(kind="bwd", dtype="bf16", head_dim=192, causal=True, deterministic=False, varlen=False)
+    row = m.find(**m.own_head_dim_v(bwd, 128), arch="sm90a", q_tiles=1)
+    assert row["name"] == "bwd.sm90a.bf16.d192v128.causal" and row["config"]["head_dim_v"] == 128
+    assert [row["tensormaps"][t]["box"][0] for t in ("q", "k", "v", "dout")] == [64, 64, 64, 64]
+    assert m.own_head_dim_v({**bwd, "deterministic": True}, 128) == {**bwd, "deterministic": True}  # not built here
 
 
 def _nvdisasm():

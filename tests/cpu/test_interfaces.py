@@ -53,7 +53,7 @@ class Tensor:
 
 
 def _sentinel_inputs(inputs, cfg):
-    return inputs.fake_tuple(cfg, lambda spec, cfg: Tensor(spec.name) if spec.fake in ("io", "f32", "i32", "i64")
+    return inputs.fake_tuple(cfg, lambda spec, cfg: Tensor(spec.name) if spec.fake in ("io", "io_v", "f32", "i32", "i64")
                              else f"{spec.name}.value")
 
 

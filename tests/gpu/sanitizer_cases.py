@@ -52,12 +52,12 @@ def dense_cases():
     two-tile kernels) of every dtype and head dim, causal and not, on SHAPES."""
     for v in (v for v in MATRIX if v.kind == "fwd" and not v.varlen):
         for (b, sq, sk, hq, hkv), window in itertools.product(SHAPES, WINDOWS if v.local else [None]):
-            q, k, val = _bshd(b, sq, hq, v), _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
+            q, k, val = _bshd(b, sq, hq, v), _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v, _dv(v))
             flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=v.q_tiles, **_mods(v, hq, window))
     for v in (v for v in MATRIX if v.kind == "bwd" and not v.varlen):
         for (b, sq, sk, hq, hkv), window in itertools.product(SHAPES, WINDOWS if v.local else [None]):
-            q, do = _bshd(b, sq, hq, v), _bshd(b, sq, hq, v)
-            k, val = _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v)
+            q, do = _bshd(b, sq, hq, v), _bshd(b, sq, hq, v, _dv(v))
+            k, val = _bshd(b, sk, hkv, v), _bshd(b, sk, hkv, v, _dv(v))
             mods = _mods(v, hq, window)  # local: a window and sinks, their gradient too
             out, lse = flash_attn_fwd(q, k, val, causal=v.causal, q_tiles=1, **mods)
             flash_attn_bwd(q, k, val, out, do, lse, causal=v.causal, deterministic=v.deterministic,
@@ -73,8 +73,13 @@ def _mods(v, heads_q, window):
             "learnable_sink": torch.randn(heads_q, device="cuda")}
 
 
-def _bshd(b, s, h, v):
-    return torch.randn(b, s, h, v.head_dim, device="cuda", dtype=DTYPES[v.dtype])
+def _bshd(b, s, h, v, d=None):
+    return torch.randn(b, s, h, d or v.head_dim, device="cuda", dtype=DTYPES[v.dtype])
+
+
+def _dv(v):
+    """v's head dim for variant ``v`` (its own where the variant has one: 192/128)."""
+    return v.head_dim_v or v.head_dim
 
 
 def split_tail_cases():
@@ -88,7 +93,7 @@ def split_tail_cases():
     library.launch_again = lambda key, waits=(), aliases=(): False  # launch plans are kept by arrays, not SM counts
     rows = {v.head_dim: library.manifest.row(v) for v in MATRIX
             if v.kind == "bwd" and v.arch == "sm90a" and v.dtype == "bf16" and not v.causal and not v.deterministic
-            and not v.varlen}
+            and not v.varlen and not v.head_dim_v}
     dims = sorted(d for d, row in rows.items() if row["config"]["tail_split"])
     for d in dims:
         config, most = rows[d]["config"], rows[d]["workspace"]["constants"]["tail_max_tiles"]
@@ -118,7 +123,7 @@ def varlen_cases():
     for v in (v for v in MATRIX if v.kind == "fwd" and v.varlen):
         dtype, d = DTYPES[v.dtype], v.head_dim
         q = torch.randn(333, 4, d, device="cuda", dtype=dtype)
-        k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        k, val = (torch.randn(200, 2, w, device="cuda", dtype=dtype) for w in (d, _dv(v)))
         mods = _mods(v, 4, WINDOWS[0])
         for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):
             flash_attn_varlen_fwd(q, k, val, as_i32(cu_q), as_i32(cu_k), max_q, 1 << 20, causal=v.causal,
@@ -143,9 +148,9 @@ def varlen_backward_cases():
              ([7, 100, 333], [3, 120, 200], 8, {"seqused_q": [-5, 40], "seqused_k": [-1, 150]}))
     for v in (v for v in MATRIX if v.kind == "bwd" and v.varlen):
         dtype, d = DTYPES[v.dtype], v.head_dim
-        q, do = (torch.randn(333, 4, d, device="cuda", dtype=dtype) for _ in range(2))
-        k, val = (torch.randn(200, 2, d, device="cuda", dtype=dtype) for _ in range(2))
-        out = torch.randn_like(q)
+        q, do = (torch.randn(333, 4, w, device="cuda", dtype=dtype) for w in (d, _dv(v)))
+        k, val = (torch.randn(200, 2, w, device="cuda", dtype=dtype) for w in (d, _dv(v)))
+        out = torch.randn_like(do)
         lse = torch.randn(4, 333, device="cuda")
         mods = _mods(v, 4, WINDOWS[0])  # local: a window, sinks and their gradient
         for (cu_q, cu_k, max_q, used), order in itertools.product(cases, ("plain", "lpt")):

@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 import fa4_aot  # noqa: E402
 from fa4_aot.errors import UnsupportedVariantError  # noqa: E402
+from fa4_aot.launch.calls import default_library  # noqa: E402
 from fa4_aot.torch import (  # noqa: E402
     flash_attn_bwd, flash_attn_func, flash_attn_fwd, flash_attn_varlen_bwd, flash_attn_varlen_fwd,
 )
@@ -41,10 +42,15 @@ def _sarm(variants):
     return [v for v in variants if v.arch == "sm90a"]
 
 
-FWD = _sarm(v for v in MATRIX if v.kind == "fwd" and not v.varlen and not v.local)
-BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and not v.varlen and not v.local and v.dtype == "bf16")
-VARLEN = _sarm(v for v in MATRIX if v.kind == "fwd" and v.varlen and not v.local and v.dtype == "bf16")
-VARLEN_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.varlen and not v.local and v.dtype == "bf16")
+# q's head dim for v too (the 192/128 pair kernels: PAIR_BWD and the pair tests below)
+FWD = _sarm(v for v in MATRIX if v.kind == "fwd" and not v.varlen and not v.local and not v.head_dim_v)
+BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and not v.varlen and not v.local and v.dtype == "bf16"
+            and not v.head_dim_v)
+VARLEN = _sarm(v for v in MATRIX if v.kind == "fwd" and v.varlen and not v.local and v.dtype == "bf16"
+               and not v.head_dim_v)
+VARLEN_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.varlen and not v.local and v.dtype == "bf16"
+                   and not v.head_dim_v)
+PAIR_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.head_dim_v and not v.varlen)
 DECODE = _sarm(v for v in MATRIX if v.kind == "decode" and not v.local and v.kv_dtype == "same")
 LOCAL = _sarm(v for v in MATRIX if v.kind == "fwd" and v.local and not v.varlen and v.dtype == "bf16")
 LOCAL_BWD = _sarm(v for v in MATRIX if v.kind == "bwd" and v.local and not v.varlen and v.dtype == "bf16"
@@ -182,8 +188,8 @@ MIXES = [  # (query lengths, key lengths, heads_q, heads_kv)
 ]
 
 
-def _packed(lengths, heads, d, gen=None):
-    return _wide((sum(lengths), heads), d, torch.bfloat16, gen)
+def _packed(lengths, heads, d, gen=None, dtype=torch.bfloat16):
+    return _wide((sum(lengths), heads), d, dtype, gen)
 
 
 @pytest.mark.parametrize("variant", VARLEN, ids=lambda v: v.name)
@@ -347,18 +353,36 @@ def _pair(shape, d, dv, dtype, gen):
             _wide((b, sk, hkv), dv, dtype, gen))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pair", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
-def test_forward_with_v_of_its_own_head_dim(pair, causal, shape, gen):
+def test_forward_with_v_of_its_own_head_dim(pair, causal, shape, dtype, gen):
+    """192/128 on the d192v128 kernels (test_own_head_dim_v_rows says they are taken), the
+    other pairs on q's or v's head dim."""
     d, dv = pair
-    q, k, v = _pair(shape, d, dv, torch.bfloat16, gen)
+    q, k, v = _pair(shape, d, dv, dtype, gen)
     b, sq, hq = q.shape[:3]
-    out, lse = _wide((b, sq, hq), dv, torch.bfloat16), torch.full((b, hq, sq), float("nan"), device="cuda")
+    out, lse = _wide((b, sq, hq), dv, dtype), torch.full((b, hq, sq), float("nan"), device="cuda")
     flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse)
     torch.cuda.synchronize()
     check_attention(out, lse, q, k, v, causal)
     _untouched(out)
+
+
+def test_own_head_dim_v_rows():
+    """The forward's and backward's rows for 192/128 are the d192v128 kernels (v of 128
+    columns or fewer beside q's 136-192), the d192 ones for a wider v or with a window."""
+    manifest = default_library().manifest
+    for varlen in (False, True):
+        axes = dict(kind="fwd", dtype="bf16", head_dim=192, causal=True, varlen=varlen, local=False, softcap=False)
+        assert manifest.own_head_dim_v(axes, 128)["head_dim_v"] == 128
+        assert manifest.own_head_dim_v(axes, 72)["head_dim_v"] == 128
+        assert "head_dim_v" not in manifest.own_head_dim_v(axes, 136)
+        assert "head_dim_v" not in manifest.own_head_dim_v({**axes, "causal": False, "local": True}, 128)
+        for det in (False, True):
+            bwd = dict(kind="bwd", dtype="fp16", head_dim=192, causal=False, deterministic=det, varlen=varlen)
+            assert manifest.own_head_dim_v(bwd, 128)["head_dim_v"] == 128
 
 
 def _pair_backward(shape, d, dv, dtype, causal, deterministic, gen):
@@ -375,13 +399,13 @@ def _pair_backward(shape, d, dv, dtype, causal, deterministic, gen):
     return q, k, v, dout, out, grads
 
 
-@pytest.mark.parametrize("variant", [v for v in BWD if v.head_dim == 192] +
-                         [next(v for v in MATRIX if v.kind == "bwd" and v.head_dim == 192 and v.dtype == "fp16"
-                               and not v.varlen and not v.local and v.causal)], ids=lambda v: v.name)
-@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
+# and one past policy.first_write_dq's 4096 keys: the preprocess clears the accumulator
+@pytest.mark.parametrize("variant", PAIR_BWD, ids=lambda v: v.name)
+@pytest.mark.parametrize("shape", BWD_SHAPES + [(1, 130, 4300, 2, 1)], ids=lambda s: "b{}_q{}_k{}_h{}x{}".format(*s))
 def test_backward_192_128_with_gqa(variant, shape, gen):
-    """Every d192 backward (GQA and MQA shapes among them: dK and dV summed over a group of
-    query heads) with v's head dim 128; deterministic ones twice, bitwise."""
+    """Every d192v128 backward (GQA and MQA shapes among them: dK and dV summed over a group
+    of query heads; test_own_head_dim_v_rows says the calls take them); deterministic ones
+    twice, bitwise."""
     dtype = DTYPES[variant.dtype]
     q, k, v, dout, out, grads = _pair_backward(shape, 192, 128, dtype, variant.causal, variant.deterministic, gen)
     check_grads(grads, q, k, v, dout, out, variant.causal)
@@ -401,20 +425,25 @@ def test_backward_other_pairs(pair, causal, gen):
     _untouched(*grads)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_192_128(causal, gen):
+@pytest.mark.parametrize("deterministic", [False, True], ids=["nondet", "det"])
+def test_varlen_192_128(causal, dtype, deterministic, gen):
+    """The d192v128 varlen kernels, forward and backward."""
     lq, lk, hq, hkv = MIXES[1]
-    q, k, v = _packed(lq, hq, 192, gen), _packed(lk, hkv, 192, gen), _packed(lk, hkv, 128, gen)
-    dout, out = _packed(lq, hq, 128, gen), _packed(lq, hq, 128)
+    q, k, v = (_packed(lq, hq, 192, gen, dtype), _packed(lk, hkv, 192, gen, dtype),
+               _packed(lk, hkv, 128, gen, dtype))
+    dout, out = _packed(lq, hq, 128, gen, dtype), _packed(lq, hq, 128, dtype=dtype)
     cu_q, cu_k = _lengths_to_cu(lq), _lengths_to_cu(lk)
     lse = torch.full((hq, sum(lq)), float("nan"), device="cuda")
     flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max(lq), max(lk), causal=causal, out=out, lse=lse)
     torch.cuda.synchronize()
     _check_sequences(out, lse, q, k, v, lq, lk, lq, lk, causal)
-    size = fa4_aot.backward_varlen_workspace_bytes(sum(lq), len(lq), hq, 192, causal=causal, head_dim_v=128)
-    grads = [_packed(lq, hq, 192), _packed(lk, hkv, 192), _packed(lk, hkv, 128)]
-    flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), causal=causal, dq=grads[0],
-                          dk=grads[1], dv=grads[2],
+    size = fa4_aot.backward_varlen_workspace_bytes(sum(lq), len(lq), hq, 192, causal=causal,
+                                                   deterministic=deterministic, head_dim_v=128)
+    grads = [_packed(lq, hq, 192, dtype=dtype), _packed(lk, hkv, 192, dtype=dtype), _packed(lk, hkv, 128, dtype=dtype)]
+    flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                          deterministic=deterministic, dq=grads[0], dk=grads[1], dv=grads[2],
                           workspace=torch.full((size,), 0xFF, dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
     _check_grads_by_sequence(grads, q, k, v, out, dout, lq, lk, lq, lk, causal)

@@ -52,7 +52,8 @@ class Input:
     """One run-time input of a family's host entry.
 
     ``fake``: what the build compiles against: "io" a (b, s, h, d) tensor of the variant's
-    dtype (any 16-byte strides, d static and contiguous); "f32", "i32", "i64" a contiguous
+    dtype (any 16-byte strides, d static and contiguous), "io_v" the same d_v wide (the
+    config's ``head_dim_v``: v and out); "f32", "i32", "i64" a contiguous
     tensor of ``rank`` dynamic sizes (``varlen_rank`` where the variant is varlen), with a
     static last dim of the head dim where ``head_dim_last``; "Int32", "Float32" a scalar,
     which takes ``default`` where a call gives no value of that name (the manifest's slot

@@ -22,6 +22,9 @@ WARPGROUP = 128
 # (docs/design.md, "Backward: tiles per head dim").
 TILES = {64: (64, 128, 4), 96: (64, 128, 2), 128: (64, 128, 2), 192: (64, 96, 1), 256: (64, 80, 1)}
 TILES_NOT_CAUSAL = {64: (64, 128, 2), 128: (80, 128, 2)}
+# (head_dim, head_dim_v) pairs with a kernel of their own: 192/128's dO and V tiles of 128
+# columns leave room for a second Q/dO stage
+PAIR_TILES = {(192, 128): (64, 96, 2)}
 
 # Deterministic, not causal: copies of the fp32 dQ accumulator the key tiles add into
 # in turn (docs/design.md, "Backward: deterministic order").
@@ -45,6 +48,9 @@ class BwdConfig:
     head_dim: int
     causal: bool
     deterministic: bool
+    # v's, dO's and dV's columns: head_dim, or narrower where the variant's pair has its own
+    # kernel (192/128, head_on_m: the warpgroups past head_dim_v / 64 own no dV rows)
+    head_dim_v: int
     tile_m: int  # query rows per tile: the workspace's unit (statistics, semaphores, pre- and postprocess)
     tile_n: int  # keys per CTA
     stages: int  # Q / dO pipeline stages
@@ -102,6 +108,7 @@ class BwdConfig:
         """The config of a ``fa4_aot.variants.Variant`` of kind bwd, arch sm90a."""
         assert variant.kind == "bwd" and variant.arch == "sm90a", variant
         d, det, varlen = variant.head_dim, variant.deterministic, variant.varlen
+        head_dim_v = variant.head_dim_v or d
         causal = variant.causal or variant.local  # the shape decisions: local as causal
         head_on_m = d in (192, 256)
         # two query tiles per step at head_dim 64, except causal and not deterministic,
@@ -111,6 +118,8 @@ class BwdConfig:
         two_tiles = step_tiles == 2
         tile_m, tile_n, stages = (TILES_NOT_CAUSAL[d] if d in TILES_NOT_CAUSAL and (not causal or two_tiles)
                                   else TILES[d])
+        if head_dim_v != d:
+            tile_m, tile_n, stages = PAIR_TILES[(d, head_dim_v)]
         num_consumers = 3 if d == 192 else 2
         one_tile_64 = d == 64 and not two_tiles
         col_parts = 1 if d == 128 or head_on_m or two_tiles else 2
@@ -125,8 +134,9 @@ class BwdConfig:
         persistent = one_tile_64 and not det and variant.dtype == "bf16" and not varlen
         tail_split = not causal and not det and d in (64, 96, 128) and not varlen
         assert not (tail_split and (persistent or head_on_m))
+        assert head_dim_v == d or (head_on_m and head_dim_v % (d // num_consumers) == 0 and not variant.local)
         return cls(
-            dtype=variant.dtype, head_dim=d, causal=variant.causal, deterministic=det,
+            dtype=variant.dtype, head_dim=d, causal=variant.causal, deterministic=det, head_dim_v=head_dim_v,
             tile_m=tile_m, tile_n=tile_n, stages=stages,
             head_on_m=head_on_m, num_consumers=num_consumers, step_tiles=step_tiles,
             step_rows=tile_m * step_tiles, threads=WARPGROUP * (1 + num_consumers),

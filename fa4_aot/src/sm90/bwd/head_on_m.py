@@ -7,6 +7,8 @@ and tn/n keys (96 or 80 keys per CTA). Per query tile of 64 rows, warpgroup w:
     P, dS = P (dP - D)                  (to shared memory, (keys, queries), every warpgroup's keys)
     dV_w^T += dO_w^T P, dK_w^T += Q_w^T dS    (its head dims x all keys)
     dQ_w^T = K_w^T dS^T                 (its head dims x 64 queries, in 64-row chunks)
+With v narrower than q (192/128: ``head_dim_v``), dP's k is v's head dim and only the
+first head_dim_v / (d/n) warpgroups own dV rows (the third at 192/128 computes none).
 The head dim is the M side of the last three GEMMs (which is what lets a CTA take 80 or 96
 keys: wgmma's M is a multiple of 64 per warpgroup, its N only of 8). Against 64 keys with
 the keys on M (the layout of the other head dims), a step moves fewer shared-memory bytes
@@ -94,7 +96,11 @@ class HeadOnM:
             # tile's loads start only once the GEMMs reading them are done; releasing dO
             # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0
             # issued first (docs/design.md, "Backward: head dim on M").
-            wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
+            if const_expr(self._every_wg_owns_dv()):
+                wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
+            else:
+                if wg < self._dv_owners():  # the others' wait_group(2) below waits for nothing
+                    wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
             wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
             wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
@@ -111,6 +117,13 @@ class HeadOnM:
             state.advance()
         self._store_dkv_transposed(tidx, acc_dk, acc_dv, mma_dkv, sK, sV, outputs, n_block, scalars.scale)
 
+
+    def _dv_owners(self) -> int:
+        """The warpgroups that own dV rows (head dims of v): all but where v is narrower."""
+        return self.cfg.head_dim_v // (self.cfg.head_dim // self.cfg.num_consumers)
+
+    def _every_wg_owns_dv(self) -> bool:
+        return self._dv_owners() == self.cfg.num_consumers
 
     @cute.jit
     def _operands(self, tidx, tiles, sP, seqlen_q):
@@ -136,7 +149,8 @@ class HeadOnM:
         # dV^T, dK^T: A = dO^T, Q^T (this warpgroup's head dims, queries), B = P, dS
         # (keys, queries)
         mine = (own, tm)
-        tVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sdO), mine, (wg, 0, None))))
+        wg_v = wg if const_expr(self._every_wg_owns_dv()) else cutlass.min(wg, self._dv_owners() - 1)  # in bounds
+        tVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sdO), mine, (wg_v, 0, None))))
         tKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sQ), mine, (wg, 0, None))))
         tVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(sP))
         tKrdS = wg_dkv.make_fragment_B(wg_dkv.partition_B(sdS))
@@ -201,10 +215,18 @@ class HeadOnM:
             mma_dkv)
         thr = store.get_slice(tidx % WARPGROUP)
         mine = (self.cfg.head_dim // self.cfg.num_consumers, self.cfg.tile_n)
-        for acc, s_tile in ((acc_dk, sK), (acc_dv, sV)):
-            staged = cute.make_rmem_tensor_like(acc, self.dtype)
-            staged.store(acc.load().to(self.dtype))
-            cute.copy(store, thr.retile(staged), thr.partition_D(cute.local_tile(transpose_smem(s_tile), mine, (wg, 0))))
+        staged_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
+        staged_dk.store(acc_dk.load().to(self.dtype))
+        cute.copy(store, thr.retile(staged_dk), thr.partition_D(cute.local_tile(transpose_smem(sK), mine, (wg, 0))))
+        staged_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
+        staged_dv.store(acc_dv.load().to(self.dtype))
+        if const_expr(self._every_wg_owns_dv()):
+            cute.copy(store, thr.retile(staged_dv), thr.partition_D(cute.local_tile(transpose_smem(sV), mine, (wg, 0))))
+        else:
+            if wg < self._dv_owners():  # v's head dims: the first warpgroups' rows
+                wg_v = cutlass.min(wg, self._dv_owners() - 1)
+                cute.copy(store, thr.retile(staged_dv),
+                          thr.partition_D(cute.local_tile(transpose_smem(sV), mine, (wg_v, 0))))
         if const_expr(self.cfg.varlen):
             # the sequence's rows of the staged tiles, by every consumer thread
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
@@ -214,11 +236,11 @@ class HeadOnM:
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
             if cute.arch.make_warp_uniform(tidx // 32) == 0:
-                tile = (self.cfg.tile_n, self.cfg.head_dim)
-                for atom, s_tile, g in ((tma_dk, sK, gdK), (tma_dv, sV, gdV)):
+                for atom, s_tile, g, width in ((tma_dk, sK, gdK, self.cfg.head_dim),
+                                               (tma_dv, sV, gdV, self.cfg.head_dim_v)):
                     s_part, g_part = cpasync.tma_partition(
                         atom, 0, cute.make_layout(1), cute.group_modes(s_tile, 0, 2),
-                        cute.group_modes(cute.local_tile(g, tile, (n_block, 0)), 0, 2))
+                        cute.group_modes(cute.local_tile(g, (self.cfg.tile_n, width), (n_block, 0)), 0, 2))
                     cute.copy(atom, s_part, g_part)
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)

@@ -85,7 +85,7 @@ class FlashBwdSm90:
         self.tma_boxes = {}
         self.smem_bytes = None
 
-    def _storage(self, s_q, s_kv, s_ds, s_dq):
+    def _storage(self, s_q, s_do, s_kv, s_v, s_ds, s_dq):
         def buf(layout, dtype=self.dtype):
             return smem_buffer(layout, dtype)
 
@@ -100,9 +100,9 @@ class FlashBwdSm90:
             sLSE2: stats  # (tile_m, stages), with Q's stages
             sDsum: stats  # (tile_m, stages), with dO's stages
             sK: buf(s_kv)  # (tile_n, d[, kv_stages])
-            sV: buf(s_kv)
+            sV: buf(s_v)  # (tile_n, d_v[, kv_stages])
             sQ: buf(s_q)  # also dK's staging tile (persistent: over K)
-            sdO: buf(s_q)  # also dV's staging tile (persistent: over V)
+            sdO: buf(s_do)  # (step_rows, d_v, stages); also dV's staging tile (persistent: over V)
             sdS: buf(s_ds)  # (tile_m, tile_n, ds_stages); head_on_m: (tile_n, tile_m)
             if p_in_smem:
                 sP: buf(s_ds)  # (tile_m, tile_n)
@@ -164,15 +164,17 @@ class FlashBwdSm90:
     def _main_atoms(self, q, k, v, do, dk, dv, dq_acc):
         """The main kernel's TMA atoms and coordinate tensors as {name: Tma} (q, do, k, v;
         dk, dv but varlen; the dQ accumulator's reduce and store but in fragment order), and
-        its shared layouts (q, kv, ds, dq); sets the storage, shared bytes and the boxes for
+        its shared layouts (q, do, kv, v, ds, dq); sets the storage, shared bytes and the boxes for
         the manifest's tensor maps. Tensors (s, d, h, b)."""
-        s_q_tile = smem_layout(self.dtype, self.cfg.step_rows, self.cfg.head_dim, self.cfg.stages, self.cfg.col_parts)
+        cfg = self.cfg
+        d, d_v = cfg.head_dim, cfg.head_dim_v
+        s_q_tile, s_do_tile = (smem_layout(self.dtype, cfg.step_rows, w, cfg.stages, cfg.col_parts) for w in (d, d_v))
         # one query tile: the TMA box (wide: each stage holds two, loaded apart)
-        s_q_one = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, col_parts=self.cfg.col_parts)
-        s_kv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, col_parts=self.cfg.col_parts)
-        s_kv_all = s_kv
-        if const_expr(self.cfg.persistent):
-            s_kv_all = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.kv_stages, self.cfg.col_parts)
+        s_q_one, s_do_one = (smem_layout(self.dtype, cfg.tile_m, w, col_parts=cfg.col_parts) for w in (d, d_v))
+        s_kv, s_v = (smem_layout(self.dtype, cfg.tile_n, w, col_parts=cfg.col_parts) for w in (d, d_v))
+        s_kv_all, s_v_all = s_kv, s_v
+        if const_expr(cfg.persistent):
+            s_kv_all, s_v_all = (smem_layout(self.dtype, cfg.tile_n, w, cfg.kv_stages, cfg.col_parts) for w in (d, d_v))
         if const_expr(self.cfg.head_on_m):
             s_ds = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.tile_m)  # (keys, queries)
         else:
@@ -180,14 +182,15 @@ class FlashBwdSm90:
         s_dq = smem_layout(Float32, *self.cfg.dq_tile, self.cfg.dq_slots)
         s_dq_one = cute.select(s_dq, mode=[0, 1])
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        m, n, d = self.cfg.tile_m, self.cfg.tile_n, self.cfg.head_dim
-        loads = (("q", q, s_q_one, m), ("dout", do, s_q_one, m), ("k", k, s_kv, n), ("v", v, s_kv, n))
-        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, box, (rows, d))) for name, t, box, rows in loads}
+        m, n = cfg.tile_m, cfg.tile_n
+        loads = (("q", q, s_q_one, (m, d)), ("dout", do, s_do_one, (m, d_v)), ("k", k, s_kv, (n, d)),
+                 ("v", v, s_v, (n, d_v)))
+        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, box, tile)) for name, t, box, tile in loads}
         boxes = {name: box for name, _, box, _ in loads}
         if const_expr(dk is not None):  # varlen: dK and dV written row by row (packed_rows.py)
-            for name, t in (("dk", dk), ("dv", dv)):
-                tma[name] = Tma(*cpasync.make_tiled_tma_atom(store, t, s_kv, (n, d)))
-                boxes[name] = s_kv
+            for name, t, box, tile in (("dk", dk, s_kv, (n, d)), ("dv", dv, s_v, (n, d_v))):
+                tma[name] = Tma(*cpasync.make_tiled_tma_atom(store, t, box, tile))
+                boxes[name] = box
         # fragment order: 1D bulk reduces (and stores) at dq_accum's address instead
         if const_expr(not self.cfg.dq_fragment_order):
             tma["dq_accum"] = Tma(*cpasync.make_tiled_tma_atom(
@@ -200,15 +203,17 @@ class FlashBwdSm90:
             self.dq_store_box = (str(tma["dq_accum_store"].atom.type), str(s_dq_one.inner))
         self.tma_boxes = {name: (str(tma[name].atom.type), str(box.inner)) for name, box in boxes.items()}
         self.q_bytes = cute.size_in_bytes(self.dtype, s_q_one)
-        self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv)
-        self.storage = self._storage(s_q_tile, s_kv_all, s_ds, s_dq)
+        self.do_bytes = cute.size_in_bytes(self.dtype, s_do_one)
+        self.kv_bytes = cute.size_in_bytes(self.dtype, s_kv) + cute.size_in_bytes(self.dtype, s_v)
+        self.storage = self._storage(s_q_tile, s_do_tile, s_kv_all, s_v_all, s_ds, s_dq)
         self.smem_bytes = self.storage.size_in_bytes() + 1024
-        return tma, (s_q_tile, s_kv_all, s_ds, s_dq)
+        return tma, (s_q_tile, s_do_tile, s_kv_all, s_v_all, s_ds, s_dq)
 
     # ------------------------------------------------------------------ main kernel
     @cute.kernel
-    def kernel(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
-               sds_layout: cute.ComposedLayout, sdq_layout: cute.ComposedLayout):
+    def kernel(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout, sdo_layout: cute.ComposedLayout,
+               skv_layout: cute.ComposedLayout, sv_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
+               sdq_layout: cute.ComposedLayout):
         """One CTA of the dense main kernel (interfaces.BWD_MAIN): TMA coordinates (s, d, h, b);
         the dQ accumulator reduced into by TMA, or in fragment order by address; the
         statistics (b, h_q, s_q padded to tile_m); the semaphores, per-head counts and the
@@ -230,7 +235,7 @@ class FlashBwdSm90:
         # wait: so the preprocess has cleared the dq_done counters by then, whatever a
         # previous call left there, and the postprocess blocks wait on this call's counts.
         warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v, tma_dk, tma_dv), tma_dq, tma_dq_store,
-                                        sq_layout, skv_layout, sds_layout, sdq_layout)
+                                        (sq_layout, sdo_layout, skv_layout, sv_layout, sds_layout, sdq_layout))
         prob = self.walk.problem(gQ, gK, (p.window_left, p.window_right))
         prob, work = self.walk.cta_work(prob, gK, tail_tiles, tail_pieces, tail_ptr, partial_ptr)
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
@@ -246,7 +251,8 @@ class FlashBwdSm90:
 
     @cute.kernel
     def kernel_varlen(self, p: BWD_MAIN.tuple_type, sq_layout: cute.ComposedLayout,
-                      skv_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
+                      sdo_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
+                      sv_layout: cute.ComposedLayout, sds_layout: cute.ComposedLayout,
                       sdq_layout: cute.ComposedLayout):
         """The varlen main kernel: ``kernel``'s roles on one (key tile of a sequence, KV
         head) item (scheduler.TileWalk.cta_work_varlen); TMA coordinates (total, d, h, 1);
@@ -261,7 +267,7 @@ class FlashBwdSm90:
         cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr = p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k
         use_used_q, use_used_k, batch_count, order_ptr, lpt = p.use_seqused_q, p.use_seqused_k, p.batch, p.order, p.lpt
         warp, tidx, start = self._start((tma_q, tma_do, tma_k, tma_v), tma_dq, tma_dq_store,
-                                        sq_layout, skv_layout, sds_layout, sdq_layout)
+                                        (sq_layout, sdo_layout, skv_layout, sv_layout, sds_layout, sdq_layout))
         batches = batch_count
         seqs = Sequences(*(cute.make_tensor(at, cute.make_layout(batches + extra)) for at, extra in
                            ((cu_q_ptr, 1), (cu_k_ptr, 1), (used_q_ptr, 0), (used_k_ptr, 0))),
@@ -277,10 +283,12 @@ class FlashBwdSm90:
                         prob, work, sds_layout)
 
     @cute.jit
-    def _start(self, loads, tma_dq, tma_dq_store, sq_layout, skv_layout, sds_layout, sdq_layout):
+    def _start(self, loads, tma_dq, tma_dq_store, layouts):
         """A CTA's start, before its walk: the descriptors of ``loads`` (and the dQ
         accumulator's) prefetched, shared storage, pipelines (initialized, not yet waited
-        for) and tiles. Returns (warp, tidx, Start)."""
+        for) and tiles (``layouts``: _main_atoms' q, do, kv, v, ds, dq). Returns (warp,
+        tidx, Start)."""
+        sq_layout, sdo_layout, skv_layout, sv_layout, sds_layout, sdq_layout = layouts
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
@@ -290,17 +298,18 @@ class FlashBwdSm90:
                 cpasync.prefetch_descriptor(tma_dq)
                 cpasync.prefetch_descriptor(tma_dq_store)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_kv = tma_pipeline(storage.mbar_kv, self.cfg.kv_stages, self.cfg.num_consumers, 2 * self.kv_bytes)
+        pipe_kv = tma_pipeline(storage.mbar_kv, self.cfg.kv_stages, self.cfg.num_consumers, self.kv_bytes)
         # Q and dO in separate pipelines: dO is released once dV's GEMM is done, Q after dK's.
         # Each Q (dO) stage also carries its tile's LSE2 (D) values: 4 * tile_m bytes more.
-        step_bytes = (self.q_bytes + 4 * self.cfg.tile_m) * (self.cfg.step_rows // self.cfg.tile_m)
-        pipe_q, pipe_do = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, step_bytes)
-                           for bar in (storage.mbar_q, storage.mbar_do)]
+        tiles = self.cfg.step_rows // self.cfg.tile_m
+        pipe_q, pipe_do = [
+            tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, (tile_bytes + 4 * self.cfg.tile_m) * tiles)
+            for bar, tile_bytes in ((storage.mbar_q, self.q_bytes), (storage.mbar_do, self.do_bytes))]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
-        sdO = storage.sdO.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
+        sdO = storage.sdO.get_tensor(sdo_layout.outer, swizzle=sdo_layout.inner)
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
-        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
+        sV = storage.sV.get_tensor(sv_layout.outer, swizzle=sv_layout.inner)
         sdS = storage.sdS.get_tensor(sds_layout.outer, swizzle=sds_layout.inner)
         if const_expr(self.cfg.dq_fragment_order):
             # (4 values, thread of the warpgroup, 16-byte chunk, buffer): see DqFragments
@@ -311,9 +320,11 @@ class FlashBwdSm90:
             sdQ = storage.sdQ.get_tensor(sdq_layout.outer, swizzle=sdq_layout.inner)
         stats_layout = cute.make_layout((self.cfg.step_rows, self.cfg.stages))
         sLSE2, sDsum = storage.sLSE2.get_tensor(stats_layout), storage.sDsum.get_tensor(stats_layout)
-        staging = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, col_parts=self.cfg.col_parts)  # dK, dV over spent Q, dO
-        sdK = storage.sQ.get_tensor(staging.outer, swizzle=staging.inner)
-        sdV = storage.sdO.get_tensor(staging.outer, swizzle=staging.inner)
+        # dK, dV over spent Q, dO (keys on M; head on M stages them over K and V)
+        staging_k, staging_v = (smem_layout(self.dtype, self.cfg.tile_n, w, col_parts=self.cfg.col_parts)
+                                for w in (self.cfg.head_dim, self.cfg.head_dim_v))
+        sdK = storage.sQ.get_tensor(staging_k.outer, swizzle=staging_k.inner)
+        sdV = storage.sdO.get_tensor(staging_v.outer, swizzle=staging_v.inner)
 
         return warp, tidx, Start(storage, pipe_kv, pipe_q, pipe_do, sQ, sdO, sK, sV, sdS, sdQ, sLSE2, sDsum, sdK, sdV)
 

@@ -221,7 +221,7 @@ class PrePostSm90:
         batch, head, bidx, seqlen_q, heads_q = where.batch, where.head, where.tile, where.seqlen_q, where.heads_q
         row = bidx * self.cfg.tile_m + tidx // THREADS_PER_ROW
         part = tidx % THREADS_PER_ROW
-        d = self.cfg.head_dim
+        d, d_v = self.cfg.head_dim, self.cfg.head_dim_v  # dQ's columns; O's and dO's
         vec = 8  # elements of O, dO per 16-byte chunk
         total = Float32(0.0)
         term = Float32(0.0)
@@ -229,7 +229,7 @@ class PrePostSm90:
         if row < seqlen_q:
             o_row = self._io_row(where, row, o_sb, o_ss, o_sh)
             do_row = self._io_row(where, row, do_sb, do_ss, do_sh)
-            for i in cutlass.range_constexpr(d // vec // THREADS_PER_ROW):
+            for i in cutlass.range_constexpr(d_v // vec // THREADS_PER_ROW):
                 col = (part + i * THREADS_PER_ROW) * vec
                 if col < columns:
                     o = cute.make_rmem_tensor((vec,), self.dtype)

@@ -49,12 +49,12 @@ class Producer:
             m_block = self.walk.m_block(step, item.m_first, item.span, prob.m_blocks)
             ws_batch, ws_tiles, ws_m = self.walk.ws_tile(prob, item.batch, prob.m_blocks, m_block)
             stats_at = self.stats_at(ws_batch, prob.heads_q, head_q, ws_tiles, ws_m)
-            loads = ((inputs.tma_do, inputs.gdO, inputs.sdO, pipes.do, stats.dsum_ptr, stats.sDsum),
-                     (inputs.tma_q, inputs.gQ, inputs.sQ, pipes.q, stats.lse2_ptr, stats.sLSE2))
-            for atom, g_all, s_all, pipe, stats_ptr, s_stats in loads:
+            loads = ((inputs.tma_do, inputs.gdO, inputs.sdO, pipes.do, stats.dsum_ptr, stats.sDsum, cfg.head_dim_v),
+                     (inputs.tma_q, inputs.gQ, inputs.sQ, pipes.q, stats.lse2_ptr, stats.sLSE2, cfg.head_dim))
+            for atom, g_all, s_all, pipe, stats_ptr, s_stats, width in loads:
                 pipe.producer_acquire(state)
                 q_tile = cute.local_tile(self.walk.rows_of(g_all, prob, head_q, item.batch, False),
-                                         (cfg.tile_m, cfg.head_dim), (m_block, 0))
+                                         (cfg.tile_m, width), (m_block, 0))
                 part_s, part_g = cpasync.tma_partition(
                     atom, 0, whole, cute.group_modes(s_all, 0, 2), cute.group_modes(q_tile, 0, 2))
                 cute.copy(atom, part_g, part_s[None, state.index], tma_bar_ptr=pipe.producer_get_barrier(state))
@@ -62,7 +62,7 @@ class Producer:
                     self.load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             if step == 0:
                 cute.arch.griddepcontrol_wait()
-                for _, _, _, pipe, stats_ptr, s_stats in loads:
+                for _, _, _, pipe, stats_ptr, s_stats, _ in loads:
                     self.load_stats(s_stats, stats_ptr + stats_at, pipe, state)
             state.advance()
         return kv_state, state
@@ -113,9 +113,10 @@ class Producer:
         two); advances kv_state."""
         cfg = self.cfg
         pipes.kv.producer_acquire(kv_state)
-        for atom, g, s in ((inputs.tma_k, inputs.gK, inputs.sK), (inputs.tma_v, inputs.gV, inputs.sV)):
+        for atom, g, s, width in ((inputs.tma_k, inputs.gK, inputs.sK, cfg.head_dim),
+                                  (inputs.tma_v, inputs.gV, inputs.sV, cfg.head_dim_v)):
             tile = cute.local_tile(self.walk.rows_of(g, prob, item.head_kv, item.batch, True),
-                                   (cfg.tile_n, cfg.head_dim), (item.n_block, 0))
+                                   (cfg.tile_n, width), (item.n_block, 0))
             t_s, t_g = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 2),
                                              cute.group_modes(tile, 0, 2))
             if const_expr(cfg.persistent):

@@ -27,6 +27,9 @@ TILES = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 11
 # 128, 120 TFLOP/s against 108; Gemma's head_dim 256, window 1024, +6% capped and uncapped;
 # docs/design.md, "Local attention, sinks, softcap").
 LOCAL_TILES = {**TILES, 64: (192, 64, 4), 256: (128, 64, 2)}
+# (head_dim, head_dim_v) pairs with a kernel of their own: 192/128 holds 128-key tiles (S and
+# O fragments as at head_dim 128; Q 48 KB, two stages of K 48 KB and V 32 KB each: 208 KB).
+PAIR_TILES = {(192, 128): (128, 128, 2)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 
@@ -36,6 +39,7 @@ class FwdConfig:
     dtype: str  # "bf16" or "fp16"
     head_dim: int
     causal: bool
+    head_dim_v: int  # v's and O's columns: head_dim, or the pair's own (PAIR_TILES)
     tile_m: int  # query rows per tile, 64 per consumer warpgroup
     tile_n: int  # keys per step
     stages: int  # K / V pipeline stages
@@ -59,11 +63,17 @@ class FwdConfig:
     def of(cls, variant) -> "FwdConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind fwd, arch sm90a."""
         assert variant.kind == "fwd" and variant.arch == "sm90a", variant
-        tile_m, tile_n, stages = (LOCAL_TILES if variant.local else TILES)[variant.head_dim]
+        head_dim_v = variant.head_dim_v or variant.head_dim
+        if head_dim_v != variant.head_dim:
+            assert not variant.local and variant.q_tiles == 1, "O is staged over Q's one buffer"
+            tile_m, tile_n, stages = PAIR_TILES[(variant.head_dim, head_dim_v)]
+        else:
+            tile_m, tile_n, stages = (LOCAL_TILES if variant.local else TILES)[variant.head_dim]
         consumers = tile_m // 64
         producer_regs, consumer_regs = REGISTERS[consumers]
         assert not (variant.varlen and variant.q_tiles != 1)
-        return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=tile_m,
+        return cls(dtype=variant.dtype, head_dim=variant.head_dim, head_dim_v=head_dim_v, causal=variant.causal,
+                   tile_m=tile_m,
                    tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, varlen=variant.varlen, num_consumers=consumers,
                    producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
                    paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0, local=variant.local,

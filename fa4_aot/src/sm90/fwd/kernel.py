@@ -83,7 +83,7 @@ class FlashFwdSm90:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.q_tiles]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer
+            sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer (tile_m, d_v)
             sK: buf(sk)
             sV: buf(sv)
 
@@ -99,19 +99,19 @@ class FlashFwdSm90:
         cfg = self.cfg
         q, k, v = [sdhb(t) for t in (x.q, x.k, x.v)]
         o = None if const_expr(cfg.varlen) else sdhb(x.out)
-        tma, sq, skv = self._atoms(q, k, v, o)
+        tma, (sq, sk, sv, so) = self._atoms(q, k, v, o)
         params = FWD.bind(cfg, x, tma)
         if const_expr(cfg.varlen):
             self.order_varlen(FWD_LPT.bind(cfg, x)).launch(
                 grid=[1, 1, 1], block=[lpt.THREADS, 1, 1], smem=lpt.SMEM_BYTES
             )
             grid = (cute.ceil_div(q.shape[0], cfg.tile_m) + x.batch, q.shape[2], 1)
-            self.kernel_varlen(params, sq, skv).launch(
+            self.kernel_varlen(params, sq, sk, sv, so).launch(
                 grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
             )
         else:
             grid = (cute.ceil_div(q.shape[0], cfg.tile_m * cfg.q_tiles), q.shape[2], q.shape[3])
-            self.kernel(params, sq, skv).launch(
+            self.kernel(params, sq, sk, sv, so).launch(
                 grid=grid, block=[cfg.threads, 1, 1], smem=self.smem_bytes, min_blocks_per_mp=1
             )
 
@@ -123,34 +123,41 @@ class FlashFwdSm90:
 
     def _atoms(self, q, k, v, o):
         """TMA atoms and coordinates of Q, K, V (and O, if given) as {name: Tma}, and the
-        shared layouts (sq, skv); sets the storage and the manifest's boxes."""
-        sq = smem_layout(self.dtype, self.cfg.tile_m, self.cfg.head_dim, self.cfg.q_tiles)
-        sq_one = cute.select(sq, mode=[0, 1])
-        skv = smem_layout(self.dtype, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
-        skv_one = cute.select(skv, mode=[0, 1])
+        shared layouts (sq, sk, sv, so: O's staging tiles, over Q's buffers); sets the
+        storage and the manifest's boxes."""
+        cfg = self.cfg
+        sq = smem_layout(self.dtype, cfg.tile_m, cfg.head_dim, cfg.q_tiles)
+        sk = smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.stages)
+        sv = smem_layout(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.stages)
+        so = smem_layout(self.dtype, cfg.tile_m, cfg.head_dim_v, cfg.q_tiles)
+        boxes = {name: cute.select(layout, mode=[0, 1]) for name, layout in (("q", sq), ("k", sk), ("v", sv),
+                                                                              ("out", so))}
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
-        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, box, (rows, self.cfg.head_dim)))
-               for name, t, box, rows in (("q", q, sq_one, self.cfg.tile_m), ("k", k, skv_one, self.cfg.tile_n),
-                                           ("v", v, skv_one, self.cfg.tile_n))}
+        tma = {name: Tma(*cpasync.make_tiled_tma_atom(load, t, boxes[name], tile))
+               for name, t, tile in (("q", q, (cfg.tile_m, cfg.head_dim)), ("k", k, (cfg.tile_n, cfg.head_dim)),
+                                     ("v", v, (cfg.tile_n, cfg.head_dim_v)))}
         if const_expr(o is not None):
-            tma["out"] = Tma(*cpasync.make_tiled_tma_atom(store, o, sq_one, (self.cfg.tile_m, self.cfg.head_dim)))
+            tma["out"] = Tma(*cpasync.make_tiled_tma_atom(store, o, boxes["out"], (cfg.tile_m, cfg.head_dim_v)))
         # name -> (atom type, smem swizzle), read by the build for the manifest
-        boxes = {"q": sq_one, "k": skv_one, "v": skv_one, "out": sq_one}
         self.tma_boxes = {name: (str(t.atom.type), str(boxes[name].inner)) for name, t in tma.items()}
-        self.q_bytes = cute.size_in_bytes(self.dtype, sq_one)
-        self.kv_bytes = cute.size_in_bytes(self.dtype, skv_one)
-        self.storage = self._storage(sq, skv, skv)
+        self.q_bytes = cute.size_in_bytes(self.dtype, boxes["q"])
+        self.k_bytes = cute.size_in_bytes(self.dtype, boxes["k"])
+        self.v_bytes = cute.size_in_bytes(self.dtype, boxes["v"])
+        self.storage = self._storage(sq, sk, sv)
         self.smem_bytes = self.storage.size_in_bytes() + 1024  # + base alignment slack
-        return tma, sq, skv
+        return tma, (sq, sk, sv, so)
 
     @cute.kernel
-    def kernel(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+    def kernel(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
+               sv_layout: cute.ComposedLayout, so_layout: cute.ComposedLayout):
         """One CTA of the dense forward: (query tile(s), head, batch). ``p``: interfaces.FWD,
         its TMA coordinates (s, d, h, b), LSE contiguous (b, h_q, s_q)."""
         (tma_q, gQ), (tma_k, gK), (tma_v, gV), (tma_o, gO) = p.q, p.k, p.v, p.out
         lse_ptr, scale_log2 = p.lse, p.scale_log2
-        warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v, tma_o), sq_layout,
-                                                                     skv_layout)
+        warp, tidx, pipes, smem = self._setup((tma_q, tma_k, tma_v, tma_o), (sq_layout, sk_layout, sv_layout,
+                                                                             so_layout))
+        pipe_q, pipe_k, pipe_v = pipes
+        sQ, sK, sV, sO = smem
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         if const_expr(self.cfg.q_tiles == 1):
@@ -183,11 +190,12 @@ class FlashFwdSm90:
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.attend(tidx - WARPGROUP, (sQ, sK, sV), (pipe_q, pipe_k, pipe_v), m_blocks, (seqlen_q, seqlen_k),
+            self.attend(tidx - WARPGROUP, smem, pipes, m_blocks, (seqlen_q, seqlen_k),
                         scale_log2, (tma_o, gO[None, None, head, batch], mLSE[None, head, batch]), opts)
 
     @cute.kernel
-    def kernel_varlen(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout):
+    def kernel_varlen(self, p: FWD.tuple_type, sq_layout: cute.ComposedLayout, sk_layout: cute.ComposedLayout,
+                      sv_layout: cute.ComposedLayout, so_layout: cute.ComposedLayout):
         """One (query tile, head) of packed sequences: as ``kernel``, with the sequence's
         rows from cu_seqlens (common/seqlen.py); CTAs past the last tile compute an empty
         tile and write nothing. TMA coordinates (total, d, h, 1); O (total_q, h_q, d) by
@@ -196,7 +204,9 @@ class FlashFwdSm90:
         (o_ptr, (o_ss, o_sh)), lse_ptr, scale_log2 = p.out_rows, p.lse, p.scale_log2
         cu_q_ptr, cu_k_ptr, used_q_ptr, used_k_ptr = p.cu_seqlens_q, p.cu_seqlens_k, p.seqused_q, p.seqused_k
         use_used_q, use_used_k, batch_count, order_ptr, lpt = p.use_seqused_q, p.use_seqused_k, p.batch, p.order, p.lpt
-        warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV = self._setup((tma_q, tma_k, tma_v), sq_layout, skv_layout)
+        warp, tidx, pipes, smem = self._setup((tma_q, tma_k, tma_v), (sq_layout, sk_layout, sv_layout, so_layout))
+        pipe_q, pipe_k, pipe_v = pipes
+        sQ, sK, sV, sO = smem
         total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
         batches = batch_count
         cu_q, used_q = (cute.make_tensor(at, cute.make_layout(batches + extra))
@@ -229,7 +239,7 @@ class FlashFwdSm90:
         else:
             # ---------------- consumer warpgroups: MMA, softmax, epilogue ----------------
             cute.arch.setmaxregister_increase(self.cfg.consumer_regs)
-            self.attend(tidx - WARPGROUP, (sQ, sK, sV), (pipe_q, pipe_k, pipe_v), m_blocks, (seqlen_q, seqlen_k),
+            self.attend(tidx - WARPGROUP, smem, pipes, m_blocks, (seqlen_q, seqlen_k),
                         scale_log2, (None, out, None), opts)
 
     @cute.jit
@@ -260,9 +270,10 @@ class FlashFwdSm90:
                                   self.cfg.tile_m, order, lpt, heads_q)
 
     @cute.jit
-    def _setup(self, atoms, sq_layout, skv_layout):
-        """The CTA's start: descriptors prefetched, shared storage, pipelines, tiles.
-        Returns (warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV)."""
+    def _setup(self, atoms, layouts):
+        """The CTA's start: descriptors prefetched, shared storage, pipelines, tiles
+        (``layouts``: _atoms' sq, sk, sv, so). Returns (warp, tidx, (pipe_q, pipe_k,
+        pipe_v), (sQ, sK, sV, sO)): sO, O's staging tiles, over sQ."""
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
         if warp == 0:
@@ -271,14 +282,16 @@ class FlashFwdSm90:
 
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_q = tma_pipeline(storage.mbar_q, self.cfg.q_tiles, self.cfg.num_consumers, self.q_bytes)
-        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, self.kv_bytes)
-                          for bar in (storage.mbar_k, storage.mbar_v)]
+        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, tx)
+                          for bar, tx in ((storage.mbar_k, self.k_bytes), (storage.mbar_v, self.v_bytes))]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
 
+        sq_layout, sk_layout, sv_layout, so_layout = layouts
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
-        sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
-        sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
-        return warp, tidx, pipe_q, pipe_k, pipe_v, sQ, sK, sV
+        sK = storage.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
+        sV = storage.sV.get_tensor(sv_layout.outer, swizzle=sv_layout.inner)
+        sO = storage.sQ.get_tensor(so_layout.outer, swizzle=so_layout.inner)
+        return warp, tidx, (pipe_q, pipe_k, pipe_v), (sQ, sK, sV, sO)
 
     def _key_tiles(self, m_block, seqlen_q, seqlen_k, window=None):
         """Key tiles query tile ``m_block`` attends to, one past the last (causal: up to
@@ -327,7 +340,7 @@ class FlashFwdSm90:
         pipe_q, pipe_k, pipe_v = pipes
         whole = cute.make_layout(1)
         tiles_k = cute.local_tile(gK, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
-        tiles_v = cute.local_tile(gV, (self.cfg.tile_n, self.cfg.head_dim), (None, 0))
+        tiles_v = cute.local_tile(gV, (self.cfg.tile_n, self.cfg.head_dim_v), (None, 0))
         tKs, tKg = cpasync.tma_partition(
             tma_k, 0, whole, cute.group_modes(sK, 0, 2), cute.group_modes(tiles_k, 0, 2)
         )
@@ -375,7 +388,8 @@ class FlashFwdSm90:
     @cute.jit
     def _tiled_mmas(self):
         qk = tiled_mma(self.dtype, "K", "K", (self.cfg.num_consumers, 1, 1), self.cfg.tile_n)
-        pv = tiled_mma(self.dtype, "K", "MN", (self.cfg.num_consumers, 1, 1), self.cfg.head_dim, a_in_registers=True)
+        pv = tiled_mma(self.dtype, "K", "MN", (self.cfg.num_consumers, 1, 1), self.cfg.head_dim_v,
+                       a_in_registers=True)
         return qk, pv
 
     @cute.jit
@@ -399,11 +413,11 @@ class FlashFwdSm90:
 
     @cute.jit
     def attend(self, tidx: Int32, smem, pipes, m_blocks, seqlens, scale_log2: Float32, out, opts):
-        """tidx: 0..255 over the consumer warpgroups; smem: sQ, sK, sV; pipes: Q's, K's,
+        """tidx: 0..255 over the consumer warpgroups; smem: sQ, sK, sV, sO; pipes: Q's, K's,
         V's; m_blocks: this CTA's query tiles, in order; seqlens: (seqlen_q, seqlen_k); out:
         O's TMA atom, gO (s_q, d) and mLSE (s_q,) (varlen: None, its RowsOut, None); opts:
         ScoreOptions."""
-        sQ, sK, sV = smem
+        sQ, sK, sV, sO = smem
         seqlen_q, seqlen_k = seqlens
         pipe_q, pipe_k, pipe_v = pipes
         f = self._fragments(tidx, sK, sV)
@@ -420,7 +434,7 @@ class FlashFwdSm90:
             n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k, window)
             n_min = self._first_key_tile(m_block, seqlen_q, seqlen_k, window)
             tSrQ = f.wg_qk.make_fragment_A(f.wg_qk.partition_A(sQ[None, None, t]))
-            acc_o = cute.make_rmem_tensor(f.thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim)), Float32)
+            acc_o = cute.make_rmem_tensor(f.thr_pv.partition_shape_C((self.cfg.tile_m, self.cfg.head_dim_v)), Float32)
             acc_o.fill(0.0)
             rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
             softmax = OnlineSoftmax(scale_log2, rows)
@@ -447,7 +461,7 @@ class FlashFwdSm90:
                     kv_state.advance()  # the next tile's first K
 
             # O over this tile's spent Q; only the last store is waited for (CTA exit)
-            self._finish_tile(tidx, (acc_o, softmax), f, sQ[None, None, t], out, m_block, seqlen_q,
+            self._finish_tile(tidx, (acc_o, softmax), f, sO[None, None, t], out, m_block, seqlen_q,
                               t == self.cfg.q_tiles - 1, opts.sink_log2)
 
     @cute.jit
@@ -676,10 +690,11 @@ class FlashFwdSm90:
         if const_expr(self.cfg.varlen):
             self._epilogue_rows(tidx, acc_o, lse, mma_pv, thr_pv, sO, gO, m_block, seqlen_q)
         else:
-            tile_o = cute.local_tile(gO, (self.cfg.tile_m, self.cfg.head_dim), (m_block, 0))
+            tile_o = cute.local_tile(gO, (self.cfg.tile_m, self.cfg.head_dim_v), (m_block, 0))
             stage_and_store(tidx, acc_o, self.dtype, mma_pv, sO, tma_o, tile_o, EPILOGUE_BARRIER,
                             self.cfg.num_consumers * WARPGROUP, wait_read)
-            coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
+            coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m,
+                                                                                     self.cfg.head_dim_v))))
             if tidx % 4 == 0:
                 for r in cutlass.range_constexpr(cute.size(lse)):
                     row = m_block * self.cfg.tile_m + coords[r, 0][0]
@@ -704,7 +719,7 @@ class FlashFwdSm90:
         first_row = m_block * cfg.tile_m
         store_rows(tidx, threads, sO, PackedRows(out.o_ptr, out.o_ss, out.o_sh, out.columns, out.offset, seqlen_q,
                                                  out.head), first_row)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim_v))))
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(cute.size(lse)):
                 row = first_row + coords[r, 0][0]
