@@ -109,10 +109,11 @@ def test_variant_not_built_lists_the_nearest(built):
 
 
 def test_a_head_dim_runs_on_the_narrowest_built_one_at_least_as_wide(built):
-    """The subset builds forwards at 64, 96 (fp16 causal), 128, 256 and decode at 128 only."""
+    """The subset builds forwards at 64, 96 (fp16 causal), 128, 192 (192/128's own, varlen),
+    256 and decode at 128 only."""
     m = Manifest(built[0])
-    assert [m.kernel_head_dim("fwd", d) for d in (8, 40, 64, 72, 96, 104, 136, 248, 256)] == \
-        [64, 64, 64, 96, 96, 128, 256, 256, 256]
+    assert [m.kernel_head_dim("fwd", d) for d in (8, 40, 64, 72, 96, 104, 136, 200, 248, 256)] == \
+        [64, 64, 64, 96, 96, 128, 192, 256, 256, 256]
     assert m.kernel_head_dim("decode", 8) == 128
     for d in (0, -8, 4, 36, 100, 264, 512):  # not a positive multiple of 8; past the widest
         with pytest.raises(UnsupportedVariantError, match=f"head_dim {d}"):
