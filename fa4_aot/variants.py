@@ -108,8 +108,11 @@ NOT_BUILT_REASONS = {
        for d in (192, 256)},
     # v's own head dim: the forward's and backward's 192/128 (decode serves it on its d192
     # kernels, v's columns past 128 read as zeros and never written)
-    **{f"head_dim={d},head_dim_v=128": "a v narrower than q has a kernel of its own only beside "
-       "q's 192 (DeepSeek V3's 192/128); other pairs run on q's head dim" for d in (64, 96, 128, 256)},
+    **{f"head_dim={d},head_dim_v=128": "a v wider than q runs on the kernels of v's head dim (d128)"
+       for d in (64, 96)},
+    "head_dim=128,head_dim_v=128": "v as wide as q is head_dim_v 0 (q's)",
+    "head_dim=256,head_dim_v=128": "v narrower than q has kernels of its own only beside q's 192 (DeepSeek V3's "
+    "192/128); 256/128 runs on the d256 kernels",
     "local=True,head_dim_v=128": "windows, sinks and softcap at 192/128 run on the d192 local kernels",
     "kind=decode,head_dim_v=128": "decode at 192/128 runs on the d192 kernels",
     "kind=combine,head_dim_v=128": "the combine merges rows of any width on its d192 kernel",
