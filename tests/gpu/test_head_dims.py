@@ -487,6 +487,27 @@ def test_torch_layers_with_v_of_its_own_head_dim(gen):
         check_attention(out[b:b + 1], lse[b:b + 1], q1[b:b + 1], kc[b:b + 1, :n], vc[b:b + 1, :n], False)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_192_128_as_views_of_one_projection(causal, gen):
+    """q, k (192) and v (128) as column slices of one (b, s, h, 512) projection (rows of
+    1024 bytes, v starting at byte 768), GQA-free as MLA's expanded heads are, on the
+    d192v128 kernels through the autograd layer, against the reference; the same on
+    contiguous copies: out, dk and dv bitwise (dq's fp32 adds may land in another order)."""
+    proj = torch.randn(2, 333, 4, 512, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_(True)
+    q, k, v = proj[..., :192], proj[..., 192:384], proj[..., 384:]
+    out = flash_attn_func(q, k, v, causal=causal)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    grads = (proj.grad[..., :192], proj.grad[..., 192:384], proj.grad[..., 384:])
+    check_grads(grads, *(x.detach() for x in (q, k, v)), dout, out.detach(), causal)
+    copies = [x.detach().contiguous().requires_grad_(True) for x in (q, k, v)]
+    again = flash_attn_func(*copies, causal=causal)
+    again.backward(dout)
+    assert torch.equal(again, out)
+    assert all(torch.equal(c.grad, g) for c, g in zip(copies[1:], grads[1:]))
+
+
 def test_mismatched_head_dims_are_refused_before_launch(gen):
     q, k = (torch.randn(1, 64, 2, 192, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
     v = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
