@@ -73,8 +73,8 @@ class FwdConfig:
         producer_regs, consumer_regs = REGISTERS[consumers]
         assert not (variant.varlen and variant.q_tiles != 1)
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, head_dim_v=head_dim_v, causal=variant.causal,
-                   tile_m=tile_m,
-                   tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, varlen=variant.varlen, num_consumers=consumers,
+                   tile_m=tile_m, tile_n=tile_n, stages=stages, q_tiles=variant.q_tiles, varlen=variant.varlen,
+                   num_consumers=consumers,
                    producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
                    paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0, local=variant.local,
                    softcap=variant.softcap)
