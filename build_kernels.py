@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
 from fa4_aot.launch import manifest as mf  # noqa: E402
-from fa4_aot.variants import ARCHS, AXES, MATRIX, NOT_BUILT_REASONS, Variant, select  # noqa: E402
+from fa4_aot.variants import ARCHS, AXES, NOT_BUILT_REASONS, Variant, select  # noqa: E402
 
 PACKAGE = ROOT / "fa4_aot"
 COMPILER = PACKAGE / "src" / "compile.py"  # what a worker imports to compile a variant

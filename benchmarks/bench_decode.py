@@ -145,8 +145,6 @@ def main():
                     "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
     args = ap.parse_args()
     if args.kernels:
-        import fa4_aot.dense as api
-
         fa4_aot.set_default_library(fa4_aot.KernelLibrary(args.kernels))
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     shapes = ISSUE + SPLIT + PAGED if args.quick else ISSUE + MORE + SPLIT + KEYS + PAGED

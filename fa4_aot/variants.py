@@ -117,7 +117,7 @@ NOT_BUILT_REASONS = {
     "kind=decode,head_dim_v=128": "decode at 192/128 runs on the d192 kernels",
     "kind=combine,head_dim_v=128": "the combine merges rows of any width on its d192 kernel",
     **{f"kind=fwd,local=True,head_dim={d},q_tiles=2": "two local query tiles per CTA measured slower than one "
-       f"at head_dim 128 for every window (128: 89 against 111 TFLOP/s; 1024: 225 against 318)" for d in (96, 128)},
+       "at head_dim 128 for every window (128: 89 against 111 TFLOP/s; 1024: 225 against 318)" for d in (96, 128)},
 }
 
 

@@ -14,8 +14,6 @@ import fa4_aot
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 if "--kernels" in sys.argv:
-    import fa4_aot.dense as api
-
     fa4_aot.set_default_library(fa4_aot.KernelLibrary(Path(sys.argv[sys.argv.index("--kernels") + 1])))
     args.remove(sys.argv[sys.argv.index("--kernels") + 1])
 batch, sq, keys = (int(x) for x in args[:3])

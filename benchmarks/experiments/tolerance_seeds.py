@@ -14,7 +14,6 @@ import torch
 
 sys.path.insert(0, ".")
 import fa4_aot
-import fa4_aot.dense as api  # noqa: E402
 from fa4_aot.launch.loader import KernelLibrary  # noqa: E402
 from fa4_aot.variants import MATRIX  # noqa: E402
 from tests.gpu import test_bwd as T  # noqa: E402

@@ -16,7 +16,7 @@ from fa4_aot.launch import loader
 from fa4_aot.launch.arrays import _DLTensor, as_device_array, as_device_arrays, dlpack_stream
 from fa4_aot.errors import DeviceError
 
-from .test_arguments import B, BASE, D, HKV, HQ, SK, SQ, good_forward
+from .test_arguments import B, D, HKV, HQ, SK, SQ, good_forward
 from .test_inputs import fresh
 from .test_loader import _FakeContext, _RecordingLibrary
 

@@ -158,7 +158,6 @@ def test_bad_order_options_raise_before_any_launch(built, options, error, messag
 
 
 def test_lpt_past_the_sort_width_is_refused(built, monkeypatch):
-    from fa4_aot import policy
     from fa4_aot.launch.manifest import Manifest
 
     library = _FakeLibrary(Manifest(built[0]))

@@ -16,7 +16,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int64
 
 from ...common import symbols
 from ...interfaces import COMBINE, COMBINE_INPUTS
