@@ -96,11 +96,8 @@ class HeadOnM:
             # tile's loads start only once the GEMMs reading them are done; releasing dO
             # after dV and Q after dK, before any dQ GEMM, measured +15% over dQ chunk 0
             # issued first (docs/design.md, "Backward: head dim on M").
-            if const_expr(self._every_wg_owns_dv()):
+            if self._owns_dv(wg):  # the others' wait_group(2) below waits for nothing
                 wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
-            else:
-                if wg < self._dv_owners():  # the others' wait_group(2) below waits for nothing
-                    wgmma(mma_dkv, acc_dv, tVrdOt[None, None, None, state.index], tVrP, True, wait=False)
             wgmma(mma_dkv, acc_dk, tKrQt[None, None, None, state.index], tKrdS, True, wait=False)
             acc_dq = cute.make_rmem_tensor(thr_dq.partition_shape_C((chunk, tm)), Float32)
             wgmma(mma_dq, acc_dq, tQrKt[0], tQrdS, False, wait=False)
@@ -124,6 +121,16 @@ class HeadOnM:
 
     def _every_wg_owns_dv(self) -> bool:
         return self._dv_owners() == self.cfg.num_consumers
+
+    def _dv_row_block(self, wg):
+        """Warpgroup ``wg``'s block of dV rows, clamped into v's head dims (the address of
+        a block the warpgroups past them never use)."""
+        return wg if self._every_wg_owns_dv() else cutlass.min(wg, self._dv_owners() - 1)
+
+    def _owns_dv(self, wg):
+        """Whether warpgroup ``wg`` owns dV rows: True (a Python constant, no branch) where
+        every one does, else a run-time test."""
+        return True if self._every_wg_owns_dv() else wg < self._dv_owners()
 
     @cute.jit
     def _operands(self, tidx, tiles, sP, seqlen_q):
@@ -149,7 +156,7 @@ class HeadOnM:
         # dV^T, dK^T: A = dO^T, Q^T (this warpgroup's head dims, queries), B = P, dS
         # (keys, queries)
         mine = (own, tm)
-        wg_v = wg if const_expr(self._every_wg_owns_dv()) else cutlass.min(wg, self._dv_owners() - 1)  # in bounds
+        wg_v = self._dv_row_block(wg)
         tVrdOt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sdO), mine, (wg_v, 0, None))))
         tKrQt = wg_dkv.make_fragment_A(wg_dkv.partition_A(cute.local_tile(transpose_smem(sQ), mine, (wg, 0, None))))
         tVrP = wg_dkv.make_fragment_B(wg_dkv.partition_B(sP))
@@ -220,13 +227,9 @@ class HeadOnM:
         cute.copy(store, thr.retile(staged_dk), thr.partition_D(cute.local_tile(transpose_smem(sK), mine, (wg, 0))))
         staged_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
         staged_dv.store(acc_dv.load().to(self.dtype))
-        if const_expr(self._every_wg_owns_dv()):
-            cute.copy(store, thr.retile(staged_dv), thr.partition_D(cute.local_tile(transpose_smem(sV), mine, (wg, 0))))
-        else:
-            if wg < self._dv_owners():  # v's head dims: the first warpgroups' rows
-                wg_v = cutlass.min(wg, self._dv_owners() - 1)
-                cute.copy(store, thr.retile(staged_dv),
-                          thr.partition_D(cute.local_tile(transpose_smem(sV), mine, (wg_v, 0))))
+        if self._owns_dv(wg):  # v's head dims: the first warpgroups' rows
+            cute.copy(store, thr.retile(staged_dv),
+                      thr.partition_D(cute.local_tile(transpose_smem(sV), mine, (self._dv_row_block(wg), 0))))
         if const_expr(self.cfg.varlen):
             # the sequence's rows of the staged tiles, by every consumer thread
             cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.cfg.num_consumers * WARPGROUP)
