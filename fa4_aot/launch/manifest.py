@@ -86,6 +86,7 @@ class Manifest:
         self._built: dict[tuple, bool] = {}
         self._matching: dict[tuple, list] = {}
         self._head_dims: dict[tuple, int] = {}
+        self._head_dims_v: dict[tuple, int] = {}
 
     def _scan(self) -> tuple[dict, int | None]:
         """(the top-level fields before "kernels", where the "kernels" array starts), the
@@ -222,12 +223,12 @@ class Manifest:
         beside them that holds v's ``columns_v`` columns (a kernel of v's own width,
         narrower than q's: 192/128, docs/design.md "Head dims"); as given where none is
         (v then runs on q's head dim)."""
-        key = ("v", columns_v, *sorted(axes.items()))
-        found = self._head_dims.get(key)
+        key = (columns_v, *sorted(axes.items()))
+        found = self._head_dims_v.get(key)
         if found is None:
             widths = [entry["variant"].get("head_dim_v", 0) for entry in self.index.values()
                       if all(entry["variant"].get(axis) == value for axis, value in axes.items())]
-            found = self._head_dims[key] = min((w for w in widths if w >= columns_v), default=0)
+            found = self._head_dims_v[key] = min((w for w in widths if w >= columns_v), default=0)
         return {**axes, "head_dim_v": found} if found else axes
 
     def built(self, **axes) -> bool:
