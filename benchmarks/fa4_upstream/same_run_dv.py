@@ -30,12 +30,13 @@ from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 LIBRARIES = {}  # "ours" and each "ours@NAME": the KernelLibrary its calls launch from
 
 
-def _on(library, fn):
-    """``fn`` launched from ``library`` (the adapters' default library switched first)."""
-    def call():
+def _timed(fn, library=None):
+    """``fn``'s median time, launched from ``library`` where given: the adapters' default
+    library is switched before the timing, not inside the timed calls (where it would add
+    host time to ours alone)."""
+    if library is not None:
         fa4_aot.set_default_library(library)
-        return fn()
-    return call
+    return bench(fn)
 
 D, DV, H = 192, 128, 16
 CELLS = [(b, s, c, H) for b, s in ((4, 4096), (1, 16384)) for c in (False, True)] + [
@@ -107,13 +108,13 @@ def cell(b, s, causal, hkv, r, res, spec, ex):
         o = cud_fwd()
         gq = dout.transpose(1, 2)
         cud_bwd = lambda: torch.autograd.grad(o, (qt, kt, vt), gq, retain_graph=True)  # noqa: E731
-        order = [(f"fwd {n}", _on(lib, ours_fwd)) for n, lib in LIBRARIES.items()] + [
-            ("fwd fa4", fa4_fwd), ("fwd cudnn", cud_fwd)] + [
-            (f"bwd {n}", _on(lib, ours_bwd)) for n, lib in LIBRARIES.items()] + [
-            ("bwd fa4", fa4_bwd), ("bwd cudnn", cud_bwd)]
+        order = [(f"fwd {n}", ours_fwd, lib) for n, lib in LIBRARIES.items()] + [
+            ("fwd fa4", fa4_fwd, None), ("fwd cudnn", cud_fwd, None)] + [
+            (f"bwd {n}", ours_bwd, lib) for n, lib in LIBRARIES.items()] + [
+            ("bwd fa4", fa4_bwd, None), ("bwd cudnn", cud_bwd, None)]
         if r % 2:
             order.reverse()
-        times = {n: bench(fn) for n, fn in order if mha or "fa4" not in n}
+        times = {n: _timed(fn, lib) for n, fn, lib in order if mha or "fa4" not in n}
     for n, t in times.items():
         fl = flops(b, s, causal) * (2.5 if n.startswith("bwd") else 1)
         res.setdefault(f"{tag} {n}", []).append(fl / t / 1e9)

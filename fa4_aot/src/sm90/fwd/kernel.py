@@ -130,6 +130,12 @@ class FlashFwdSm90:
         sk = smem_layout(self.dtype, cfg.tile_n, cfg.head_dim, cfg.stages)
         sv = smem_layout(self.dtype, cfg.tile_n, cfg.head_dim_v, cfg.stages)
         so = smem_layout(self.dtype, cfg.tile_m, cfg.head_dim_v, cfg.q_tiles)
+        # O's staging tiles are read over Q's buffer (_setup): each within its own Q tile's
+        # bytes (v narrower than q: one tile, its O tile the Q tile's first bytes), with the
+        # same swizzle atom, so that the buffer's alignment serves both
+        q_tile, o_tile = (cute.size_in_bytes(self.dtype, cute.select(t, mode=[0, 1])) for t in (sq, so))
+        assert o_tile <= q_tile and (cfg.q_tiles == 1 or o_tile == q_tile), (o_tile, q_tile)
+        assert str(so.inner) == str(sq.inner), (so.inner, sq.inner)
         boxes = {name: cute.select(layout, mode=[0, 1]) for name, layout in (("q", sq), ("k", sk), ("v", sv),
                                                                               ("out", so))}
         load, store = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
