@@ -20,6 +20,7 @@ from .launch.calls import (
 from .launch.checks import (
     GRID_YZ_MAX, check_backward, check_forward, check_no_overlap, default_scale, device_of, read, written,
 )
+from .errors import UnsupportedVariantError
 from .launch.loader import KernelLibrary
 
 WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
@@ -151,7 +152,10 @@ def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count
         keys = min(keys, mods.left + mods.right + problem.seqlen_q)
     if not policy.dense_decode(problem.batch, problem.seqlen_q, problem.heads_q, problem.heads_kv, keys, sm_count):
         return None
-    problem = served(library.manifest, "decode", problem)
+    try:
+        problem = served(library.manifest, "decode", problem)
+    except UnsupportedVariantError:  # no decode kernel as wide (head_dim 512): the prefill kernel's
+        return None
     axes = dict(kind="decode", dtype=problem.dtype, head_dim=problem.head_dim, **mods.axes())
     archs = [arch] if arch else library.manifest.archs
     built = [a for a in archs if library.manifest.built(**axes, arch=a, q_tiles=1)]

@@ -18,7 +18,11 @@ from dataclasses import dataclass
 
 ARCHS = ("sm90a", "sm100a")
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 96, 128, 192, 256)
+HEAD_DIMS = (64, 96, 128, 192, 256, 512)
+# Head dims served only by kernels of exactly their width: past 256 a narrower tensor does
+# not ride on a wider kernel (512 is Gemma 4's; 264-504 are no model's, and at 512 they
+# would do up to twice their matrix work): docs/design.md, "Head dims"
+EXACT_HEAD_DIMS = (512,)
 
 # What each axis can take, and what this release builds of it. Kept in sync with MATRIX by
 # a CPU test.
@@ -65,10 +69,12 @@ KINDS = {
               "page sizes multiples of 16)",
     "combine": "the split-KV merge of decode's partial O and LSE (launched when num_splits > 1)",
 }
-# Per kind, the axes whose built values differ from AXES.
+# Per kind, the axes whose built values differ from AXES (head_dim 512: no backward,
+# NOT_BUILT_REASONS says why).
+_UP_TO_256 = tuple(d for d in HEAD_DIMS if d <= 256)
 KIND_AXES = {
     "fwd": {"deterministic": (False,), "kv_dtype": ("same",)},
-    "bwd": {"kv_dtype": ("same",)},
+    "bwd": {"kv_dtype": ("same",), "head_dim": _UP_TO_256},
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "head_dim_v": (0,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
                 "local": (False,), "softcap": (False,), "kv_dtype": ("same",), "head_dim_v": (0,)},
@@ -116,6 +122,14 @@ NOT_BUILT_REASONS = {
     "local=True,head_dim_v=128": "windows, sinks and softcap at 192/128 run on the d192 local kernels",
     "kind=decode,head_dim_v=128": "decode at 192/128 runs on the d192 kernels",
     "kind=combine,head_dim_v=128": "the combine merges rows of any width on its d192 kernel",
+    # head_dim 512: two consumer warpgroups split the head dim (O of 64 rows is 256
+    # registers a thread): the forward (dense and varlen) and decode, causal or not, GQA
+    "kind=bwd,head_dim=512": "the head_dim 512 backward is not written (dK, dV and dQ of a 64-key tile at 512 "
+    "columns exceed one CTA's registers; docs/design.md, \"Head dims\")",
+    "kind=decode,head_dim=512,kv_dtype=e4m3": "an FP8 cache at head_dim 512 is not written yet",
+    "kind=fwd,head_dim=512,q_tiles=2": "two Q buffers do not fit 227 KB of shared memory at head_dim 512",
+    "local=True,head_dim=512": "windows, sinks and softcap at head_dim 512 are not written yet",
+    "head_dim=512,head_dim_v=128": "v's own head dim is built beside q's 192 only",
     **{f"kind=fwd,local=True,head_dim={d},q_tiles=2": "two local query tiles per CTA measured slower than one "
        "at head_dim 128 for every window (128: 89 against 111 TFLOP/s; 1024: 225 against 318)" for d in (96, 128)},
 }
@@ -206,11 +220,14 @@ def arch_for_capability(cc: tuple[int, int]) -> str | None:
 
 def serving_head_dim(built_dims, head_dim: int) -> int | None:
     """The built head dim whose kernels serve tensors ``head_dim`` wide: the narrowest of
-    ``built_dims`` at least as wide (docs/design.md, "Head dims"); None where head_dim is
-    not a positive multiple of 8 (TMA rows are whole 16-byte units) or none is as wide."""
+    ``built_dims`` at least as wide, an EXACT_HEAD_DIMS one only for its own width
+    (docs/design.md, "Head dims"); None where head_dim is not a positive multiple of 8
+    (TMA rows are whole 16-byte units) or none serves it."""
     if head_dim <= 0 or head_dim % 8:
         return None
-    return min((d for d in built_dims if d >= head_dim), default=None)
+    if head_dim in EXACT_HEAD_DIMS:
+        return head_dim if head_dim in built_dims else None
+    return min((d for d in built_dims if d >= head_dim and d not in EXACT_HEAD_DIMS), default=None)
 
 
 def built_values(kind: str, axis: str) -> tuple:

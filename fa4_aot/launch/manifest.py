@@ -15,7 +15,7 @@ from functools import cached_property
 from pathlib import Path
 
 from ..errors import ChecksumError, ManifestError, UnsupportedVariantError
-from ..variants import NOT_BUILT_REASONS, Variant, matches, serving_head_dim
+from ..variants import EXACT_HEAD_DIMS, NOT_BUILT_REASONS, Variant, matches, serving_head_dim
 
 SCHEMA = 14  # 14: rows' "limits" (what a launch may ask), "values" (launch values derived by fa4_aot.launch.rules expressions, also in grids, workspace counts and tensor-map boxes), launch slots name their sources (kinds "extents" and "stride" read the launch tensors; fa4_aot/src/common/params.py), tensor inputs by the public names; 13: launches[].when (a run-time value; the launch is left out where it is 0: the varlen forward's sort); 12: the decode and combine kinds, the lazily read layout (index, rows last); 3: the q_tiles axis (forward query tiles per CTA); 4: launches[].programmatic;
 # 5: the grid rules "const" and "persistent" (loader.grid_of); 6: the backward's run-time
@@ -203,7 +203,8 @@ class Manifest:
     def kernel_head_dim(self, kind: str, head_dim: int) -> int:
         """The head dim of the ``kind`` kernels that serve tensors ``head_dim`` wide: the
         narrowest built one at least as wide (they read zeros past the tensors' columns and
-        write nothing there: docs/design.md, "Head dims"). A typed error where head_dim is
+        write nothing there: docs/design.md, "Head dims"), past 256 only its own width
+        (512). A typed error where head_dim is
         not a positive multiple of 8 (a row is whole 16-byte units for TMA) or no built
         head dim of this kind is as wide."""
         key = (kind, head_dim)
@@ -212,9 +213,12 @@ class Manifest:
             dims = sorted({v.head_dim for v in self.variants if v.kind == kind})
             found = serving_head_dim(dims, head_dim)
             if found is None:
+                riding = [d for d in dims if d not in EXACT_HEAD_DIMS]
+                exact = [d for d in dims if d in EXACT_HEAD_DIMS]
                 raise UnsupportedVariantError(
-                    f"head_dim {head_dim}: the {kind} kernels serve multiples of 8 up to {max(dims, default=0)} "
-                    f"(built: {', '.join(map(str, dims)) or 'none'}; a narrower head dim runs on the next wider)")
+                    f"head_dim {head_dim}: the {kind} kernels serve multiples of 8 up to {max(riding, default=0)}"
+                    + (f" and exactly {', '.join(map(str, exact))}" if exact else "")
+                    + f" (built: {', '.join(map(str, dims)) or 'none'}; a narrower head dim runs on the next wider)")
             self._head_dims[key] = found
         return found
 

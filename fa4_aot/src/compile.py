@@ -27,6 +27,7 @@ from .sm90.decode import config as decode_config
 from .sm90.decode.combine import CombineSm90
 from .sm90.decode.kernel import DecodeSm90
 from .sm90.fwd.config import FwdConfig
+from .sm90.fwd.head_split import FlashFwdSm90HeadSplit
 from .sm90.fwd.kernel import FlashFwdSm90
 from .interfaces import (
     BWD_INPUTS, BWD_MAIN, BWD_LPT, BWD_POSTPROCESS, BWD_PREPROCESS, BWD_SINK, COMBINE, COMBINE_INPUTS, DECODE, DECODE_INPUTS, FWD, FWD_INPUTS, FWD_LPT,
@@ -179,7 +180,7 @@ def compile_fwd(variant: Variant) -> dict:
     the run-time value ``lpt`` is not 0), then one CTA per (query tile, head), every
     sequence's tiles back to back."""
     cfg = FwdConfig.of(variant)
-    kernel = FlashFwdSm90(cfg)
+    kernel = FlashFwdSm90HeadSplit(cfg) if cfg.head_split else FlashFwdSm90(cfg)
     cubin, ptx, symbols = _compile(kernel, [FWD_INPUTS.fake_tuple(cfg, _fake)], variant)
     block = [cfg.threads, 1, 1]
     launches = []

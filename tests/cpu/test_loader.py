@@ -15,7 +15,7 @@ from fa4_aot.errors import (AbiMismatchError, ChecksumError, Fa4AotError, Manife
 from fa4_aot.launch.loader import KernelLibrary, grid_of, pack_params
 from fa4_aot.launch.manifest import Manifest
 from fa4_aot.policy import TWO_TILES_MAX_SEQLEN_K
-from fa4_aot.variants import Variant
+from fa4_aot.variants import Variant, serving_head_dim
 
 
 @pytest.fixture
@@ -120,6 +120,14 @@ def test_a_head_dim_runs_on_the_narrowest_built_one_at_least_as_wide(built):
             m.kernel_head_dim("fwd", d)
     with pytest.raises(UnsupportedVariantError, match="built: none"):
         m.kernel_head_dim("nothing", 64)
+
+
+def test_past_256_a_head_dim_runs_only_on_its_own_width():
+    """512 (EXACT_HEAD_DIMS) serves 512 alone: 264-504 are refused, not run on it."""
+    dims = {64, 96, 128, 192, 256, 512}
+    assert [serving_head_dim(dims, d) for d in (8, 248, 256, 264, 384, 504, 512, 520)] == \
+        [64, 256, 256, None, None, None, 512, None]
+    assert serving_head_dim({64, 128}, 512) is None
 
 
 def test_forward_takes_two_query_tiles_for_short_keys_where_built(built):

@@ -193,7 +193,7 @@ def test_concurrent_launches_from_threads():
 def test_the_rules_catch_planted_errors(variant, gen):
     """The check fails for a correct forward's results spoilt by an LSE off by 1e-3, or by
     a 1% error in the rows of one query tile (the last, ragged one), on every shape."""
-    tile = 192 if variant.head_dim == 64 else 128  # the forward's query tile (FwdConfig.tile_m)
+    tile = fa4_aot.default_library().manifest.row(variant)["config"]["tile_m"]  # the forward's query tile
     for shape in SHAPES:
         q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
         out, lse = _poisoned(q)

@@ -34,7 +34,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 PAD = 8  # NaN columns past each tensor's head dim
 # a head dim each built one serves (none of them built), and the edges: the narrowest
 # (8: one 16-byte chunk) and 8 below each built one
-SERVED = {64: 40, 96: 80, 128: 112, 192: 160, 256: 232}
+SERVED = {64: 40, 96: 80, 128: 112, 192: 160, 256: 232, 512: 512}  # 512: its own width only
 EDGES = [8, 56, 88, 120, 184, 248]
 
 
@@ -326,9 +326,9 @@ def test_local_decode(variant, gen):
 
 
 # ---------------------------------------------------------------- refusals
-@pytest.mark.parametrize("d", [4, 36, 100, 264])
+@pytest.mark.parametrize("d", [4, 36, 100, 264, 384, 504, 520])
 def test_a_head_dim_no_variant_serves_is_refused_before_launch(d, gen):
-    """Not a multiple of 8, or past the widest built: a typed error, nothing written (q,
+    """Not a multiple of 8, or past 256 and not 512: a typed error, nothing written (q,
     k, v one tensor of one head and one token, so that no stride rule refuses it first)."""
     q = torch.randn(1, 1, 1, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     out, lse = torch.full_like(q, float("nan")), torch.full((1, 1, 1), float("nan"), device="cuda")
@@ -338,6 +338,23 @@ def test_a_head_dim_no_variant_serves_is_refused_before_launch(d, gen):
         fa4_aot.backward_workspace_bytes(1, 64, 2, d)
     torch.cuda.synchronize()
     assert out.isnan().all() and lse.isnan().all()
+
+
+def test_head_dim_512_backward_is_refused_before_launch(gen):
+    """512 has a forward and decode, no backward: its workspace and autograd are typed
+    errors naming the head dim; a dense call of a decode shape at 512 takes the decode
+    kernel (two warpgroups, half the head dim each)."""
+    q = torch.randn(1, 1, 2, 512, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(1, 8192, 2, 512, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    with pytest.raises(UnsupportedVariantError, match="head_dim 512"):
+        fa4_aot.backward_workspace_bytes(1, 64, 2, 512)
+    out, lse = _poisoned(q)
+    flash_attn_fwd(q, k, v, out=out, lse=lse)  # one token against 8k keys: a decode shape
+    torch.cuda.synchronize()
+    check_attention(out, lse, q, k, v, False)
+    q.requires_grad_(True)
+    with pytest.raises(UnsupportedVariantError, match="head_dim 512"):
+        flash_attn_func(q, k, v).sum().backward()
 
 
 # ---------------------------------------------------------------- v's head dim not q's

@@ -19,6 +19,12 @@ ROWS = 64  # packed (query token, query head) rows per CTA: one consumer warpgro
 # of K/V plus the 64-row Q tile within 227 KB (one CTA per SM; 192-224 KB in flight).
 TILES = {64: (128, 4), 96: (128, 3), 128: (128, 3), 192: (64, 4), 256: (64, 3)}
 PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K registers
+# Head dims whose O does not fit one warpgroup's registers (64 rows x 512 fp32 is 256 a
+# thread): two consumer warpgroups share the 64 packed rows, each owning half the head dim,
+# S's halves summed through shared memory (as the forward's head_split.py). (tile_n, stages):
+# Q 64 KB, two stages of 32-key K and V (128 KB in flight), S's halves 16 KB: 208 KB.
+TILES_HEAD_SPLIT = {512: (32, 2)}
+HEAD_SPLIT_REGS = (24, 240)  # producer, each consumer: three warpgroups within 64K
 # Local at head_dim 64 (gpt-oss's 128-key windows: a row tile reads two or three key
 # tiles): shallow tiles and three CTAs per SM, so that some CTAs' loads wait while others
 # compute (tile_n, stages, CTAs per SM, consumer registers: (40 + 120) x 128 = 80 a thread
@@ -54,11 +60,24 @@ class DecodeConfig:
     ctas_per_sm: int = 1  # the launch's min_blocks_per_mp
     kv_dtype: str = "same"  # "e4m3": an FP8 cache, widened on chip by a third warpgroup
     widener_regs: int = 0
+    head_split: bool = False  # two consumer warpgroups on the 64 rows, half the head dim each
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: two where the head dim is split, else one."""
+        return 2 if self.head_split else 1
 
     @classmethod
     def of(cls, variant) -> "DecodeConfig":
         """The config of a ``fa4_aot.variants.Variant`` of kind decode, arch sm90a."""
         assert variant.kind == "decode" and variant.arch == "sm90a", variant
+        if variant.head_dim in TILES_HEAD_SPLIT:
+            assert not variant.local and variant.kv_dtype == "same", variant
+            tile_n, stages = TILES_HEAD_SPLIT[variant.head_dim]
+            producer_regs, consumer_regs = HEAD_SPLIT_REGS
+            return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
+                       tile_n=tile_n, stages=stages, threads=3 * WARPGROUP, producer_regs=producer_regs,
+                       consumer_regs=consumer_regs, head_split=True)
         tile_n, stages = TILES[variant.head_dim]
         ctas, consumer_regs = 1, CONSUMER_REGS
         fp8 = variant.kv_dtype == "e4m3"

@@ -64,8 +64,31 @@ from ...common.params import Tma
 from ...interfaces import DECODE, DECODE_INPUTS
 from .config import DecodeConfig
 
-Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory
+Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory (head_split: 1, 2 by warpgroup)
+HALVES_WRITTEN = 3  # head_split: both warpgroups' S halves in shared memory
+HALVES_READ = 4  # head_split: both have read the other's half
 LOG2E = math.log2(math.e)
+
+
+@cute.jit
+def _sum_halves(acc_s, sS, wg, tidx):
+    """head_split: S's two halves summed in both warpgroups, this one's written to ``sS``
+    (warpgroup, fragment element, thread), the other's added (the same element of the same
+    thread: both GEMMs have one layout; IEEE addition commutes, so both hold the same S)."""
+    cute.arch.barrier(barrier_id=HALVES_READ, number_of_threads=2 * WARPGROUP)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        sS[wg, e, tidx] = acc_s[e]
+    cute.arch.barrier(barrier_id=HALVES_WRITTEN, number_of_threads=2 * WARPGROUP)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[e] = acc_s[e] + sS[1 - wg, e, tidx]
+
+
+def _writes_lse(tidx, wg):
+    """Whether this epilogue thread writes its rows' LSE: a quad's first (head_split:
+    warpgroup 0's)."""
+    if const_expr(wg is None):
+        return tidx % 4 == 0
+    return (tidx % 4 == 0) & (wg == 0)
 
 
 def _key_tile(i, n_end, steps, turn):
@@ -102,6 +125,17 @@ class DecodeSm90:
             sK: smem_buffer(skv, kv_type)  # (tile_n, d, stages)
             sV: smem_buffer(skv, kv_type)
 
+        @cute.struct
+        class SplitStorage:
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            sQ: smem_buffer(sq, dtype)
+            sK: smem_buffer(skv, kv_type)
+            sV: smem_buffer(skv, kv_type)
+            sS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * self.cfg.tile_m * self.cfg.tile_n], 16]
+
+        if const_expr(self.cfg.head_split):
+            return SplitStorage
         if const_expr(not self.cfg.fp8):
             return Storage
 
@@ -162,7 +196,8 @@ class DecodeSm90:
             cpasync.prefetch_descriptor(tma_k)
             cpasync.prefetch_descriptor(tma_v)
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
-        pipe_k, pipe_v = [tma_pipeline(bar, cfg.stages, 1, self.kv_bytes) for bar in (storage.mbar_k, storage.mbar_v)]
+        pipe_k, pipe_v = [tma_pipeline(bar, cfg.stages, cfg.consumers, self.kv_bytes)
+                          for bar in (storage.mbar_k, storage.mbar_v)]
         wide = None  # fp8: the widened buffers and their pipelines (the widener's to the consumer's)
         if const_expr(cfg.fp8):
             every = pipeline.CooperativeGroup(pipeline.Agent.Thread, WARPGROUP)
@@ -216,19 +251,33 @@ class DecodeSm90:
                     self.widen(tidx - WARPGROUP, (sK, sV), wide, (pipe_k, pipe_v), n_end - n_begin)
                 else:
                     self.consume(tidx - 2 * WARPGROUP, sQ, wide[0], wide[1], consume)
+            elif const_expr(cfg.head_split):
+                elements = cfg.tile_m * cfg.tile_n // WARPGROUP
+                sS = storage.sS.get_tensor(cute.make_layout((2, elements, WARPGROUP),
+                                                            stride=(elements * WARPGROUP, WARPGROUP, 1)))
+                self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume, sS)
             else:
                 self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume)
 
     @cute.jit
-    def consume(self, ctidx, sQ, kv, pipes, consume):
+    def consume(self, ctidx, sQ, kv, pipes, consume, sS=None):
         """The consumer warpgroup (its thread ``ctidx``): Q, then per key tile MMA and
-        softmax from ``kv`` (sK, sV) as ``pipes`` fill them, then the epilogue."""
+        softmax from ``kv`` (sK, sV) as ``pipes`` fill them, then the epilogue.
+        head_split: two warpgroups (ctidx 0..255), warpgroup w with head dims [w d/2,
+        (w + 1) d/2) of Q, of S's sum (the halves through ``sS``) and of O."""
         cfg = self.cfg
         p, place, split, seqlen_k, n_begin, n_end, turn, window = consume
         (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
         cute.arch.setmaxregister_increase(cfg.consumer_regs)
         b, head_kv = place[0], place[1]
-        self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
+        halves = None
+        if const_expr(cfg.head_split):
+            wg = cute.arch.make_warp_uniform(ctidx // WARPGROUP)
+            halves = (wg, sS)
+            ctidx = ctidx % WARPGROUP
+            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns, wg)
+        else:
+            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
         scale_log2 = p.scale_log2
         softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
         v_scale = None
@@ -240,10 +289,10 @@ class DecodeSm90:
             else:
                 scale_log2 = scale_log2 * k_scale
         acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2,
-                                     (window, softcap_scale))
+                                     (window, softcap_scale), halves)
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
         sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
-        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale)
+        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale, None if halves is None else halves[0])
 
     @cute.jit
     def _descale(self, ptr, sb, sh, use, b, head_kv):
@@ -360,17 +409,20 @@ class DecodeSm90:
             cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns):
+    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns, wg=None):
         """The tile's packed Q rows into shared memory, 16 bytes per access (rows past the
         KV head's rows and columns past Q's head dim ``columns`` are zeros), made visible
-        to the wgmma."""
+        to the wgmma; head_split, warpgroup ``wg``'s half of the columns (its own S half
+        reads no other)."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         q_sb, q_ss, q_sh = q_strides
         vec = 16 // (self.dtype.width // 8)
-        per_row = self.cfg.head_dim // vec
+        per_row = self.cfg.head_dim // vec // self.cfg.consumers
         for i in cutlass.range_constexpr(self.cfg.tile_m * per_row // WARPGROUP):
             chunk = i * WARPGROUP + tidx
             r, part = chunk // per_row, chunk % per_row
+            if const_expr(wg is not None):
+                part = part + wg * per_row
             p = first_row + r
             values = cute.make_rmem_tensor((vec,), self.dtype)
             values.fill(0.0)
@@ -385,28 +437,39 @@ class DecodeSm90:
                 values = wide
             cute.autovec_copy(values, cute.local_tile(sQ[r, None], (vec,), (part,)))
         cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
+        cute.arch.barrier(barrier_id=Q_BARRIER if const_expr(wg is None) else Q_BARRIER + wg,
+                          number_of_threads=WARPGROUP)
 
     @cute.jit
-    def attend(self, tidx, smem, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None)):
+    def attend(self, tidx, smem, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None),
+               halves=None):
         """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1,
         in ``_key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
-        softcap's scale where softcap)."""
+        softcap's scale where softcap); ``halves`` (head_split): this warpgroup and the S
+        halves' buffer (its thread ``tidx`` 0..127)."""
         sQ, sK, sV = smem
         window, softcap_scale = mods
         cfg = self.cfg
         pipe_k, pipe_v = pipes
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         mma_qk = tiled_mma(self.mma_type, "K", "K", (1, 1, 1), cfg.tile_n)
-        mma_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True)
+        own = cfg.head_dim // cfg.consumers  # O's (and S's sum's) head dims of this warpgroup
+        mma_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True)
         thr_qk, thr_pv = mma_qk.get_slice(tidx), mma_pv.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
-        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
-        tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
+        if const_expr(cfg.head_split):
+            wg = halves[0]
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(cute.local_tile(sQ, (cfg.tile_m, own), (0, wg))))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(cute.local_tile(sK, (cfg.tile_n, own), (0, wg, None))))
+            tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(
+                cute.local_tile(transpose_smem(sV), (own, cfg.tile_n), (wg, 0, None))))
+        else:
+            tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))
+            tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+            tOrVt = thr_pv.make_fragment_B(thr_pv.partition_B(transpose_smem(sV)))
         tOrP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
         s_shape = thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
         coords = acc_as_rows_cols(thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n))))
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, cfg.head_dim)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, own)), Float32)
         acc_o.fill(0.0)
         nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         softmax = OnlineSoftmax(scale_log2, nrows)
@@ -430,56 +493,105 @@ class DecodeSm90:
         if const_expr(cfg.causal):
             lowest = cutlass.min(seqlen_k, seqlen_k - seqlen_q + first_row // group + 1)
         softmax_step = softmax.step
-        # fp8: the widened buffers' one stage
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1 if const_expr(cfg.fp8) else cfg.stages)
+        score = (coords, limits, lows, lowest, softcap_scale)
         steps = n_end - n_begin
-        for i in cutlass.range(steps, unroll=1):
-            n_block = _key_tile(i, n_end, steps, turn)
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(state)
-            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
-            pipe_k.consumer_release(state)
-            if const_expr(cfg.softcap):
-                cap_scores(acc_s, softcap_scale)
-            if const_expr(cfg.local):  # every tile: decode reads, it barely computes
-                s = acc_as_rows_cols(acc_s)
-                for r in cutlass.range_constexpr(nrows):
-                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                        key = n_block * cfg.tile_n + coords[r, c][1]
-                        s[r, c] = select_f32(key < lows[r], -Float32.inf,
-                                             select_f32(key >= limits[r], -Float32.inf, s[r, c]))
-            else:
-                if (n_block + 1) * cfg.tile_n > lowest:
+        if const_expr(cfg.head_split):
+            # one key tile at a time: the two warpgroups meet at S's sum every tile
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+            for i in cutlass.range(steps, unroll=1):
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(state)
+                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
+                pipe_k.consumer_release(state)
+                _sum_halves(acc_s, halves[1], halves[0], tidx)
+                self._score_tile(acc_s, _key_tile(i, n_end, steps, turn), score)
+                softmax_step(acc_s, row_scale)
+                rescale_rows(acc_o, row_scale)
+                tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
+                pipe_v.consumer_wait(state)
+                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
+                pipe_v.consumer_release(state)
+                state.advance()
+        else:
+            # fp8: the widened buffers' one stage
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 1 if const_expr(cfg.fp8) else cfg.stages)
+            for i in cutlass.range(steps, unroll=1):
+                n_block = _key_tile(i, n_end, steps, turn)
+                acc_s = cute.make_rmem_tensor(s_shape, Float32)
+                pipe_k.consumer_wait(state)
+                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
+                pipe_k.consumer_release(state)
+                if const_expr(cfg.softcap):
+                    cap_scores(acc_s, softcap_scale)
+                if const_expr(cfg.local):  # every tile: decode reads, it barely computes
                     s = acc_as_rows_cols(acc_s)
                     for r in cutlass.range_constexpr(nrows):
                         for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
                             key = n_block * cfg.tile_n + coords[r, c][1]
-                            s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
-            softmax_step(acc_s, row_scale)
-            rescale_rows(acc_o, row_scale)
-            tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
-            pipe_v.consumer_wait(state)
-            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
-            pipe_v.consumer_release(state)
-            state.advance()
+                            s[r, c] = select_f32(key < lows[r], -Float32.inf,
+                                                 select_f32(key >= limits[r], -Float32.inf, s[r, c]))
+                else:
+                    if (n_block + 1) * cfg.tile_n > lowest:
+                        s = acc_as_rows_cols(acc_s)
+                        for r in cutlass.range_constexpr(nrows):
+                            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                                key = n_block * cfg.tile_n + coords[r, c][1]
+                                s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+                softmax_step(acc_s, row_scale)
+                rescale_rows(acc_o, row_scale)
+                tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
+                pipe_v.consumer_wait(state)
+                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
+                pipe_v.consumer_release(state)
+                state.advance()
         return acc_o, softmax
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None):
+    def _score_tile(self, acc_s, n_block, score):
+        """Key tile n_block's scores capped (softcap) and masked: every tile where local
+        (decode reads, it barely computes), else the tiles past the lowest row's limit."""
+        cfg = self.cfg
+        coords, limits, lows, lowest, softcap_scale = score
+        nrows = cute.size(limits)
+        if const_expr(cfg.softcap):
+            cap_scores(acc_s, softcap_scale)
+        if const_expr(cfg.local):
+            s = acc_as_rows_cols(acc_s)
+            for r in cutlass.range_constexpr(nrows):
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    key = n_block * cfg.tile_n + coords[r, c][1]
+                    s[r, c] = select_f32(key < lows[r], -Float32.inf,
+                                         select_f32(key >= limits[r], -Float32.inf, s[r, c]))
+        else:
+            if (n_block + 1) * cfg.tile_n > lowest:
+                s = acc_as_rows_cols(acc_s)
+                for r in cutlass.range_constexpr(nrows):
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        key = n_block * cfg.tile_n + coords[r, c][1]
+                        s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+
+    @cute.jit
+    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None, wg=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
         packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
         columns per store. ``sinks``
         (local): the sinks' address and use_sink; split 0 counts each row's head's sink.
-        ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE)."""
+        ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE). ``wg`` (head_split):
+        this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's)."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         o_ptr, o_sb, o_ss, o_sh, columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
         nrows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
         inv_sum = cute.make_rmem_tensor((nrows,), Float32)
         lse = cute.make_rmem_tensor((nrows,), Float32)
-        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), cfg.head_dim, a_in_registers=True).get_slice(tidx)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.head_dim))))
+        own = cfg.head_dim // cfg.consumers
+        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True).get_slice(tidx)
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, own))))
+        col0 = 0  # head_split: this warpgroup's first column
+        if const_expr(wg is not None):
+            col0 = wg * own
         sink_log2 = None
         if const_expr(sinks is not None):
             sink_ptr, use_sink = sinks
@@ -510,12 +622,12 @@ class DecodeSm90:
                         pair32[1] = o[r, c + 1]
                         pair = cute.make_rmem_tensor((2,), self.dtype)
                         pair.store(pair32.load().to(self.dtype))
-                        if coords[r, c][1] < columns:  # an even column: both or neither (columns % 8 == 0)
-                            at = (base + coords[r, c][1]) * (self.dtype.width // 8)
+                        if coords[r, c][1] + col0 < columns:  # an even column: both or neither (columns % 8 == 0)
+                            at = (base + coords[r, c][1] + col0) * (self.dtype.width // 8)
                             dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem,
                                                 assumed_align=4)
                             cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout(2)))
-                    if tidx % 4 == 0:
+                    if _writes_lse(tidx, wg):
                         cute.make_tensor(lse_ptr, cute.make_layout(batch * heads_q * seqlen_q))[lse_at] = lse[r]
                 else:
                     row = (Int64(split) * batch + b) * seqlen_q + token
@@ -524,10 +636,10 @@ class DecodeSm90:
                         pair = cute.make_rmem_tensor((2,), Float32)
                         pair[0] = o[r, c]
                         pair[1] = o[r, c + 1]
-                        part_dst = cute.make_ptr(Float32, o_part_ptr.toint() + (part_base + coords[r, c][1]) * 4,
+                        part_dst = cute.make_ptr(Float32, o_part_ptr.toint() + (part_base + coords[r, c][1] + col0) * 4,
                                                  cute.AddressSpace.gmem, assumed_align=8)
                         cute.autovec_copy(pair, cute.make_tensor(part_dst, cute.make_layout(2)))
-                    if tidx % 4 == 0:
+                    if _writes_lse(tidx, wg):
                         lse_part_at = Int64(split) * (batch * heads_q * seqlen_q) + lse_at
                         lse_dst = cute.make_ptr(Float32, lse_part_ptr.toint() + lse_part_at * 4,
                                                 cute.AddressSpace.gmem, assumed_align=4)

@@ -30,6 +30,12 @@ LOCAL_TILES = {**TILES, 64: (192, 64, 4), 256: (128, 64, 2)}
 # (head_dim, head_dim_v) pairs with a kernel of their own: 192/128 holds 128-key tiles (S and
 # O fragments as at head_dim 128; Q 48 KB, two stages of K 48 KB and V 32 KB each: 208 KB).
 PAIR_TILES = {(192, 128): (128, 128, 2)}
+# Head dims whose O does not fit one warpgroup's registers (64 rows x 512 fp32 is 256 a
+# thread): two consumer warpgroups share a 64-row tile, each owning half the head dim
+# (head_split.py); 64-key tiles, one K and one V stage (Q 64 KB, K and V 64 KB each, S's
+# two halves 32 KB: 224 KB). Two stages (of 32-key tiles: 208 KB) take the overlap within a
+# warpgroup instead; which is faster is not measured yet (docs/design.md, "Head dims").
+HEAD_SPLIT_TILES = {512: (64, 64, 1)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)
 
@@ -53,6 +59,7 @@ class FwdConfig:
     paired_convert: bool
     local: bool = False  # a sliding window (left, right at run time) and sinks
     softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
+    head_split: bool = False  # two consumer warpgroups on one 64-row tile, half the head dim each
 
     @property
     def masks_right(self) -> bool:
@@ -64,6 +71,14 @@ class FwdConfig:
         """The config of a ``fa4_aot.variants.Variant`` of kind fwd, arch sm90a."""
         assert variant.kind == "fwd" and variant.arch == "sm90a", variant
         head_dim_v = variant.head_dim_v or variant.head_dim
+        if variant.head_dim in HEAD_SPLIT_TILES:
+            assert not variant.local and variant.q_tiles == 1 and head_dim_v == variant.head_dim, variant
+            tile_m, tile_n, stages = HEAD_SPLIT_TILES[variant.head_dim]
+            producer_regs, consumer_regs = REGISTERS[2]
+            return cls(dtype=variant.dtype, head_dim=variant.head_dim, head_dim_v=head_dim_v, causal=variant.causal,
+                       tile_m=tile_m, tile_n=tile_n, stages=stages, q_tiles=1, varlen=variant.varlen,
+                       num_consumers=2, producer_regs=producer_regs, consumer_regs=consumer_regs,
+                       threads=3 * WARPGROUP, paired_convert=False, softcap=variant.softcap, head_split=True)
         if head_dim_v != variant.head_dim:
             assert not variant.local and variant.q_tiles == 1, "O is staged over Q's one buffer"
             tile_m, tile_n, stages = PAIR_TILES[(variant.head_dim, head_dim_v)]

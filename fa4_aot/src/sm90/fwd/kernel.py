@@ -163,7 +163,7 @@ class FlashFwdSm90:
         warp, tidx, pipes, smem = self._setup((tma_q, tma_k, tma_v, tma_o), (sq_layout, sk_layout, sv_layout,
                                                                              so_layout))
         pipe_q, pipe_k, pipe_v = pipes
-        sQ, sK, sV, sO = smem
+        sQ, sK, sV = smem[:3]
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
         if const_expr(self.cfg.q_tiles == 1):
@@ -212,7 +212,7 @@ class FlashFwdSm90:
         use_used_q, use_used_k, batch_count, order_ptr, lpt = p.use_seqused_q, p.use_seqused_k, p.batch, p.order, p.lpt
         warp, tidx, pipes, smem = self._setup((tma_q, tma_k, tma_v), (sq_layout, sk_layout, sv_layout, so_layout))
         pipe_q, pipe_k, pipe_v = pipes
-        sQ, sK, sV, sO = smem
+        sQ, sK, sV = smem[:3]
         total_q, total_k, heads_q = gQ.shape[0], gK.shape[0], gQ.shape[2]
         batches = batch_count
         cu_q, used_q = (cute.make_tensor(at, cute.make_layout(batches + extra))
@@ -291,13 +291,17 @@ class FlashFwdSm90:
         pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, tx)
                           for bar, tx in ((storage.mbar_k, self.k_bytes), (storage.mbar_v, self.v_bytes))]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        return warp, tidx, (pipe_q, pipe_k, pipe_v), self._views(storage, layouts)
 
+    def _views(self, storage, layouts):
+        """The shared tiles (sQ, sK, sV, sO) of ``storage`` (``layouts``: _atoms' sq, sk,
+        sv, so); sO, O's staging tiles, over sQ."""
         sq_layout, sk_layout, sv_layout, so_layout = layouts
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = storage.sK.get_tensor(sk_layout.outer, swizzle=sk_layout.inner)
         sV = storage.sV.get_tensor(sv_layout.outer, swizzle=sv_layout.inner)
         sO = storage.sQ.get_tensor(so_layout.outer, swizzle=so_layout.inner)
-        return warp, tidx, (pipe_q, pipe_k, pipe_v), (sQ, sK, sV, sO)
+        return sQ, sK, sV, sO
 
     def _key_tiles(self, m_block, seqlen_q, seqlen_k, window=None):
         """Key tiles query tile ``m_block`` attends to, one past the last (causal: up to
