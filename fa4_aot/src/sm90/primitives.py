@@ -167,3 +167,19 @@ def stage_and_store(tidx, acc, dtype, tiled, smem, tma_atom, gmem_tile, barrier_
         cute.arch.cp_async_bulk_commit_group()
         if const_expr(wait_read):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+@cute.jit
+def sum_halves(acc_s, sS, wg, tidx, barriers):
+    """Head split (two warpgroups owning halves of the head dim): S's two partial sums
+    added in both, this warpgroup's written to ``sS`` (warpgroup, fragment element,
+    thread), the other's read back (the same element of the same thread: both GEMMs have
+    one layout; IEEE addition commutes, so both hold the same S). ``barriers``: (both
+    have read the last tile's halves, both have written this tile's), 256 threads each."""
+    read, written = barriers
+    cute.arch.barrier(barrier_id=read, number_of_threads=2 * WARPGROUP)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        sS[wg, e, tidx] = acc_s[e]
+    cute.arch.barrier(barrier_id=written, number_of_threads=2 * WARPGROUP)
+    for e in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[e] = acc_s[e] + sS[1 - wg, e, tidx]

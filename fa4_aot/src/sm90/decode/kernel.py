@@ -54,7 +54,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..primitives import (
-    DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, tiled_mma, tma_pipeline, wgmma,
+    DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, sum_halves, tiled_mma, tma_pipeline, wgmma,
 )
 from ..mask import Window
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
@@ -68,19 +68,6 @@ Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory (head_
 HALVES_WRITTEN = 3  # head_split: both warpgroups' S halves in shared memory
 HALVES_READ = 4  # head_split: both have read the other's half
 LOG2E = math.log2(math.e)
-
-
-@cute.jit
-def _sum_halves(acc_s, sS, wg, tidx):
-    """head_split: S's two halves summed in both warpgroups, this one's written to ``sS``
-    (warpgroup, fragment element, thread), the other's added (the same element of the same
-    thread: both GEMMs have one layout; IEEE addition commutes, so both hold the same S)."""
-    cute.arch.barrier(barrier_id=HALVES_READ, number_of_threads=2 * WARPGROUP)
-    for e in cutlass.range_constexpr(cute.size(acc_s)):
-        sS[wg, e, tidx] = acc_s[e]
-    cute.arch.barrier(barrier_id=HALVES_WRITTEN, number_of_threads=2 * WARPGROUP)
-    for e in cutlass.range_constexpr(cute.size(acc_s)):
-        acc_s[e] = acc_s[e] + sS[1 - wg, e, tidx]
 
 
 def _writes_lse(tidx, wg):
@@ -288,7 +275,7 @@ class DecodeSm90:
                 softcap_scale = softcap_scale * k_scale
             else:
                 scale_log2 = scale_log2 * k_scale
-        acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2,
+        acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, (seqlen_k, n_begin, n_end, turn), scale_log2,
                                      (window, softcap_scale), halves)
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
         sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
@@ -441,13 +428,14 @@ class DecodeSm90:
                           number_of_threads=WARPGROUP)
 
     @cute.jit
-    def attend(self, tidx, smem, pipes, place, seqlen_k, n_begin, n_end, turn, scale_log2, mods=(None, None),
-               halves=None):
-        """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1,
+    def attend(self, tidx, smem, pipes, place, keys, scale_log2, mods=(None, None), halves=None):
+        """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1
+        (``keys``: the sequence's seqlen_k, n_begin, n_end and the turn),
         in ``_key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
         softcap's scale where softcap); ``halves`` (head_split): this warpgroup and the S
         halves' buffer (its thread ``tidx`` 0..127)."""
         sQ, sK, sV = smem
+        seqlen_k, n_begin, n_end, turn = keys
         window, softcap_scale = mods
         cfg = self.cfg
         pipe_k, pipe_v = pipes
@@ -495,56 +483,27 @@ class DecodeSm90:
         softmax_step = softmax.step
         score = (coords, limits, lows, lowest, softcap_scale)
         steps = n_end - n_begin
-        if const_expr(cfg.head_split):
-            # one key tile at a time: the two warpgroups meet at S's sum every tile
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-            for i in cutlass.range(steps, unroll=1):
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(state)
-                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
-                pipe_k.consumer_release(state)
-                _sum_halves(acc_s, halves[1], halves[0], tidx)
-                self._score_tile(acc_s, _key_tile(i, n_end, steps, turn), score)
-                softmax_step(acc_s, row_scale)
-                rescale_rows(acc_o, row_scale)
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
-                pipe_v.consumer_wait(state)
-                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
-                pipe_v.consumer_release(state)
-                state.advance()
-        else:
-            # fp8: the widened buffers' one stage
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                                 1 if const_expr(cfg.fp8) else cfg.stages)
-            for i in cutlass.range(steps, unroll=1):
+        # fp8: the widened buffers' one stage
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                             1 if const_expr(cfg.fp8) else cfg.stages)
+        for i in cutlass.range(steps, unroll=1):
+            n_block = None if const_expr(cfg.head_split) else _key_tile(i, n_end, steps, turn)
+            acc_s = cute.make_rmem_tensor(s_shape, Float32)
+            pipe_k.consumer_wait(state)
+            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
+            pipe_k.consumer_release(state)
+            if const_expr(cfg.head_split):  # the two warpgroups meet at S's sum every tile
+                sum_halves(acc_s, halves[1], halves[0], tidx, (HALVES_READ, HALVES_WRITTEN))
+                # the tile's index taken after the sum: the order the H200 tests ran
                 n_block = _key_tile(i, n_end, steps, turn)
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(state)
-                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
-                pipe_k.consumer_release(state)
-                if const_expr(cfg.softcap):
-                    cap_scores(acc_s, softcap_scale)
-                if const_expr(cfg.local):  # every tile: decode reads, it barely computes
-                    s = acc_as_rows_cols(acc_s)
-                    for r in cutlass.range_constexpr(nrows):
-                        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                            key = n_block * cfg.tile_n + coords[r, c][1]
-                            s[r, c] = select_f32(key < lows[r], -Float32.inf,
-                                                 select_f32(key >= limits[r], -Float32.inf, s[r, c]))
-                else:
-                    if (n_block + 1) * cfg.tile_n > lowest:
-                        s = acc_as_rows_cols(acc_s)
-                        for r in cutlass.range_constexpr(nrows):
-                            for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                                key = n_block * cfg.tile_n + coords[r, c][1]
-                                s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
-                softmax_step(acc_s, row_scale)
-                rescale_rows(acc_o, row_scale)
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
-                pipe_v.consumer_wait(state)
-                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
-                pipe_v.consumer_release(state)
-                state.advance()
+            self._score_tile(acc_s, n_block, score)
+            softmax_step(acc_s, row_scale)
+            rescale_rows(acc_o, row_scale)
+            tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
+            pipe_v.consumer_wait(state)
+            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
+            pipe_v.consumer_release(state)
+            state.advance()
         return acc_o, softmax
 
     @cute.jit

@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
 from ..packed_rows import PackedRows, store_rows
-from ..primitives import DTYPES, WARPGROUP, smem_buffer, stage, tiled_mma, wait_after, wgmma
+from ..primitives import DTYPES, WARPGROUP, smem_buffer, stage, sum_halves, tiled_mma, wait_after, wgmma
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
 from .config import FwdConfig
 from .kernel import EPILOGUE_BARRIER, FlashFwdSm90
@@ -201,25 +201,13 @@ class FlashFwdSm90HeadSplit(FlashFwdSm90):
 
     @cute.jit
     def _scores(self, acc_s, sS, wg, local, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask):
-        """Key tile n_block's S: the halves summed (_sum_halves), capped where softcap,
+        """Key tile n_block's S: the halves summed (primitives.sum_halves), capped where softcap,
         masked where the tile needs it (from first_masked on: padding, the diagonal)."""
-        self._sum_halves(acc_s, sS, wg, local)
+        sum_halves(acc_s, sS, wg, local, (HALVES_READ, HALVES_WRITTEN))
         if const_expr(self.cfg.softcap):
             cap_scores(acc_s, opts.softcap_scale)
         if n_block >= first_masked:
             apply_mask(acc_s, s_coords, m_block, n_block, seqlens[0], seqlens[1], None)
-
-    @cute.jit
-    def _sum_halves(self, acc_s, sS, wg, local):
-        """S's two halves summed in both warpgroups: this one's written, the other's added
-        (the same fragment element of the same thread: both GEMMs have one layout)."""
-        elements = cute.size(acc_s)
-        cute.arch.barrier(barrier_id=HALVES_READ, number_of_threads=2 * WARPGROUP)
-        for e in cutlass.range_constexpr(elements):
-            sS[wg, e, local] = acc_s[e]
-        cute.arch.barrier(barrier_id=HALVES_WRITTEN, number_of_threads=2 * WARPGROUP)
-        for e in cutlass.range_constexpr(elements):
-            acc_s[e] = acc_s[e] + sS[1 - wg, e, local]
 
     @cute.jit
     def _write(self, tidx, wg, local, acc_o, lse, mmas, sO, out, m_block, seqlen_q):
