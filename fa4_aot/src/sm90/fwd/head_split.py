@@ -31,7 +31,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
 from ..packed_rows import PackedRows, store_rows
-from ..primitives import DTYPES, WARPGROUP, smem_buffer, stage, sum_halves, tiled_mma, wait_after, wgmma
+from ..primitives import WARPGROUP, stage, sum_halves, tiled_mma, wait_after, wgmma
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
 from .config import FwdConfig
 from .kernel import EPILOGUE_BARRIER, FlashFwdSm90
@@ -44,33 +44,11 @@ ORDER_BARRIER = 4  # .. 5, one per warpgroup: primitives.wait_after (two stages:
 class FlashFwdSm90HeadSplit(FlashFwdSm90):
     """One head-split forward variant (``FwdConfig.head_split``): host side and kernel."""
 
-    def __init__(self, cfg: FwdConfig):
+    @staticmethod
+    def check(cfg: FwdConfig):
         assert cfg.head_split and cfg.tile_m == 64 and cfg.num_consumers == 2, "two warpgroups on 64 rows"
         assert cfg.q_tiles == 1 and not cfg.local, "one query tile, no window"
         assert cfg.head_dim % 128 == 0 and cfg.head_dim_v % 128 == 0, "halves of whole 64-column swizzle atoms"
-        self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
-        self.tma_boxes = {}
-        self.smem_bytes = None
-
-    def _storage(self, sq, sk, sv):
-        def buf(layout):
-            return smem_buffer(layout, self.dtype)
-
-        stages = self.cfg.stages
-        halves = 2 * self.cfg.tile_m * self.cfg.tile_n  # each warpgroup's S half, fp32
-
-        @cute.struct
-        class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            sQ: buf(sq)  # (64, d, 1); then O's staging tile (64, d_v)
-            sK: buf(sk)
-            sV: buf(sv)
-            sS: cute.struct.Align[cute.struct.MemRange[Float32, halves], 16]
-
-        return Storage
 
     def _views(self, storage, layouts):
         """The forward's tiles and the S halves' buffer (warpgroup, fragment element,

@@ -61,31 +61,38 @@ class FlashFwdSm90:
         return symbols.FORWARD_SM90  # the cubin's kernel names (common/symbols.py)
 
     def __init__(self, cfg: FwdConfig):
+        self.check(cfg)
+        self.cfg = cfg
+        self.dtype = DTYPES[cfg.dtype]
+        self.tma_boxes = {}
+        self.smem_bytes = None
+
+    @staticmethod
+    def check(cfg: FwdConfig):
+        """What this kernel's code assumes of its variant (asserted at build time)."""
         assert cfg.tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
         # causal: a warpgroup's rows see at most one key tile fewer than its tile's last row
         # (attend's _skip_key_tile passes over one)
         # (local: a warpgroup passes over any number, _pass_key_tile)
         assert cfg.local or cfg.tile_m - 64 <= cfg.tile_n
         assert cfg.head_dim % 32 == 0 and cfg.tile_n % 16 == 0 and cfg.q_tiles in (1, 2)
-        self.cfg = cfg
-        self.dtype = DTYPES[cfg.dtype]
-        self.tma_boxes = {}
-        self.smem_bytes = None
 
     def _storage(self, sq, sk, sv):
         def buf(layout):
             return smem_buffer(layout, self.dtype)
 
-        stages = self.cfg.stages
+        cfg = self.cfg
 
         @cute.struct
         class Storage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * self.cfg.q_tiles]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * stages]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * stages]
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2 * cfg.q_tiles]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * cfg.stages]
             sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer (tile_m, d_v)
             sK: buf(sk)
             sV: buf(sv)
+            if cfg.head_split:  # each warpgroup's S half, fp32 (head_split.py)
+                sS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * cfg.tile_m * cfg.tile_n], 16]
 
         return Storage
 
