@@ -5,7 +5,7 @@
 1. each export's argument kinds against its header's wrapper (names and order);
 2. ffi.py's ctypes structs against the header's C structs (sizes and field offsets, by
    gcc, where gcc and the CUDA headers are here);
-3. same_run_varlen.py's and same_run_decode.py's FA4 calls built on CPU tensors with the
+3. same_run_varlen.py's, same_run_decode.py's and same_run_gqa.py's FA4 calls built on CPU tensors with the
    library mocked (ffi.ex packs each call's real argument structs, launches nothing):
    every export named exists, every tensor fits its struct, and the shapes FA4's
    interface would make (padded rows, accumulators, LSE layouts) hold;
@@ -122,6 +122,7 @@ except ImportError:  # a stand-in: nothing here times
     sys.modules["triton"] = types.ModuleType("triton")
     sys.modules["triton.testing"] = sys.modules["triton"].testing = types.ModuleType("triton.testing")
 import same_run_decode as dec  # noqa: E402
+import same_run_gqa as gqa  # noqa: E402
 import same_run_varlen as var  # noqa: E402
 from benchmarks.bench_decode import ISSUE  # noqa: E402
 from benchmarks.bench_varlen import mixes  # noqa: E402
@@ -185,6 +186,32 @@ for shape in ISSUE:
             used.append(n)
         print(f"3. decode {name} page {page}: {' '.join(used)}")
 
+for label, (d, hq, hkv, b, sl) in gqa.dense_cells().items():
+    for causal in (False, True):
+        q = torch.empty(b, 64, hq, d, dtype=torch.bfloat16)  # 64 tokens: the plumbing, not the size
+        k, v = (torch.empty(b, 64, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        calls.clear()
+        launch, o, lse = gqa.fa4_dense(q, k, v, causal)
+        name = calls[-1][0]
+        check(name.endswith(f"_g{hq // hkv}") and ("_causal" in name) == causal and f"_d{d}" in name,
+              f"gqa dense name {name}")
+        a = args_of(name)
+        check(a["t:k"].shape[2] == hkv and a["t:lse"].shape == (b, hq, 64), f"{name} k heads / lse shape")
+        launch()
+    print(f"3. gqa dense {label}: both causal modes")
+for label, (lengths, hq, hkv) in gqa.varlen_mixes().items():
+    short = [min(x, 300) for x in lengths]  # the plumbing on shorter sequences
+    check(len(lengths) == len(short) and min(lengths) >= 1, f"gqa mix {label} lengths")
+    for causal in (False, True):
+        q, k, v, cu = var.inputs(short, hq, hkv)
+        calls.clear()
+        launch, o, lse = gqa.fa4_varlen(q, k, v, cu, causal)
+        name = calls[-1][0]
+        check(name.endswith(f"_g{hq // hkv}") and ("_causal" in name) == causal, f"gqa varlen name {name}")
+        check(args_of(name)["t:lse"].shape == (hq, sum(short)), f"{name} lse shape")
+        launch()
+    print(f"3. gqa varlen {label} ({len(lengths)} sequences, {min(lengths)}-{max(lengths)} tokens)")
+
 # 4. tables
 res = {"tflops": {f"{k}|{m}|{c}|{p}": [100.0 + i, 110.0] for k in ("fwd", "bwd") for m in mixes() for c in (0, 1)
                   for i, p in enumerate(("ours", "fa4"))}}
@@ -192,5 +219,9 @@ print(var.table(res, ["fwd", "bwd"], list(mixes())))
 res = {"bytes_per_s": {"8x1x32768|dense|ours": [3e12], "8x1x32768|dense|fa4": [2e12, 2.2e12],
                        "8x1x32768|128|fa4_cpasync": [1e12]}, "copy_bytes_per_s": [3.9e12]}
 print(dec.table(res, ["8x1x32768|dense", "8x1x32768|128"]))
+kinds = [("dense", list(gqa.dense_cells())), ("varlen", list(gqa.varlen_mixes()))]
+res = {"tflops": {f"{k}|{c}|{x}|{p}": [100.0 + i, 105.0] for k, cells in kinds for c in cells for x in (0, 1)
+                  for i, p in enumerate(("ours", "fa4", "cudnn"))}}
+print(gqa.table(res, kinds))
 print("FAILED" if fails else "all checks passed", len(fails))
 sys.exit(1 if fails else 0)

@@ -3,7 +3,7 @@ export each to C, so the H200 can run them next to ours with no CuTe DSL there
 (benchmark-only: nothing of FA4 enters the package or its tests).
 
     FA4_PATH=<dirs with flash_attn/, quack/, torch/, einops/> CUTE_DSL_ARCH=sm_90a \
-        python benchmarks/fa4_upstream/compile.py OUT [fwd] [bwd] [varlen] [decode] [local] [local_bwd]
+        python benchmarks/fa4_upstream/compile.py OUT [fwd] [bwd] [varlen] [gqa] [decode] [local] [local_bwd] [dv]
     benchmarks/fa4_upstream/link.sh OUT      # -> OUT/libfa4.so, carried to the device
 
 FA4_PATH is a colon-separated list put first on sys.path (FA4's source tree and the
@@ -29,6 +29,11 @@ aid (its interface adds one only above 256 sequences; bench_varlen's largest mix
 ``dv`` (same_run_dv.py): head_dim 192 with head_dim_v 128, bf16, MHA, causal and not: the
 forward, and the backward's three kernels (FA4's sm90 backward asserts for GQA when the
 head dims differ), exports named ``..._d192v128...``.
+
+``gqa`` (same_run_gqa.py): the forward with GQA packed (pack_gqa, FA4's interface's choice
+for qhead_per_kvhead > 1), bf16, causal and not: dense at head_dim 128 with 4 and 8 query
+heads per KV head and at 64 with 8 (``fa4_fwd_d{d}[_causal]_g{n}``), varlen at 128 with 8
+(with ``varlen``'s 4: the GQA mixes of bench_varlen and issue 38).
 
 ``decode`` (same_run_decode.py): FA4's sm90 forward against a KV cache, head_dim 128 bf16,
 GQA 32:8 (qhead_per_kvhead 4, pack_gqa), not causal, with seqused_k as the cache lengths:
@@ -77,16 +82,19 @@ def _dv_tag(d, dv):
     return "" if dv == d else f"v{dv}"
 
 
-def fwd(d, causal, dv=None):
+def fwd(d, causal, dv=None, qhpk=1):
+    """The dense forward; with qhpk > 1 query heads per KV head, GQA packed (pack_gqa) as
+    FA4's interface does for qhead_per_kvhead > 1 (``..._g{qhpk}``)."""
     dv = dv or d
     cfg = _tile_size_fwd_sm90(d, dv, causal, False)
-    fa = FlashAttentionForwardSm90(BF16, d, dv, 1, is_causal=causal, is_local=False, pack_gqa=False,
+    fa = FlashAttentionForwardSm90(BF16, d, dv, qhpk, is_causal=causal, is_local=False, pack_gqa=qhpk > 1,
                                    tile_m=cfg.m_block_size, tile_n=cfg.n_block_size, num_stages=2,
                                    num_threads=(cfg.m_block_size // 64 + 1) * 128, Q_in_regs=False,
                                    intra_wg_overlap=cfg.intra_wg_overlap, mma_pv_is_rs=cfg.mma_pv_is_rs)
     b, s, sk, h = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int()
+    hk = cute.sym_int() if qhpk > 1 else h
     q, o = fake(BF16, (b, s, h, d), 8), fake(BF16, (b, s, h, dv), 8)
-    k, v = fake(BF16, (b, sk, h, d), 8), fake(BF16, (b, sk, h, dv), 8)
+    k, v = fake(BF16, (b, sk, hk, d), 8), fake(BF16, (b, sk, hk, dv), 8)
     lse = fake(Float32, (b, h, s), 1)
 
     @cute.jit
@@ -95,7 +103,7 @@ def fwd(d, causal, dv=None):
         fa(q, k, v, o, lse, scale, None, None, None, None, None, None, None, None, None,
            AuxData(None, None), None, None, stream)
 
-    export(f"fa4_fwd_d{d}{_dv_tag(d, dv)}{'_causal' if causal else ''}", entry, q, k, v, o, lse, Float32(0.125),
+    export(f"fa4_fwd_d{d}{_dv_tag(d, dv)}{'_causal' if causal else ''}{gqa_tag(qhpk)}", entry, q, k, v, o, lse, Float32(0.125),
            cuda.CUstream(0), kinds=["t:q", "t:k", "t:v", "t:o", "t:lse", "f32", "stream"])
 
 
@@ -495,6 +503,11 @@ if __name__ == "__main__":
             attempt(local_bwd, d, qhpk)
             if d > 64:
                 attempt(local_bwd, d, qhpk, 50.0)
+    if "gqa" in what:  # same_run_gqa.py: GQA packed forwards, dense and varlen (issue 38's GQA prefill)
+        for causal in (False, True):
+            for d, qhpk in ((128, 4), (128, 8), (64, 8)):
+                attempt(fwd, d, causal, None, qhpk)
+            attempt(varlen_fwd, 128, causal, 8)
     if "decode" in what:
         for paged in (None, "tma", "cpasync"):
             attempt(decode, 128, 4, paged)
