@@ -162,6 +162,39 @@ def check_limits(sizes: dict, limits: dict) -> None:
                          f"{limits['page_align']}")
 
 
+def pair_sizes(manifest, sizes: dict, local: bool = False) -> dict | None:
+    """The sizes (``served_sizes``') of a call that reads pairs of adjacent KV heads as one
+    head of twice the width (policy.decode_pairs: a narrow head's 128-byte rows; docs/
+    design.md, "Decode"): heads_kv halved, the head dim of the narrowest decode kernel
+    built for pairs (config ``pairs``) that holds both heads, pair_heads 2; None where the
+    call is not paired (an FP8 cache, ``local``: a window, sinks or softcap, other sizes,
+    or no such kernel built). The cache's layout is the caller's to check
+    (``heads_adjacent``)."""
+    width = max(sizes["columns"], sizes["columns_v"])
+    if sizes.get("kv_dtype", "same") != "same" or local or not policy.decode_pairs(
+            width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"]):
+        return None
+    dims = sorted({r["config"]["head_dim"] for r in manifest.matching(kind="decode")
+                   if r["config"].get("pairs") and r["config"]["head_dim"] >= 2 * width})
+    if not dims:
+        return None
+    return {**sizes, "heads_kv": sizes["heads_kv"] // 2, "head_dim": dims[0], "pair_heads": 2}
+
+
+def heads_adjacent(k: DeviceArray, v: DeviceArray) -> bool:
+    """Whether each KV head of the cache follows the one before with nothing between (head
+    stride = head dim, in K and V): a pair of them is then one row of twice the width."""
+    return k.strides[2] == k.shape[3] and v.strides[2] == v.shape[3]
+
+
+def _pair_view(t: DeviceArray) -> dict:
+    """The launch tensor of cache ``t`` (pages, rows, heads, d) with adjacent heads, as
+    (pages, rows, heads / 2, 2 d): a pair of heads one head."""
+    pages, rows, heads, d = t.shape
+    return {"ptr": t.ptr, "shape": (pages, rows, heads // 2, 2 * d), "strides": (*t.strides[:2], 2 * d, 1),
+            "itemsize": t.itemsize}
+
+
 def _check_splits(value, most: int | None = None) -> None:
     """num_splits: None, or an int from 1 (to ``most``, the rows' max_splits, where known)."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -213,6 +246,7 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
     if sm_count is not None:
         checks.check_sizes(sm_count=sm_count)
     library = library or default_library()
+    head_dim_q = head_dim
     head_dim = kernel_head_dim(library.manifest, "decode", head_dim, head_dim_v)
     rows = library.manifest.matching(kind="decode", head_dim=head_dim)
     if not rows:
@@ -221,17 +255,26 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
              "max_seqlen_k": max_seqlen_k}
     _check_splits(num_splits)
 
-    def most(row):  # the splits a call on this row can take: policy.decode_splits takes at most this many
+    def most(row, sizes):  # the splits a call on this row can take: policy.decode_splits takes at most this many
         if num_splits is None and sm_count is None:
             return max(1, min(row["limits"]["max_splits"], -(-max_seqlen_k // row["config"]["tile_n"])))
         return _splits(num_splits, sizes, row, sm_count or 1)
 
-    # the most of every row of the head dim (their key tiles and CTAs per SM differ: local d64)
-    splits, row = max((most(r), i, r) for i, r in enumerate(rows))[::2]
-    if splits == 1:
-        return 0
-    rule = row["workspace"]
-    return ws.total_bytes(rule, ws.regions(rule, ws.names(rule, {**sizes, "splits": splits})))
+    def need(sizes, rows):  # the most of every row (their key tiles and CTAs per SM differ: local d64)
+        splits, row = max((most(r, sizes), i, r) for i, r in enumerate(rows))[::2]
+        if splits == 1:
+            return 0
+        rule = row["workspace"]
+        return ws.total_bytes(rule, ws.regions(rule, ws.names(rule, {**sizes, "splits": splits})))
+
+    bytes_ = need(sizes, rows)
+    # a call of these sizes may read pairs of KV heads (pair_sizes), on those kernels: the more of the two
+    paired = pair_sizes(library.manifest, {**sizes, "columns": head_dim_q, "columns_v": head_dim_v or head_dim_q})
+    if paired is not None:
+        pair_rows = [r for r in library.manifest.matching(kind="decode", head_dim=paired["head_dim"])
+                     if r["config"].get("pairs")]
+        bytes_ = max(bytes_, need({n: paired[n] for n in sizes}, pair_rows))
+    return bytes_
 
 
 def forward_kvcache(q, k_cache, v_cache, out, lse, cache_seqlens=None, workspace=None, *, page_table=None,
@@ -320,6 +363,11 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     (``mods``: checks.ScoreMods) are read, and its launches (the decode, and the combine
     where split) packed: forward_kvcache's, and fa4_aot.forward's for decode shapes."""
     sizes = served_sizes(library.manifest, "decode", check_forward_kvcache(arrays))
+    paired = pair_sizes(library.manifest, sizes, mods.local)
+    if paired is not None and heads_adjacent(arrays["k_cache"], arrays["v_cache"]):
+        sizes = paired
+    else:
+        paired = None
     if mods.sink:
         checks.check_sink(arrays["sink"], sizes["heads_q"])
     check_no_overlap(written(arrays, *WRITTEN), read(arrays, *WRITTEN))
@@ -344,6 +392,8 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
         tensors.update(o_partial=dummy, lse_partial=dummy)
     scale = default_scale(sizes["columns"]) if scale is None else scale
     tensors.update(launch_tensors(arrays))
+    if paired is not None:  # each pair of adjacent KV heads one head of twice the width
+        tensors.update(k_cache=_pair_view(arrays["k_cache"]), v_cache=_pair_view(arrays["v_cache"]))
     full_cache = "cache_seqlens" not in arrays
     if full_cache:  # every sequence's whole cache: no lengths read
         tensors["cache_seqlens"] = arrays["lse"].as_launch_tensor()

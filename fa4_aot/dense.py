@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from . import policy
-from .decode import forward_kvcache_workspace_bytes, prepare_checked, splits_for
+from .decode import forward_kvcache_workspace_bytes, heads_adjacent, pair_sizes, prepare_checked, splits_for
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
@@ -127,7 +127,8 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
     check_built(library.manifest, axes, q_tiles)  # q_tiles=2 at head_dim 192, 256: not built, and says why
     device = device_of(arrays)
     arch = library.arch(device)
-    splits = 0 if q_tiles is not None else decode_splits(library, problem, mods, arch, device)
+    splits = 0 if q_tiles is not None else decode_splits(library, problem, mods, arch, device,
+                                                         heads_adjacent(arrays["k"], arrays["v"]))
     if splits and (splits == 1 or "workspace" in arrays):  # a decode shape: the decode kernel
         cache = {"q": arrays["q"], "k_cache": arrays["k"], "v_cache": arrays["v"], "out": arrays["out"],
                  "lse": arrays["lse"], **{n: arrays[n] for n in ("sink", "workspace") if n in arrays}}
@@ -167,14 +168,23 @@ def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count
     return row
 
 
-def decode_splits(library: KernelLibrary, problem, mods, arch: str, device: int) -> int:
+def decode_splits(library: KernelLibrary, problem, mods, arch: str | None, device: int | None, adjacent: bool = True,
+                  sm_count: int | None = None) -> int:
     """The decode kernel's splits for a dense forward ``problem`` of a decode shape on GPU
-    ``device`` (decode_row), else 0: the prefill kernel."""
-    sm_count = library.sm_count(device)
+    ``device`` (decode_row; or of ``sm_count`` SMs, any architecture built), else 0: the
+    prefill kernel. ``adjacent``: whether k's and v's heads are (decode.heads_adjacent),
+    so that the call may read them in pairs (decode.pair_sizes), as prepare_checked does."""
+    sm_count = library.sm_count(device) if sm_count is None else sm_count
     row = decode_row(library, problem, mods, arch, sm_count)
     if row is None:
         return 0
-    return splits_for({**problem.sizes, "max_seqlen_k": problem.seqlen_k}, row, sm_count, mods)
+    sizes = {**served(library.manifest, "decode", problem).sizes, "max_seqlen_k": problem.seqlen_k}
+    paired = pair_sizes(library.manifest, sizes, mods.local) if adjacent else None
+    if paired is not None:
+        sizes = paired
+        row = library.manifest.find(kind="decode", dtype=row["variant"]["dtype"], head_dim=paired["head_dim"],
+                                    **mods.axes(), arch=row["variant"]["arch"], q_tiles=1)
+    return splits_for(sizes, row, sm_count, mods)
 
 
 def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: int, head_dim: int, seqlen_k: int,
@@ -198,8 +208,9 @@ def forward_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, heads_kv: i
     row = decode_row(library, problem, mods, None, sm_count)
     if row is None:
         return 0
-    splits = None if sm_count is None else splits_for({**problem.sizes, "max_seqlen_k": seqlen_k}, row, sm_count,
-                                                      mods)
+    # the more of the two the call may take: its heads read one by one, or in pairs (decode.pair_sizes)
+    splits = None if sm_count is None else max(decode_splits(library, problem, mods, None, None, adjacent, sm_count)
+                                               for adjacent in (False, True))
     if splits == 1:
         return 0
     return forward_kvcache_workspace_bytes(batch, seqlen_q, heads_q, heads_kv, head_dim, seqlen_k,

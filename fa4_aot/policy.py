@@ -190,6 +190,25 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> 
     return best
 
 
+# Decode of a cache whose heads are at most this wide: pairs of adjacent KV heads read as
+# one head of twice the width by the kernels built for it (decode/config.PAIRED_HEAD_DIMS)
+# where a pair's packed rows still fit one row tile. A head of <= 64 columns is a 128-byte
+# row, and a CTA that reads one head's half of each 256 bytes leaves the rest of each DRAM
+# burst to another CTA at another time: issue 38's 32 x 16k GQA 16:2 d64 case ran at
+# 0.73-0.75 of the copy (cuDNN 0.80) and d64 8 x 32k GQA 32:8 at 0.84-0.90, where 256-byte
+# rows (d128) run at 0.99 (docs/design.md, "Decode"). Unmeasured start value: pairing
+# wherever it applies.
+DECODE_PAIR_MAX_HEAD_DIM = 64
+DECODE_PAIR_TILE_ROWS = 64  # the decode kernel's packed rows per CTA
+
+
+def decode_pairs(head_dim: int, heads_q: int, heads_kv: int, seqlen_q: int) -> bool:
+    """Whether a decode of these sizes (``head_dim``: the wider of the cache's K and V)
+    reads pairs of adjacent KV heads as one head (the cache's layout permitting)."""
+    return (head_dim <= DECODE_PAIR_MAX_HEAD_DIM and heads_kv % 2 == 0
+            and 2 * (heads_q // heads_kv) * seqlen_q <= DECODE_PAIR_TILE_ROWS)
+
+
 # The varlen forward's sequence order (docs/design.md, "Variable length"): "lpt" sorts the
 # sequences heaviest first in a one-CTA launch before the attention kernel (up to the
 # row's ``limits.lpt_max_batch`` sequences, the sort's width in shared memory);

@@ -182,6 +182,10 @@ DECODE_INPUTS = Inputs(
     Input("k_descale", "f32", 2, when="fp8"), Input("v_descale", "f32", 2, when="fp8"),
     *(Input(n, "Int32", when="fp8") for n in ("k_descale_sb", "k_descale_sh", "use_k_descale",
                                               "v_descale_sb", "v_descale_sh", "use_v_descale")),
+    # pairs: 2 where the cache is given as pairs of adjacent KV heads, each pair one head of
+    # twice the width (k_cache, v_cache viewed so; heads_kv the pairs): each packed row reads
+    # Q into and writes O from its own head's half of the columns; 1 otherwise
+    Input("pair_heads", "Int32", when="pairs", default=1),
 )
 DECODE = Params(
     "DecodeParams",
@@ -199,7 +203,7 @@ DECODE = Params(
     ptr("k_descale", when="fp8"), i32("k_descale_sb", when="fp8"), i32("k_descale_sh", when="fp8"),
     i32("use_k_descale", when="fp8"),
     ptr("v_descale", when="fp8"), i32("v_descale_sb", when="fp8"), i32("v_descale_sh", when="fp8"),
-    i32("use_v_descale", when="fp8"),
+    i32("use_v_descale", when="fp8"), i32("pair_heads", when="pairs"),
     inputs=DECODE_INPUTS,
 )
 COMBINE_INPUTS = Inputs(

@@ -397,3 +397,115 @@ def test_an_fp8_call_launches_the_fp8_row_with_its_scales(built, descale, want):
     for name in ("k_descale", "v_descale"):
         assert (values[f"{name}_sb"], values[f"{name}_sh"], values[f"use_{name}"]) == want
         assert tensors[name]["ptr"] == (descale.ptr if descale is not None else a["lse"].ptr)
+
+
+def _narrow(b=4, sq=1, hq=32, hkv=8, d=64, keys=1000, **over):
+    """A decode call of a narrow head (d <= 64: 128-byte rows a head)."""
+    a = {"q": bshd(b, sq, hq, d), "out": bshd(b, sq, hq, d),
+         "lse": DeviceArray(fresh(), (b, hq, sq), (hq * sq, sq, 1), "fp32", 0), "cache_seqlens": ints((b,)),
+         "k_cache": bshd(b, keys, hkv, d), "v_cache": bshd(b, keys, hkv, d)}
+    a.update(over)
+    return {n: x for n, x in a.items() if x is not None}
+
+
+def test_narrow_heads_are_read_in_pairs(built):
+    """A cache of head dim <= 64 with adjacent heads and a pair's rows in one row tile
+    (policy.decode_pairs): the kernel built for pairs, its K and V viewed as half the heads
+    of twice the width, pair_heads 2, the grid over the pairs; q's and v's own columns."""
+    from fa4_aot.launch.loader import grid_of
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    for d in (64, 32):
+        library.launches = []
+        a = _narrow(d=d)
+        _call(a, library, num_splits=1)
+        (row, values, tensors), = library.launches
+        _every_slot_given(row, values, tensors)
+        assert row["config"]["pairs"] and row["config"]["head_dim"] == 128
+        assert (values["pair_heads"], values["heads_kv"], values["columns"], values["columns_v"]) == (2, 4, d, d)
+        for name in ("k_cache", "v_cache"):
+            t = tensors[name]
+            assert t["ptr"] == a[name].ptr and t["shape"] == (4, 1000, 4, 2 * d)
+            assert t["strides"] == (1000 * 8 * d, 8 * d, 2 * d, 1)
+        assert grid_of(row["launches"][0], values) == (1, 4, 4)  # 8 rows of a pair: one tile, 4 pairs, 4 sequences
+
+
+@pytest.mark.parametrize("what, over", [
+    ("MQA: one KV head", dict(hq=8, hkv=1)),
+    ("odd KV heads", dict(hq=12, hkv=3)),
+    ("a pair's rows past one tile", dict(sq=16, hq=32, hkv=8)),  # 2 x 4 heads x 16 tokens = 128 rows
+    ("a head past 64 columns", dict(d=96)),
+])
+def test_calls_that_are_not_paired(built, what, over):
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    a = _narrow(**over)
+    _call(a, library, num_splits=1)
+    (row, values, tensors), = library.launches
+    _every_slot_given(row, values, tensors)
+    assert values.get("pair_heads", 1) == 1 and values["heads_kv"] == a["k_cache"].shape[2], what
+    assert tensors["k_cache"]["shape"] == a["k_cache"].shape, what
+
+
+def test_heads_that_are_not_adjacent_are_read_one_by_one(built):
+    """A cache whose heads lie apart (a view of every other head of a wider one): no pair
+    is one row, so each head is read alone; a window (the local kernels) likewise."""
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    b, keys, hkv, d = 4, 1000, 8, 64
+    apart = (keys * 2 * hkv * d, 2 * hkv * d, 2 * d, 1)  # head stride 2 d
+    for over in (dict(k_cache=bshd(b, keys, hkv, d, strides=apart)), dict(v_cache=bshd(b, keys, hkv, d, strides=apart))):
+        library.launches = []
+        _call(_narrow(**over), library, num_splits=1)
+        (row, values, tensors), = library.launches
+        assert values.get("pair_heads", 1) == 1 and values["heads_kv"] == hkv
+        assert tensors["k_cache"]["shape"] == (b, keys, hkv, d)
+
+
+def test_a_paired_split_call_fits_the_workspace_asked_for(built):
+    """forward_kvcache_workspace_bytes sizes for the pairs' kernels too (their partial rows
+    are the kernel's width, and half the CTAs may take more splits): a split paired call
+    on the workspace it asked for is taken, and one byte less is refused."""
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    for b, keys in ((8, 32768), (32, 16384), (1, 131072)):
+        need = forward_kvcache_workspace_bytes(b, 1, 16, 2, 64, keys, library=library, sm_count=132)
+        assert need <= forward_kvcache_workspace_bytes(b, 1, 16, 2, 64, keys, library=library)
+        library.launches = []
+        space = DeviceArray(fresh(), (need,), (1,), "u8", 0)
+        _call(_narrow(b=b, hq=16, hkv=2, keys=keys, workspace=space), library)
+        decode, values, tensors = library.launches[0]
+        assert values["pair_heads"] == 2 and values["splits"] > 1, (b, keys)
+        assert [r["name"] for r, _, _ in library.launches[1:]] == ["combine.sm90a.bf16.d128"]
+        with pytest.raises(ShapeError, match="bytes"):
+            small = DeviceArray(fresh(), (need - 1,), (1,), "u8", 0)
+            _call(_narrow(b=b, hq=16, hkv=2, keys=keys, workspace=small), _FakeLibrary(Manifest(built[0])))
+
+
+def test_dense_decode_shapes_of_narrow_heads_are_read_in_pairs(built):
+    """fa4_aot.forward of a decode shape at head dim 64: the paired decode, split as its
+    own policy says, on a workspace of forward_workspace_bytes."""
+    from fa4_aot import forward, forward_workspace_bytes
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    shape = (8, 1, 32, 8, 64, 32768)
+    need = forward_workspace_bytes(*shape, sm_count=132, library=library)
+    assert 0 < need <= forward_workspace_bytes(*shape, library=library)
+    forward(*_dense(*shape).values(), workspace=DeviceArray(fresh(), (need,), (1,), "u8", 0), library=library)
+    (row, values, tensors), (combine, _, _) = library.launches
+    _every_slot_given(row, values, tensors)
+    assert row["name"] == "decode.sm90a.bf16.d128" and values["pair_heads"] == 2 and values["heads_kv"] == 4
+    assert values["splits"] == policy.decode_splits(4 * 8, 32768 // 128, 132, 128)
+
+
+@pytest.mark.parametrize("sizes, want", [
+    ((64, 32, 8, 1), True), ((32, 32, 8, 1), True), ((72, 32, 8, 1), False), ((64, 8, 1, 1), False),
+    ((64, 12, 3, 1), False), ((64, 32, 8, 8), True), ((64, 32, 8, 9), False), ((64, 16, 16, 32), True),
+])
+def test_decode_pairs_policy(sizes, want):
+    assert policy.decode_pairs(*sizes) is want

@@ -85,7 +85,8 @@ def _run(q, k_cache, v_cache, lengths, table, causal, num_splits, out=None, **mo
 
 @pytest.mark.parametrize("variant", DECODE, ids=lambda v: v.name)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
-def test_decode_matches_reference(variant, case, gen):
+def test_decode_matches_reference(variant, case, gen, monkeypatch):
+    monkeypatch.setattr(fa4_aot.policy, "decode_pairs", lambda *sizes: False)  # each variant's own kernel
     batch, sq, hq, hkv, max_cache, page = case
     dtype, d = DTYPES[variant.dtype], variant.head_dim
     q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
@@ -277,3 +278,50 @@ def test_a_serving_loop_repeats_the_kept_launches(gen, monkeypatch):
         lengths += 1
         del out, lse, k_new, v_new  # a loop that keeps nothing: the next step's tensors take the same addresses
     assert any(repeated), f"no step repeated the kept launches: {repeated}"
+
+
+# (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None): a pair's rows within one tile
+PAIRED = [
+    (4, 1, 32, 8, 1000, None),  # GQA 4, one token: 8 rows a pair
+    (3, 4, 16, 4, 640, 64),  # 4 tokens x 4 heads x 2: 32 rows; pages of 64
+    (5, 8, 8, 2, 2048, 16),  # 8 tokens x 4 heads x 2: 64 rows, the whole tile; pages of 16
+    (6, 1, 16, 2, 3000, None),  # issue 38's GQA 16:2 at one token, ragged lengths
+]
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 48, 32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", PAIRED, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
+def test_paired_heads_match_reference(case, causal, d, dtype, gen, monkeypatch):
+    """Narrow heads read in pairs (decode.pair_sizes: two adjacent KV heads as one head of
+    twice the width on the pairs' kernel, each row's Q and O in its own head's columns):
+    against the reference, every split count; the pairing shown taken."""
+    import fa4_aot.decode as decode
+
+    views = []
+    monkeypatch.setattr(decode, "_pair_view", lambda t, view=decode._pair_view: views.append(t) or view(t))
+    batch, sq, hq, hkv, max_cache, page = case
+    dtype = DTYPES[dtype]
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, dtype, page, gen)
+    lengths = _lengths(batch, max_cache, sq, gen)
+    for splits in (None, 1, 3):
+        views.clear()
+        out, lse = _run(q, k, v, lengths, table, causal, splits)
+        assert len(views) == 2, "the call was not paired"
+        _check(out, lse, q, k_full, v_full, lengths, causal)
+
+
+def test_heads_apart_are_not_paired(gen):
+    """A cache whose heads are not adjacent (every other head of a wider one) is read head
+    by head, and right."""
+    batch, hq, hkv, d, max_cache = 3, 16, 4, 64, 700
+    q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    wide_k, wide_v = (torch.randn(batch, max_cache, 2 * hkv, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+                      for _ in range(2))
+    k, v = wide_k[:, :, ::2], wide_v[:, :, ::2]
+    lengths = _lengths(batch, max_cache, 1, gen)
+    for splits in (1, 2):
+        out, lse = _run(q, k, v, lengths, None, False, splits)
+        _check(out, lse, q, k, v, lengths, False)

@@ -38,6 +38,13 @@ TILES_E4M3 = {64: (128, 6), 96: (128, 5), 128: (128, 4), 192: (64, 5), 256: (64,
 # the widener's registers: at 56 it spilled addresses and loaded one 16-byte chunk at a time
 # (2.29-2.71 TB/s of FP8 bytes); at 96, 2.51-2.96 (docs/design.md, "FP8 cache")
 WIDENER_REGS = 96
+# Head dims whose kernels also read two adjacent KV heads of half the width as one head
+# (run-time ``pair_heads``): a cache of head dim <= 64 has 128-byte rows a head, and a CTA
+# reading one head's half of every 256 bytes leaves the rest of each DRAM burst to another
+# CTA at another time (issue 38's 32 x 16k GQA 16:2 d64 case at 0.73-0.75 of the copy,
+# cuDNN 0.80; the d128 shapes 0.99). Paired, a row tile's packed rows are both heads' query
+# heads, each row's Q and O in its own head's half of the columns (docs/design.md, "Decode").
+PAIRED_HEAD_DIMS = (128,)
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
 MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
 MAX_SEQLEN_Q = 128  # query tokens per sequence (speculative and chunked decoding); more: the dense forward
@@ -61,6 +68,7 @@ class DecodeConfig:
     kv_dtype: str = "same"  # "e4m3": an FP8 cache, widened on chip by a third warpgroup
     widener_regs: int = 0
     head_split: bool = False  # two consumer warpgroups on the 64 rows, half the head dim each
+    pairs: bool = False  # may read two adjacent KV heads as one (run-time pair_heads: 1 or 2)
 
     @property
     def consumers(self) -> int:
@@ -88,7 +96,8 @@ class DecodeConfig:
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
                    tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=PRODUCER_REGS,
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
-                   kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0)
+                   kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
+                   pairs=variant.head_dim in PAIRED_HEAD_DIMS and not (fp8 or variant.local or variant.softcap))
 
     @property
     def fp8(self) -> bool:

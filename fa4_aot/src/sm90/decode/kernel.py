@@ -84,6 +84,13 @@ def _key_tile(i, n_end, steps, turn):
     return n_end - 1 - (i + turn) % steps
 
 
+def _pair_offset(p, group, pair, columns):
+    """cfg.pairs: the first column of packed row ``p``'s KV head within its pair (``pair``
+    KV heads side by side, each ``columns`` wide; ``group``: query heads per pair), 0 where
+    ``pair`` is 1."""
+    return (p % group) // (group // pair) * columns
+
+
 class DecodeSm90:
     """One decode variant (its ``config.DecodeConfig``): host side and kernel."""
 
@@ -264,7 +271,8 @@ class DecodeSm90:
             ctidx = ctidx % WARPGROUP
             self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns, wg)
         else:
-            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns)
+            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns,
+                        pair=p.pair_heads if const_expr(cfg.pairs) else None)
         scale_log2 = p.scale_log2
         softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
         v_scale = None
@@ -279,7 +287,8 @@ class DecodeSm90:
                                      (window, softcap_scale), halves)
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
         sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
-        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale, None if halves is None else halves[0])
+        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale, None if halves is None else halves[0],
+                      pair=p.pair_heads if const_expr(cfg.pairs) else None)
 
     @cute.jit
     def _descale(self, ptr, sb, sh, use, b, head_kv):
@@ -396,11 +405,12 @@ class DecodeSm90:
             cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe.producer_get_barrier(state))
 
     @cute.jit
-    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns, wg=None):
+    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns, wg=None, pair=None):
         """The tile's packed Q rows into shared memory, 16 bytes per access (rows past the
         KV head's rows and columns past Q's head dim ``columns`` are zeros), made visible
         to the wgmma; head_split, warpgroup ``wg``'s half of the columns (its own S half
-        reads no other)."""
+        reads no other); ``pair`` (cfg.pairs: the run-time pair_heads), each row's Q at its
+        own KV head's offset in the pair (``_pair_offset``), zeros elsewhere."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         q_sb, q_ss, q_sh = q_strides
         vec = 16 // (self.dtype.width // 8)
@@ -413,11 +423,19 @@ class DecodeSm90:
             p = first_row + r
             values = cute.make_rmem_tensor((vec,), self.dtype)
             values.fill(0.0)
-            if (p < rows) & (part * vec < columns):
-                token, head = p // group, head_kv * group + p % group
-                at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
-                src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
-                cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
+            if const_expr(pair is None):
+                if (p < rows) & (part * vec < columns):
+                    token, head = p // group, head_kv * group + p % group
+                    at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
+                    src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
+                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
+            else:
+                col = part * vec - _pair_offset(p, group, pair, columns)  # q's column of this chunk
+                if (p < rows) & (col >= 0) & (col < columns):
+                    token, head = p // group, head_kv * group + p % group
+                    at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + col) * (self.dtype.width // 8)
+                    src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
+                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
             if const_expr(self.mma_type is not self.dtype):  # bf16 q for fp16 wgmmas (an FP8 cache)
                 wide = cute.make_rmem_tensor((vec,), self.mma_type)
                 wide.store(values.load().to(self.mma_type))
@@ -531,14 +549,17 @@ class DecodeSm90:
                         s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None, wg=None):
+    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None, wg=None, pair=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
         packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
         columns per store. ``sinks``
         (local): the sinks' address and use_sink; split 0 counts each row's head's sink.
         ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE). ``wg`` (head_split):
-        this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's)."""
+        this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's). ``pair``
+        (cfg.pairs: the run-time pair_heads): each row's O is its own KV head's columns of
+        the pair (``_pair_offset``), written from column 0 of the row (out, or the split's
+        share, whose rows the combine reads ``columns`` wide)."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         o_ptr, o_sb, o_ss, o_sh, columns, lse_ptr, o_part_ptr, lse_part_ptr, split, splits, batch = out
@@ -573,31 +594,48 @@ class DecodeSm90:
             if p < rows:
                 token, head = p // group, head_kv * group + p % group
                 lse_at = (b * heads_q + head) * seqlen_q + token
+                offset = 0
+                if const_expr(pair is not None):  # this row's KV head's columns of the pair, from 0
+                    offset = _pair_offset(p, group, pair, columns)
                 if splits == 1:
                     base = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh
                     for c in cutlass.range_constexpr(0, ncols, 2):
                         pair32 = cute.make_rmem_tensor((2,), Float32)
                         pair32[0] = o[r, c]
                         pair32[1] = o[r, c + 1]
-                        pair = cute.make_rmem_tensor((2,), self.dtype)
-                        pair.store(pair32.load().to(self.dtype))
-                        if coords[r, c][1] + col0 < columns:  # an even column: both or neither (columns % 8 == 0)
-                            at = (base + coords[r, c][1] + col0) * (self.dtype.width // 8)
-                            dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem,
-                                                assumed_align=4)
-                            cute.autovec_copy(pair, cute.make_tensor(dst, cute.make_layout(2)))
+                        two = cute.make_rmem_tensor((2,), self.dtype)
+                        two.store(pair32.load().to(self.dtype))
+                        if const_expr(pair is None):
+                            if coords[r, c][1] + col0 < columns:  # an even column: both or neither (columns % 8 == 0)
+                                at = (base + coords[r, c][1] + col0) * (self.dtype.width // 8)
+                                dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem,
+                                                    assumed_align=4)
+                                cute.autovec_copy(two, cute.make_tensor(dst, cute.make_layout(2)))
+                        else:
+                            if (coords[r, c][1] >= offset) & (coords[r, c][1] - offset < columns):
+                                at = (base + coords[r, c][1] - offset) * (self.dtype.width // 8)
+                                dst = cute.make_ptr(self.dtype, o_ptr.toint() + at, cute.AddressSpace.gmem,
+                                                    assumed_align=4)
+                                cute.autovec_copy(two, cute.make_tensor(dst, cute.make_layout(2)))
                     if _writes_lse(tidx, wg):
                         cute.make_tensor(lse_ptr, cute.make_layout(batch * heads_q * seqlen_q))[lse_at] = lse[r]
                 else:
                     row = (Int64(split) * batch + b) * seqlen_q + token
                     part_base = (row * heads_q + head) * cfg.head_dim
                     for c in cutlass.range_constexpr(0, ncols, 2):
-                        pair = cute.make_rmem_tensor((2,), Float32)
-                        pair[0] = o[r, c]
-                        pair[1] = o[r, c + 1]
-                        part_dst = cute.make_ptr(Float32, o_part_ptr.toint() + (part_base + coords[r, c][1] + col0) * 4,
-                                                 cute.AddressSpace.gmem, assumed_align=8)
-                        cute.autovec_copy(pair, cute.make_tensor(part_dst, cute.make_layout(2)))
+                        two = cute.make_rmem_tensor((2,), Float32)
+                        two[0] = o[r, c]
+                        two[1] = o[r, c + 1]
+                        if const_expr(pair is None):
+                            part_dst = cute.make_ptr(Float32, o_part_ptr.toint() + (part_base + coords[r, c][1] + col0) * 4,
+                                                     cute.AddressSpace.gmem, assumed_align=8)
+                            cute.autovec_copy(two, cute.make_tensor(part_dst, cute.make_layout(2)))
+                        else:
+                            if (coords[r, c][1] >= offset) & (coords[r, c][1] - offset < columns):
+                                part_dst = cute.make_ptr(Float32,
+                                                         o_part_ptr.toint() + (part_base + coords[r, c][1] - offset) * 4,
+                                                         cute.AddressSpace.gmem, assumed_align=8)
+                                cute.autovec_copy(two, cute.make_tensor(part_dst, cute.make_layout(2)))
                     if _writes_lse(tidx, wg):
                         lse_part_at = Int64(split) * (batch * heads_q * seqlen_q) + lse_at
                         lse_dst = cute.make_ptr(Float32, lse_part_ptr.toint() + lse_part_at * 4,
