@@ -8,6 +8,7 @@ package ``--calls`` times, then synchronizes.
 Cases (the figure measured last, the bar, the benchmark whose setup it takes):
   decode-d64-split  32 x 1 x 16k, GQA 16:2, d64, num_splits 2: 0.75 of the copy, bar 0.85
                     (issue 38; bench_decode.SPLIT)
+  decode-d64-split-policy  the same with the splits the policy picks
   decode-d64        8 x 1 x 32k, GQA 32:8, d64: 0.90 of the copy (the contrast to the above)
   decode-d512-mqa   32 x 1 x 4k, MQA 8:1, d512, 64-key pages: 0.75, bar 0.85 (issue 39; bench_d512)
   decode-fp8        8 x 1 x 32k, GQA 32:8, d128, e4m3 cache: 0.70-0.78, bar 0.85 (issue 40)
@@ -66,6 +67,7 @@ def _fwd(b, s, hq, hkv, d, causal, window=None, sinks=False):
 
 CASES = {
     "decode-d64-split": lambda: _decode((32, 1, 16, 2, 64, 16384, None), splits=2),
+    "decode-d64-split-policy": lambda: _decode((32, 1, 16, 2, 64, 16384, None)),
     "decode-d64": lambda: _decode((8, 1, 32, 8, 64, 32768, None)),
     "decode-d512-mqa": _decode_d512,
     "decode-fp8": lambda: _decode((8, 1, 32, 8, 128, 32768, None), fp8=True),
