@@ -34,6 +34,7 @@ num_splits the result is bitwise the same every run.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -174,11 +175,22 @@ def pair_sizes(manifest, sizes: dict, local: bool = False) -> dict | None:
     if sizes.get("kv_dtype", "same") != "same" or local or not policy.decode_pairs(
             width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"]):
         return None
-    dims = sorted({r["config"]["head_dim"] for r in manifest.matching(kind="decode")
-                   if r["config"].get("pairs") and r["config"]["head_dim"] >= 2 * width})
-    if not dims:
+    head_dim = _pair_head_dim(manifest, width)
+    if head_dim is None:
         return None
-    return {**sizes, "heads_kv": sizes["heads_kv"] // 2, "head_dim": dims[0], "pair_heads": 2}
+    return {**sizes, "heads_kv": sizes["heads_kv"] // 2, "head_dim": head_dim, "pair_heads": 2}
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_head_dim(manifest, width: int) -> int | None:
+    """The narrowest decode head dim of ``manifest`` whose 16-bit rows without a window are
+    built for pairs (config ``pairs``) and hold two heads ``width`` wide; None if none.
+    Kept per manifest: it decodes only those rows, once (a first call reads few rows)."""
+    for head_dim in sorted({v.head_dim for v in manifest.variants if v.kind == "decode" and v.head_dim >= 2 * width}):
+        rows = manifest.matching(kind="decode", head_dim=head_dim, local=False, kv_dtype="same")
+        if rows and all(r["config"].get("pairs") for r in rows):
+            return head_dim
+    return None
 
 
 def heads_adjacent(k: DeviceArray, v: DeviceArray) -> bool:
