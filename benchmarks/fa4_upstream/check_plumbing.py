@@ -219,9 +219,9 @@ print(var.table(res, ["fwd", "bwd"], list(mixes())))
 res = {"bytes_per_s": {"8x1x32768|dense|ours": [3e12], "8x1x32768|dense|fa4": [2e12, 2.2e12],
                        "8x1x32768|128|fa4_cpasync": [1e12]}, "copy_bytes_per_s": [3.9e12]}
 print(dec.table(res, ["8x1x32768|dense", "8x1x32768|128"]))
-kinds = [("dense", list(gqa.dense_cells())), ("varlen", list(gqa.varlen_mixes()))]
-res = {"tflops": {f"{k}|{c}|{x}|{p}": [100.0 + i, 105.0] for k, cells in kinds for c in cells for x in (0, 1)
-                  for i, p in enumerate(("ours", "fa4", "cudnn"))}}
-print(gqa.table(res, kinds))
+keys = [f"{k}|{c}|{x}" for k, cells in (("dense", gqa.dense_cells()), ("varlen", gqa.varlen_mixes())) for c in cells
+        for x in gqa.CAUSAL.values()]
+res = {"flops_per_s": {f"{key}|{p}": [1e14 + i * 1e12, 1.05e14] for key in keys for i, p in enumerate(gqa.PEERS)}}
+print(gqa.local_cells.table(res, keys, "GQA prefill forward, TFLOP/s", gqa.PEERS, ("kind", "cell", "causal")))
 print("FAILED" if fails else "all checks passed", len(fails))
 sys.exit(1 if fails else 0)

@@ -36,19 +36,19 @@ def cell(key, makers, check, work, r, res, bench):
           flush=True)
 
 
-def table(res, keys, title, peers):
+def table(res, keys, title, peers, columns=("layer", "seqlen")):
     """Median TFLOP/s of ``peers`` ({name: column title}, "ours" first) per cell, and
-    ours over each other peer's."""
+    ours over each other peer's; a cell's key is its ``columns``' values joined by "|"."""
     f = res["flops_per_s"]
     others = [p for p in peers if p != "ours"]
     lines = [f"{title} (median over rounds, range in brackets)", "",
-             "| layer | seqlen | " + " | ".join(peers.values()) + " | "
+             "| " + " | ".join(columns) + " | " + " | ".join(peers.values()) + " | "
              + " | ".join(f"ours / {peers[p]}" for p in others) + " |",
-             "|---|---|" + "---|" * (len(peers) + len(others))]
+             "|" + "---|" * (len(columns) + len(peers) + len(others))]
     for key in keys:
-        layer, seqlen = key.split("|")
         cells = {p: summary(f, f"{key}|{p}", 1e12, 0) for p in peers}
-        lines.append(f"| {layer} | {seqlen} | " + " | ".join(f"{x:.0f}{rng}" for x, rng in cells.values()) + " | "
+        lines.append("| " + " | ".join(key.split("|")) + " | "
+                     + " | ".join(f"{x:.0f}{rng}" for x, rng in cells.values()) + " | "
                      + " | ".join(f"{cells['ours'][0] / cells[p][0]:.3f}" for p in others) + " |")
     return "\n".join(lines)
 

@@ -19,7 +19,8 @@ sys.path.insert(0, "."); sys.path.insert(0, str(Path(__file__).parent))
 import torch  # noqa: E402
 
 import ffi  # noqa: E402
-from rounds import finish, note, run_rounds, summary, time_round  # noqa: E402
+import local_cells  # noqa: E402
+from rounds import finish, run_rounds  # noqa: E402
 
 TOKENS = 16384
 
@@ -86,52 +87,56 @@ def fa4_varlen(q, k, v, cu, causal):
     return _launch(name, q, k, v, o, lse, 1 / math.sqrt(d), cu, cu, stream()), o, lse
 
 
-def check(res, key, name, ours, peer):
-    """Records and prints max |peer - ours| of (out, lse) (lse where the peer gives one)."""
+def _differences(ours, peer):
+    """max |peer - ours| of (out, lse) (lse where the peer gives one)."""
     (o1, l1), (o2, l2) = ours, peer
     found = {"max_abs_o": (o2.float() - o1.float()).abs().max().item()}
     if l2 is not None:
         found["max_abs_lse"] = (l2.float() - l1.float()).abs().max().item()
-    res["checks"][f"{key}|{name}"] = found
-    print(f"check {key} {name}: " + " ".join(f"{n} {x:.2e}" for n, x in found.items()), flush=True)
+    return found
+
+
+def _cell(key, ours, make_fa4, cudnn, work, r, res, bench):
+    """One cell's round (local_cells.cell): ``ours`` () -> its (out, lse) launch and the
+    two arrays, ``make_fa4`` () -> FA4's (launch, out, lse), ``cudnn`` a launch or None;
+    the first round compares FA4's outputs (and cuDNN's) with ours."""
+    launch, o1, l1 = ours
+    fa4 = {}
+
+    def fa4_launch():
+        go, fa4["o"], fa4["lse"] = make_fa4()
+        return go
+    makers = {"ours": lambda: launch, "fa4": fa4_launch}
+    if cudnn is not None:
+        makers["cudnn"] = lambda: cudnn
+
+    def check(peers):
+        o1.fill_(float("nan")); fa4["o"].fill_(float("nan"))
+        peers["ours"](); peers["fa4"](); torch.cuda.synchronize()
+        found = {f"fa4 {n}": x for n, x in _differences((o1, l1), (fa4["o"], fa4["lse"])).items()}
+        if cudnn is not None:
+            found["cudnn max_abs_o"] = _differences((o1, l1), (cudnn().transpose(1, 2), None))["max_abs_o"]
+        return found
+    local_cells.cell(key, makers, check, work, r, res, bench)
 
 
 def dense_cell(label, shape, causal, r, res, bench):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from fa4_aot.torch import flash_attn_fwd
     d, hq, hkv, b, s = shape
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     o1, l1 = torch.empty_like(q), torch.empty(b, hq, s, device="cuda")
-    peers = {"ours": lambda: flash_attn_fwd(q, k, v, causal=causal, out=o1, lse=l1)}
-    key = f"dense|{label}|{int(causal)}"
-    try:
-        peers["fa4"], o2, l2 = fa4_dense(q, k, v, causal)
-    except Exception as e:  # noqa: BLE001 (FA4's column of this cell is missing; ours still timed)
-        note(res, key + "|fa4", e)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
     def cudnn():
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal, enable_gqa=True)
-    peers["cudnn"] = cudnn
-    if r == 0:
-        o1.fill_(float("nan"))
-        peers["ours"]()
-        if "fa4" in peers:
-            o2.fill_(float("nan"))
-            try:
-                peers["fa4"](); torch.cuda.synchronize()
-                check(res, key, "fa4", (o1, l1), (o2, l2))
-            except Exception as e:  # noqa: BLE001
-                note(res, key + "|fa4", e); peers.pop("fa4")
-        try:
-            o3 = cudnn().transpose(1, 2); torch.cuda.synchronize()
-            check(res, key, "cudnn", (o1, l1), (o3, None))
-        except Exception as e:  # noqa: BLE001 (this torch's cuDNN lacks the shape)
-            note(res, key + "|cudnn", e); peers.pop("cudnn")
-    timed(key, peers, r, res, flops([s] * b, hq, d, causal), bench)
+    ours = (lambda: flash_attn_fwd(q, k, v, causal=causal, out=o1, lse=l1), o1, l1)
+    _cell(f"dense|{label}|{CAUSAL[causal]}", ours, lambda: fa4_dense(q, k, v, causal), cudnn,
+          flops([s] * b, hq, d, causal), r, res, bench)
 
 
 def varlen_cell(label, mix, causal, r, res, bench):
@@ -145,39 +150,13 @@ def varlen_cell(label, mix, causal, r, res, bench):
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device="cuda")
     cu[1:] = torch.tensor(lengths, device="cuda").cumsum(0)
     o1, l1 = torch.empty_like(q), torch.empty(hq, total, device="cuda")
-    peers = {"ours": lambda: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal, out=o1,
-                                                   lse=l1)}
-    key = f"varlen|{label}|{int(causal)}"
-    try:
-        fa4, o2, l2 = fa4_varlen(q, k, v, cu, causal)
-        peers["fa4"] = fa4
-        if r == 0:
-            o1.fill_(float("nan")); o2.fill_(float("nan"))
-            peers["ours"](); fa4(); torch.cuda.synchronize()
-            check(res, key, "fa4", (o1, l1), (o2, l2))
-    except Exception as e:  # noqa: BLE001
-        note(res, key + "|fa4", e); peers.pop("fa4", None)
-    timed(key, peers, r, res, flops(lengths, hq, d, causal), bench)
+    ours = (lambda: flash_attn_varlen_fwd(q, k, v, cu, cu, longest, longest, causal=causal, out=o1, lse=l1), o1, l1)
+    _cell(f"varlen|{label}|{CAUSAL[causal]}", ours, lambda: fa4_varlen(q, k, v, cu, causal), None,
+          flops(lengths, hq, d, causal), r, res, bench)
 
 
-def timed(key, peers, r, res, work, bench):
-    figures = time_round(key, peers, r, res, bench, ("tflops", lambda ms: work / ms / 1e9))
-    print(f"r{r} {key}: " + " ".join(f"{name} {x:.0f}" for name, x in figures.items()), flush=True)
-
-
-def table(res, kinds):
-    lines = []
-    for kind, labels in kinds:
-        lines += ["", f"{kind} forward (TFLOP/s, median over rounds, range in brackets)", "",
-                  "| cell | causal | fa4_aot | FA4 upstream | cuDNN | ours / FA4 | ours / cuDNN |",
-                  "|---|---|---|---|---|---|---|"]
-        for label in labels:
-            for causal in (False, True):
-                p = f"{kind}|{label}|{int(causal)}|"
-                (o, o_r), (f, f_r), (c, c_r) = (summary(res["tflops"], p + n) for n in ("ours", "fa4", "cudnn"))
-                lines.append(f"| {label} | {'yes' if causal else 'no'} | {o:.0f}{o_r} | {f:.0f}{f_r} | {c:.0f}{c_r} | "
-                             f"{o / f:.3f} | {o / c:.3f} |")
-    return "\n".join(lines)
+CAUSAL = {False: "no", True: "yes"}
+PEERS = {"ours": "fa4_aot", "fa4": "FA4 upstream", "cudnn": "cuDNN"}
 
 
 def main(argv):
@@ -187,21 +166,21 @@ def main(argv):
     spec = ffi.open_dir(folder)
     torch.empty(1, device="cuda")
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
-    res = {"tflops": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
+    res = {"flops_per_s": {}, "checks": {}, "errors": {}, "fa4": spec.get("sources", ""),
            "fa4_refused": spec.get("refused", {}), "gpu": torch.cuda.get_device_name(),
            "varlen_lengths": {label: mix[0] for label, mix in varlen_mixes().items()}}
-    dense, mixes = dense_cells(), varlen_mixes()
-    cells = [("dense", label, shape, causal) for label, shape in dense.items() for causal in (False, True)
-             if "dense" in kinds]
-    cells += [("varlen", label, mix, causal) for label, mix in mixes.items() for causal in (False, True)
-              if "varlen" in kinds]
+    cells = [("dense", label, shape, causal) for label, shape in dense_cells().items() for causal in (False, True)]
+    cells += [("varlen", label, mix, causal) for label, mix in varlen_mixes().items() for causal in (False, True)]
+    cells = [c for c in cells if c[0] in kinds]
 
     def run(c, r):
         kind, label, shape, causal = c
         (dense_cell if kind == "dense" else varlen_cell)(label, shape, causal, r, res, bench)
 
-    run_rounds(res, out_json, rounds, cells, run, lambda c: f"{c[0]}|{c[1]}|{int(c[3])}")
-    finish(res, out_json, table(res, [(k, list(dense if k == "dense" else mixes)) for k in kinds]))
+    key = lambda c: f"{c[0]}|{c[1]}|{CAUSAL[c[3]]}"  # noqa: E731
+    run_rounds(res, out_json, rounds, cells, run, key)
+    finish(res, out_json, local_cells.table(res, [key(c) for c in cells], "GQA prefill forward, TFLOP/s", PEERS,
+                                            ("kind", "cell", "causal")))
 
 
 if __name__ == "__main__":
