@@ -5,7 +5,8 @@ A decode over a cache of one key returns LSE = scale * S exactly (one key: the r
 this compares it, in logit units, with the exact S of q's two e4m3 terms and the key
 (float64), with torch._scaled_mm's FP8 GEMM of the same terms (fast accumulation and not),
 with the FP8 GEMM done as fresh accumulators per 32 columns summed in float32, and with the
-16-bit rounding of S that a 16-bit twin adds.
+16-bit rounding of S that a 16-bit twin adds; first, cuBLAS's FP8 GEMM alone in the tests'
+twin shapes (``twin_shapes``: both term orders, fast accumulation and not).
 
     PYTHONPATH=$PWD python benchmarks/experiments/fp8_s_probe.py [--kernels DIR] [--out F.json]
 """
