@@ -196,10 +196,11 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> 
 # row, and a CTA that reads one head's half of each 256 bytes leaves the rest of each DRAM
 # burst to another CTA at another time: issue 38's 32 x 16k GQA 16:2 d64 case ran at
 # 0.73-0.75 of the copy (cuDNN 0.80) and d64 8 x 32k GQA 32:8 at 0.84-0.90, where 256-byte
-# rows (d128) run at 0.99 (docs/design.md, "Decode"). Unmeasured start value: pairing
-# wherever it applies.
+# rows (d128) run at 0.99. Paired, ncu's kernel durations: d64 8 x 32k 125.5-126.5 us
+# against 140.3-140.7 (0.99 of the copy in the kernel), the 16:2 case 66.7-68.0 against
+# 71.4-71.5 (docs/design.md, "Decode"): pairing wherever it applies.
 DECODE_PAIR_MAX_HEAD_DIM = 64
-DECODE_PAIR_TILE_ROWS = 64  # the decode kernel's packed rows per CTA
+DECODE_PAIR_TILE_ROWS = 64  # the decode kernel's packed rows per CTA (decode/config.ROWS)
 
 
 def decode_pairs(head_dim: int, heads_q: int, heads_kv: int, seqlen_q: int) -> bool:
