@@ -162,6 +162,23 @@ def test_base_completes_a_partial_build_into_a_whole_library(built, tmp_path):
     assert same.returncode != 0 and "--base must be another folder" in same.stderr
 
 
+def test_builds_are_the_same_whatever_the_hash_seed(built, tmp_path):
+    """The same sources give the same cubins and rows under another PYTHONHASHSEED (the
+    fixture built under its own, random unless the environment fixes it): a compile that
+    followed Python's hash order (a set's iteration, or a ``@cute.jit`` helper taking lists of
+    fragments, seen once to make two fp16 d96 FP8 decode cubins under one build key) would
+    ship cubins that a rebuild does not reproduce."""
+    folder, _ = built
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
+    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(tmp_path), "--jobs", "2"]
+    for name in SUBSET:
+        args += ["--only", name]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    differ = [r["name"] for r, o in zip(rows(tmp_path), rows(folder)) if r != o]
+    assert not differ, f"under PYTHONHASHSEED={seed} these built differently: {differ}"
+
+
 def test_sm100a_is_declared_but_says_plainly_that_nothing_is_built(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(tmp_path), "--arch", "sm100a"],
