@@ -200,7 +200,9 @@ def decode_splits(ctas: int, key_tiles: int, sm_count: int, max_splits: int) -> 
 # against 140.3-140.7 (0.99 of the copy in the kernel), the 16:2 case 66.7-68.0 against
 # 71.4-71.5 (docs/design.md, "Decode"): pairing wherever it applies.
 DECODE_PAIR_MAX_HEAD_DIM = 64
-DECODE_PAIR_TILE_ROWS = 64  # the decode kernel's packed rows per CTA (decode/config.ROWS)
+# the decode kernel's packed rows per CTA (decode/config.ROWS): the runtime does not import
+# the kernel sources; tests/cpu/test_build.py holds it to the manifest's tile_m
+DECODE_PAIR_TILE_ROWS = 64
 
 
 def decode_pairs(head_dim: int, heads_q: int, heads_kv: int, seqlen_q: int) -> bool:

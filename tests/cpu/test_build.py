@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fa4_aot import policy
 from fa4_aot.src.common.params import check_against_ptx
 from fa4_aot.src.cubin_info import kernel_info
 from fa4_aot.launch.loader import grid_of
@@ -130,6 +131,8 @@ def test_decode_and_combine_contracts(built):
     assert [r["name"] for r in decode["workspace"]["regions"]] == ["o_partial", "lse_partial"]
     assert combine["tensormaps"] == {} and merge["block"] == [combine["config"]["threads"], 1, 1]
     assert grid_of(merge, {"batch": 3, "seqlen_q": 2, "heads_q": 5}) == (-(-30 // combine["config"]["rows"]), 1, 1)
+    # the runtime's pairing rule counts the kernel's packed rows without importing its sources
+    assert decode["config"]["pairs"] and decode["config"]["tile_m"] == policy.DECODE_PAIR_TILE_ROWS
 
 
 def test_rebuild_is_incremental(built):
