@@ -24,12 +24,15 @@ E4M3 = torch.float8_e4m3fn
 
 def q_terms(q):
     """q's rows as the FP8 kernels take them: fp16 values scaled to +-448, two e4m3 terms."""
+    # the kernel's float32 steps exactly (amax / 448, 1 / scale, x * inv, each rounded once):
+    # in float64 rounded to float32 after each; on CUDA, torch's division by a Python number
+    # is a multiply by its rounded reciprocal, a bit off in half the rows (tests/reference.py)
     x = q.to(torch.float16).float()
-    amax = x.abs().amax(dim=-1, keepdim=True)
-    row_scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    x = x / row_scale
+    amax = x.abs().amax(-1, keepdim=True)
+    rs = torch.where(amax > 0, (amax.double() / 448.0).float(), torch.ones_like(amax))
+    x = (x.double() * (1.0 / rs.double()).float().double()).float()
     first = x.to(E4M3)
-    return first, (x - first.float()).to(E4M3), row_scale
+    return first, (x - first.float()).to(E4M3), rs
 
 
 def gemm(x, y, fast):
