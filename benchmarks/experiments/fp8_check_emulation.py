@@ -1,0 +1,157 @@
+"""The FP8 decode's accuracy checks, emulated off the GPU (docs/design.md, "FP8 cache").
+
+The two-term FP8 decode with chains (docs/history/2026-12-05-fp8-s-chains.patch) as a
+model: S from fp8_accum_model's wgmma model (13 bits kept in a k-block's alignment, the
+result cut to 14 significant bits; the chains of decode/config.py), times the row's q
+scale in float32; the softmax at the running maximum over keys (a sink joins at the end),
+P rounded to fp16 for P V, O in float32 normalized, rounded to fp16. Its out and LSE go
+through the patch's ``check_attention(..., fp8_scores=True)`` on test_fp8_cache.py's
+shapes (fresh inputs per seed, lengths 0, 1, the cache and random), with the margins kept
+(``FA4_AOT_TEST_MARGINS``). ``--old-terms``: the references' q terms as the tests computed
+them before (a row's scale from torch's CUDA division by 448, a multiply by fl(1/448)).
+The rescaling at a stale maximum, splits and pages are not emulated.
+
+    PYTHONPATH=$PWD FA4_AOT_TEST_MARGINS=m.jsonl python benchmarks/experiments/fp8_check_emulation.py \\
+        --tree <a tree with the patch applied> --head-dim 128 --seeds 0:8 [--local --cap 30] [--old-terms]
+"""
+
+import argparse
+import math
+import sys
+
+import torch
+
+import fp8_accum_model as M
+
+FP8 = torch.float8_e4m3fn
+MODEL = M.Model(13, True, 32, "zero", "cut", 14)
+# test_fp8_cache.py's shapes (batch, seqlen_q, heads_q, heads_kv, max_cache), their windows
+CASES = [(4, 1, 32, 8, 1000), (3, 4, 8, 8, 640), (4, 16, 16, 1, 300), (3, 2, 16, 2, 777)]
+WINDOWS = [(100, 0), (37, 5), (0, 0), (64, 3)]
+INV448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)
+
+
+def old_terms(q):
+    """The tests' q terms before session 38: the row's scale as torch on CUDA divides by 448."""
+    x = q.to(torch.float16).float()
+    amax = x.abs().amax(-1, keepdim=True)
+    rs = torch.where(amax > 0, amax * INV448, torch.ones_like(amax))
+    x = (x.double() * (1.0 / rs.double()).float().double()).float()
+    first = x.to(FP8)
+    return first, (x - first.float()).to(FP8), rs
+
+
+def masked(logits, n, sq, causal, window):
+    col = torch.arange(n)[None, :]
+    row = torch.arange(sq)[:, None] + n - sq
+    outside = torch.zeros(sq, n, dtype=torch.bool)
+    if causal:
+        outside |= col > row
+    if window is not None:
+        left, right = window
+        if right >= 0:
+            outside |= col > row + right
+        if left >= 0:
+            outside |= col < row - left
+    return logits.masked_fill(outside, float("-inf"))
+
+
+def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None):
+    """(out fp16 (b, s_q, h_q, d), lse (b, h_q, s_q)) as the model kernel computes them."""
+    first, rest, rs = terms
+    b, sq, hq, _ = first.shape
+    hkv = k8.shape[2]
+    group = hq // hkv
+    narrow = group * sq <= 16 and window is None and cap == 0 and d % 64 == 0
+    chain = M.NARROW_CHAIN if narrow else M.ROW_MAJOR_CHAIN[d]
+    out = torch.zeros(b, sq, hq, d, dtype=torch.float16)
+    lse = torch.full((b, hq, sq), float("-inf"))
+    scale = 1.0 / math.sqrt(d)
+    for bi in range(b):
+        n = int(lengths[bi])
+        if n == 0:
+            continue
+        for h in range(hq):
+            kv = h // group
+            s = M.kernel_s(first[bi, :, h].repeat_interleave(n, 0), rest[bi, :, h].repeat_interleave(n, 0),
+                           k8[bi, :n, kv].repeat(sq, 1), MODEL, chain).view(sq, n).float()
+            logits = (s * rs[bi, :, h].float()).double() * scale * ks[bi, kv].item()
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
+            logits = masked(logits, n, sq, causal, window)
+            m = logits.amax(-1, keepdim=True)
+            none = torch.isinf(m)
+            m0 = torch.where(none, torch.zeros_like(m), m)
+            p = torch.exp(logits - m0)
+            total = p.sum(-1, keepdim=True)
+            acc = p.float().half().float() @ v8[bi, :n, kv].float().half().float()
+            if sinks is not None:
+                sink = float(sinks[h])
+                top = torch.where(none, torch.full_like(m, sink), torch.maximum(m, torch.full_like(m, sink)))
+                total = torch.where(none, torch.zeros_like(total), total * torch.exp(m0 - top)) + torch.exp(sink - top)
+                o = acc * (torch.where(none, torch.zeros_like(m), torch.exp(m0 - top)) / total).float()
+                row_lse = (top + torch.log(total))[:, 0]
+            else:
+                o = torch.where(none, torch.zeros_like(acc), acc / total.float().clamp_min(1e-30))
+                row_lse = torch.where(none[:, 0], torch.full_like(total[:, 0], float("-inf")),
+                                      (m0 + torch.log(total))[:, 0])
+            out[bi, :, h] = (o * vs[bi, kv].item()).half()
+            lse[bi, h] = row_lse.float()
+    return out, lse
+
+
+def run(seed, d, causal, local, cap, old, reference):
+    check_attention, fp8_q_terms = reference
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for case, window in zip(CASES, WINDOWS):
+        batch, sq, hq, hkv, max_cache = case
+        q = torch.randn(batch, sq, hq, d, generator=gen).half()
+        k8 = torch.randn(batch, max_cache, hkv, d, generator=gen).to(FP8)
+        v8 = torch.randn(batch, max_cache, hkv, d, generator=gen).to(FP8)
+        ks = 2.0 ** torch.randint(-5, 3, (batch, hkv), generator=gen).float()
+        vs = 2.0 ** torch.randint(-5, 3, (batch, hkv), generator=gen).float()
+        lengths = ([0, 1, max_cache] + torch.randint(1, max_cache + 1, (batch,), generator=gen).tolist())[:batch]
+        sinks = 2 * torch.randn(hq, generator=gen) if local else None
+        mods = dict(window=window, softcap=cap, sink=sinks) if local else {}
+        out, lse = kernel(fp8_q_terms(q), k8, v8, ks, vs, lengths, causal and not local, d,
+                          window if local else None, cap, sinks)
+        first, rest, rs = (old_terms if old else fp8_q_terms)(q)
+        q_taken = (first.float() + rest.float()) * rs
+        k_full, v_full = k8.float() * ks[:, None, :, None], v8.float() * vs[:, None, :, None]
+        for bi, n in enumerate(lengths):
+            if n:
+                what = f"seed {seed} d{d} causal {causal} local {local} cap {cap} case {case} sequence {bi}: "
+                try:
+                    check_attention(out[bi:bi + 1], lse[bi:bi + 1], q_taken[bi:bi + 1], k_full[bi:bi + 1, :n],
+                                    v_full[bi:bi + 1, :n], causal and not local, what=what, fp8_scores=True, **mods)
+                except AssertionError as e:
+                    failures.append(str(e)[:300])
+    return failures
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tree", required=True, help="a checkout with the FP8 chains patch applied (its tests/)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--seeds", default="0:4")
+    ap.add_argument("--local", action="store_true", help="the local variants' checks (windows, sinks)")
+    ap.add_argument("--cap", type=float, default=0.0)
+    ap.add_argument("--old-terms", action="store_true")
+    args = ap.parse_args()
+    sys.path.insert(0, args.tree)
+    from tests.reference import check_attention, fp8_q_terms
+    lo, hi = (int(x) for x in args.seeds.split(":"))
+    count = 0
+    for seed in range(lo, hi):
+        for causal in ((False,) if args.local else (False, True)):
+            failures = run(seed, args.head_dim, causal, args.local, args.cap, args.old_terms,
+                           (check_attention, fp8_q_terms))
+            count += len(failures)
+            for f in failures:
+                print("FAIL", f)
+        print(f"seed {seed} done, {count} failures so far", flush=True)
+
+
+if __name__ == "__main__":
+    main()
