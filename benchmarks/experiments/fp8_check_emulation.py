@@ -56,15 +56,15 @@ def masked(logits, n, sq, causal, window):
     return logits.masked_fill(outside, float("-inf"))
 
 
-def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None):
-    """(out fp16 (b, s_q, h_q, d), lse (b, h_q, s_q)) as the model kernel computes them."""
+def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None, dtype=torch.float16):
+    """(out (b, s_q, h_q, d) in ``dtype``, lse (b, h_q, s_q)) as the model kernel computes them."""
     first, rest, rs = terms
     b, sq, hq, _ = first.shape
     hkv = k8.shape[2]
     group = hq // hkv
     narrow = group * sq <= 16 and window is None and cap == 0 and d % 64 == 0
     chain = M.NARROW_CHAIN if narrow else M.ROW_MAJOR_CHAIN[d]
-    out = torch.zeros(b, sq, hq, d, dtype=torch.float16)
+    out = torch.zeros(b, sq, hq, d, dtype=dtype)
     lse = torch.full((b, hq, sq), float("-inf"))
     scale = 1.0 / math.sqrt(d)
     for bi in range(b):
@@ -95,7 +95,7 @@ def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sink
                 o = torch.where(none, torch.zeros_like(acc), acc / total.float().clamp_min(1e-30))
                 row_lse = torch.where(none[:, 0], torch.full_like(total[:, 0], float("-inf")),
                                       (m0 + torch.log(total))[:, 0])
-            out[bi, :, h] = (o * vs[bi, kv].item()).half()
+            out[bi, :, h] = (o * vs[bi, kv].item()).to(dtype)
             lse[bi, h] = row_lse.float()
     return out, lse
 
@@ -130,15 +130,60 @@ def run(seed, d, causal, local, cap, old, reference):
     return failures
 
 
+def replay(path, tree):
+    """A check that failed on the GPU (test_fp8_cache.py's FA4_AOT_KEEP_FAILURES file): the
+    kernel's out and LSE, the model's on the same inputs and the twin's, each against the
+    float32 reference, per sequence and worst row: where the kernel is far worse than the
+    model, the model lacks what the kernel does."""
+    sys.path.insert(0, tree)
+    from fa4_aot.variants import Variant
+    from tests.reference import attention_ref, fp8_q_terms
+    kept = torch.load(path)
+    variant = Variant.from_name(kept["variant"])
+    q, out, lse = kept["q"], kept["out"], kept["lse"]
+    k8, v8 = kept["k_raw"].view(FP8), kept["v_raw"].view(FP8)
+    ks, vs = kept["k_scale"].float(), kept["v_scale"].float()
+    lengths = kept["lengths"].tolist()
+    mods = kept["mods"]
+    d = q.shape[-1]
+    print(f"{path}: {kept['variant']}, splits {kept['splits']}, lengths {lengths}, mods "
+          f"{ {n: (m if not isinstance(m, torch.Tensor) else 'tensor') for n, m in mods.items()} }")
+    model_out, model_lse = kernel(fp8_q_terms(q), k8, v8, ks, vs, lengths, variant.causal, d, mods.get("window"),
+                                  mods.get("softcap", 0.0), mods.get("sink"), q.dtype)
+    first, rest, rs = fp8_q_terms(q)
+    q_taken = (first.float() + rest.float()) * rs
+    k_full, v_full = k8.float() * ks[:, None, :, None], v8.float() * vs[:, None, :, None]
+    for bi, n in enumerate(lengths):
+        if not n:
+            continue
+        args = (q_taken[bi:bi + 1], k_full[bi:bi + 1, :n], v_full[bi:bi + 1, :n], variant.causal and not mods)
+        ref, lse32 = attention_ref(*(a.float() for a in args[:3]), args[3], None, upcast=True, **mods)
+        low, lse_low = attention_ref(*(a.to(q.dtype) for a in args[:3]), args[3], None, upcast=False, **mods)
+        rms = lambda o: (o[0].float() - ref[0].float()).square().mean(-1).sqrt()  # noqa: E731  (s_q, h_q)
+        e_kernel, e_model, e_twin = rms(out[bi:bi + 1]), rms(model_out[bi:bi + 1]), rms(low)
+        worst = (e_kernel / (2 * e_twin + 1e-6)).flatten().argmax().item()
+        t, h = divmod(worst, q.shape[2])
+        finite = torch.isfinite(lse32[0])
+        lse_err = lambda x: (x[0].double() - lse32[0].double())[finite].abs().max().item() if finite.any() else 0.0  # noqa: E731,E501
+        print(f"  sequence {bi} ({n} keys): out RMS error, worst row (token {t}, head {h}): kernel "
+              f"{e_kernel[t, h]:.2e}, model {e_model[t, h]:.2e}, twin {e_twin[t, h]:.2e}; largest LSE error: kernel "
+              f"{lse_err(lse[bi:bi + 1]):.2e}, model {lse_err(model_lse[bi:bi + 1]):.2e}, twin {lse_err(lse_low):.2e}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tree", required=True, help="a checkout with the FP8 chains patch applied (its tests/)")
+    ap.add_argument("--replay", nargs="*", default=(), help="FA4_AOT_KEEP_FAILURES files: replay them")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seeds", default="0:4")
     ap.add_argument("--local", action="store_true", help="the local variants' checks (windows, sinks)")
     ap.add_argument("--cap", type=float, default=0.0)
     ap.add_argument("--old-terms", action="store_true")
     args = ap.parse_args()
+    if args.replay:
+        for path in args.replay:
+            replay(path, args.tree)
+        return
     sys.path.insert(0, args.tree)
     from tests.reference import check_attention, fp8_q_terms
     lo, hi = (int(x) for x in args.seeds.split(":"))
