@@ -39,17 +39,9 @@ class Model:
 
 
 def exponent(x):
-    """floor(log2 |x|) of int64 x (elementwise; 0 where x == 0)."""
-    ax = x.abs()
-    e = torch.zeros_like(ax)
-    nz = ax > 0
-    e[nz] = torch.floor(torch.log2(ax[nz].double())).long()
-    # log2 of int64 through float64 can be one off near powers of two: fix it
-    too_big = nz & ((torch.ones_like(ax) << e.clamp(max=62)) > ax)
-    e[too_big] -= 1
-    small = nz & ((torch.ones_like(ax) << (e + 1).clamp(max=62)) <= ax)
-    e[small] += 1
-    return e
+    """floor(log2 |x|) of int64 x (elementwise; 0 where x == 0): exact through float64, the
+    values staying below 2^53."""
+    return torch.where(x != 0, torch.frexp(x.abs().double()).exponent.long() - 1, torch.zeros_like(x))
 
 
 def cut(x, shift, toward):
@@ -171,12 +163,12 @@ def replay(scores, model):
     """The kernel's S of fp8_s_dump.py's ``scores`` entries against the model's, and both
     against exact (logits)."""
     import math
-    from fp8_s_dump import fp8_q_terms
+    from fp8_s_probe import q_terms
     for key, r in scores.items():
         q, k8, s = r["q"], r["k8"].view(E4M3), r["s"]
         b, hq, d = q.shape
         kk = k8.repeat_interleave(hq // k8.shape[1], dim=1).reshape(-1, d)
-        first, rest, rs = fp8_q_terms(q)
+        first, rest, rs = q_terms(q)
         rows = hq if k8.shape[1] == 1 else 1
         chain_len = NARROW_CHAIN if rows <= 16 else ROW_MAJOR_CHAIN[d]
         mod = kernel_s(first.reshape(-1, d), rest.reshape(-1, d), kk, model, chain_len)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import fa4_aot
+from fp8_s_probe import q_terms  # q's terms as the kernel takes them
 
 E4M3 = torch.float8_e4m3fn
 
@@ -123,25 +124,12 @@ def hardware(gen):
     return res
 
 
-def fp8_q_terms(q):
-    """q's rows as the FP8 kernels take them (tests/reference.py's rule): (first, rest, scale)."""
-    # the kernel's float32 steps exactly (amax / 448, 1 / scale, x * inv, each rounded once):
-    # in float64 rounded to float32 after each; on CUDA, torch's division by a Python number
-    # is a multiply by its rounded reciprocal, a bit off in half the rows (tests/reference.py)
-    x = q.to(torch.float16).float()
-    amax = x.abs().amax(-1, keepdim=True)
-    rs = torch.where(amax > 0, (amax.double() / 448.0).float(), torch.ones_like(amax))
-    x = (x.double() * (1.0 / rs.double()).float().double()).float()
-    first = x.to(E4M3)
-    return first, (x - first.float()).to(E4M3), rs
-
-
 def analyze(path):
     res = torch.load(path)
     print("device:", res["device"])
     print("== readback: q as the kernel took it, against tests/reference.py's terms")
     for key, r in res["readback"].items():
-        f, rr, rs = fp8_q_terms(r["q"])
+        f, rr, rs = q_terms(r["q"])
         want = (f.double() + rr.double()) * rs.double()
         rel = (r["taken"] - want).abs() / want.abs().amax(-1, keepdim=True)
         bad = rel > 1e-6
@@ -155,7 +143,7 @@ def analyze(path):
         q, k8, s = r["q"], r["k8"].view(E4M3), r["s"]
         b, hq, d = q.shape
         kk = k8.double().repeat_interleave(hq // k8.shape[1], dim=1)
-        f, rr, rs = fp8_q_terms(q)
+        f, rr, rs = q_terms(q)
         pf, pr = f.double() * kk * rs.double(), rr.double() * kk * rs.double()
         exact = (pf + pr).sum(-1)
         err = ((s - exact) / math.sqrt(d)).flatten()
