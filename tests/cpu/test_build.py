@@ -178,6 +178,7 @@ def test_builds_are_the_same_whatever_the_hash_seed(built, tmp_path):
         args += ["--only", name]
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed})
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [r["name"] for r in rows(tmp_path)] == [r["name"] for r in rows(folder)]
     differ = [r["name"] for r, o in zip(rows(tmp_path), rows(folder)) if r != o]
     assert not differ, f"under PYTHONHASHSEED={seed} these built differently: {differ}"
 
