@@ -22,14 +22,19 @@ def pytest_addoption(parser):
                           "build_kernels.py --out DIR --base fa4_aot); default: the package's")
 
 
+def build_subset(out, *more: str) -> list[str]:
+    """The command line of build_kernels.py over SUBSET into folder ``out``, ``more`` after it."""
+    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(out)]
+    for name in SUBSET:
+        args += ["--only", name]
+    return args + list(more)
+
+
 @pytest.fixture(scope="session")
 def built(tmp_path_factory):
     """(folder, completed process) of build_kernels.py over SUBSET."""
     pytest.importorskip("cutlass", reason="the CuTe DSL is needed to build kernels")
     out = tmp_path_factory.mktemp("kernels")
-    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(out), "--jobs", "2"]
-    for name in SUBSET:
-        args += ["--only", name]
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(build_subset(out, "--jobs", "2"), capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out, proc

@@ -18,7 +18,7 @@ from fa4_aot.launch.loader import grid_of
 from fa4_aot.launch.manifest import Manifest
 from fa4_aot.variants import Variant
 
-from ..conftest import ROOT, SUBSET
+from ..conftest import ROOT, SUBSET, build_subset
 
 # sm_90: a block may opt in to 227 KB of dynamic shared memory; an SM has 228 KB, and
 # every DSL kernel also carries a 1 KB static section (.nv.shared.<kernel>), which the
@@ -137,10 +137,7 @@ def test_decode_and_combine_contracts(built):
 
 def test_rebuild_is_incremental(built):
     folder, _ = built
-    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(folder)]
-    for name in SUBSET:
-        args += ["--only", name]
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(build_subset(folder), capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert f"(0 compiled, {len(SUBSET)} unchanged)" in proc.stdout
 
@@ -173,10 +170,8 @@ def test_builds_are_the_same_whatever_the_hash_seed(built, tmp_path):
     ship cubins that a rebuild does not reproduce."""
     folder, _ = built
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"
-    args = [sys.executable, str(ROOT / "build_kernels.py"), "--out", str(tmp_path), "--jobs", "2"]
-    for name in SUBSET:
-        args += ["--only", name]
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONHASHSEED": seed})
+    proc = subprocess.run(build_subset(tmp_path, "--jobs", "2"), capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONHASHSEED": seed})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [r["name"] for r in rows(tmp_path)] == [r["name"] for r in rows(folder)]
     differ = [r["name"] for r, o in zip(rows(tmp_path), rows(folder)) if r != o]
