@@ -159,6 +159,23 @@ NARROW_CHAIN = 1
 ROW_MAJOR_CHAIN = {64: 1, 96: 2, 128: 2, 192: 2, 256: 4}
 
 
+def first_chain_columns(rows, d):
+    """The columns of Q's first S chain (the remainder's accumulator) of a KV head of ``rows``
+    packed rows at head dim ``d``: the transposed consumer's to 16 rows, else the row-major's."""
+    return 32 * (NARROW_CHAIN if rows <= 16 else ROW_MAJOR_CHAIN[d])
+
+
+def read_back(first, rest, columns):
+    """q_j's terms (float64) as one-key decodes against basis keys read them: in the first
+    chain's ``columns`` the remainder is cut toward zero on the grid 2^(e(first) - 13) (the
+    wgmma adds the two products in one accumulator), past them the sum is exact (measured
+    bit for bit on an H100, docs/history/2026-12-05-session39.md)."""
+    big = torch.where(first != 0, first, rest).abs()
+    grid = torch.pow(2.0, torch.floor(torch.log2(big.clamp_min(2.0 ** -30))) - 13)
+    cut_rest = first + torch.trunc(rest / grid) * grid
+    return torch.where(torch.arange(first.shape[-1], device=first.device) < columns, cut_rest, first + rest)
+
+
 def replay(scores, model):
     """The kernel's S of fp8_s_dump.py's ``scores`` entries against the model's, and both
     against exact (logits)."""

@@ -8,7 +8,7 @@ P rounded to fp16 for P V, O in float32 normalized, rounded to fp16. Its out and
 through the patch's ``check_attention(..., fp8_scores=True)`` on test_fp8_cache.py's
 shapes (fresh inputs per seed, lengths 0, 1, the cache and random), with the margins kept
 (``FA4_AOT_TEST_MARGINS``). ``--old-terms``: the references' q terms as the tests computed
-them before (a row's scale from torch's CUDA division by 448, a multiply by fl(1/448)).
+them before (fp8_s_probe.q_terms' ``cuda_division``: the row's scale a multiply by fl(1/448)).
 The rescaling at a stale maximum, splits and pages are not emulated.
 
     PYTHONPATH=$PWD FA4_AOT_TEST_MARGINS=m.jsonl python benchmarks/experiments/fp8_check_emulation.py \\
@@ -22,38 +22,20 @@ import sys
 import torch
 
 import fp8_accum_model as M
+from fp8_s_probe import q_terms
 
 FP8 = torch.float8_e4m3fn
 MODEL = M.Model(13, True, 32, "zero", "cut", 14)
 # test_fp8_cache.py's shapes (batch, seqlen_q, heads_q, heads_kv, max_cache), their windows
 CASES = [(4, 1, 32, 8, 1000), (3, 4, 8, 8, 640), (4, 16, 16, 1, 300), (3, 2, 16, 2, 777)]
 WINDOWS = [(100, 0), (37, 5), (0, 0), (64, 3)]
-INV448 = torch.tensor(1.0 / 448.0, dtype=torch.float32)
-
-
-def old_terms(q):
-    """The tests' q terms before session 38: the row's scale as torch on CUDA divides by 448."""
-    x = q.to(torch.float16).float()
-    amax = x.abs().amax(-1, keepdim=True)
-    rs = torch.where(amax > 0, amax * INV448, torch.ones_like(amax))
-    x = (x.double() * (1.0 / rs.double()).float().double()).float()
-    first = x.to(FP8)
-    return first, (x - first.float()).to(FP8), rs
-
-
-def masked(logits, n, sq, causal, window):
-    col = torch.arange(n)[None, :]
-    row = torch.arange(sq)[:, None] + n - sq
-    outside = torch.zeros(sq, n, dtype=torch.bool)
+def masked(logits, causal, window):
+    """``logits`` (s_q, n) under the causal mask and the window, by the reference's own
+    rules (tests/reference.py of the tree given: imported once that is on the path)."""
+    from tests.reference import _causal_masked, _window_masked
     if causal:
-        outside |= col > row
-    if window is not None:
-        left, right = window
-        if right >= 0:
-            outside |= col > row + right
-        if left >= 0:
-            outside |= col < row - left
-    return logits.masked_fill(outside, float("-inf"))
+        logits = _causal_masked(logits)
+    return logits if window is None else _window_masked(logits, *window)
 
 
 def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None, dtype=torch.float16):
@@ -78,7 +60,7 @@ def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sink
             logits = (s * rs[bi, :, h].float()).double() * scale * ks[bi, kv].item()
             if cap:
                 logits = cap * torch.tanh(logits / cap)
-            logits = masked(logits, n, sq, causal, window)
+            logits = masked(logits, causal, window)
             m = logits.amax(-1, keepdim=True)
             none = torch.isinf(m)
             m0 = torch.where(none, torch.zeros_like(m), m)
@@ -114,9 +96,10 @@ def run(seed, d, causal, local, cap, old, reference):
         lengths = ([0, 1, max_cache] + torch.randint(1, max_cache + 1, (batch,), generator=gen).tolist())[:batch]
         sinks = 2 * torch.randn(hq, generator=gen) if local else None
         mods = dict(window=window, softcap=cap, sink=sinks) if local else {}
-        out, lse = kernel(fp8_q_terms(q), k8, v8, ks, vs, lengths, causal and not local, d,
-                          window if local else None, cap, sinks)
-        first, rest, rs = (old_terms if old else fp8_q_terms)(q)
+        terms = fp8_q_terms(q)
+        out, lse = kernel(terms, k8, v8, ks, vs, lengths, causal and not local, d, window if local else None, cap,
+                          sinks)
+        first, rest, rs = q_terms(q, cuda_division=True) if old else terms
         q_taken = (first.float() + rest.float()) * rs
         k_full, v_full = k8.float() * ks[:, None, :, None], v8.float() * vs[:, None, :, None]
         for bi, n in enumerate(lengths):
@@ -148,9 +131,9 @@ def replay(path, tree):
     d = q.shape[-1]
     print(f"{path}: {kept['variant']}, splits {kept['splits']}, lengths {lengths}, mods "
           f"{ {n: (m if not isinstance(m, torch.Tensor) else 'tensor') for n, m in mods.items()} }")
-    model_out, model_lse = kernel(fp8_q_terms(q), k8, v8, ks, vs, lengths, variant.causal, d, mods.get("window"),
+    first, rest, rs = terms = fp8_q_terms(q)
+    model_out, model_lse = kernel(terms, k8, v8, ks, vs, lengths, variant.causal, d, mods.get("window"),
                                   mods.get("softcap", 0.0), mods.get("sink"), q.dtype)
-    first, rest, rs = fp8_q_terms(q)
     q_taken = (first.float() + rest.float()) * rs
     k_full, v_full = k8.float() * ks[:, None, :, None], v8.float() * vs[:, None, :, None]
     for bi, n in enumerate(lengths):

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 import fa4_aot
+from fp8_accum_model import first_chain_columns, read_back
 from fp8_s_probe import q_terms  # q's terms as the kernel takes them
 
 E4M3 = torch.float8_e4m3fn
@@ -127,10 +128,12 @@ def hardware(gen):
 def analyze(path):
     res = torch.load(path)
     print("device:", res["device"])
-    print("== readback: q as the kernel took it, against tests/reference.py's terms")
+    print("== readback: q as the kernel took it, against tests/reference.py's terms as the wgmma adds them")
     for key, r in res["readback"].items():
         f, rr, rs = q_terms(r["q"])
-        want = (f.double() + rr.double()) * rs.double()
+        hq, hkv = (int(x) for x in key.split("_")[1][1:].split("x"))
+        columns = first_chain_columns(hq // hkv, r["q"].shape[-1])
+        want = read_back(f.double(), rr.double(), columns) * rs.double()
         rel = (r["taken"] - want).abs() / want.abs().amax(-1, keepdim=True)
         bad = rel > 1e-6
         line = f"{key}: largest difference {rel.max().item():.2e} of the row's amax, {bad.sum().item()} of {bad.numel()} off"

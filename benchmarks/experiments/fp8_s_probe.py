@@ -22,14 +22,17 @@ import fa4_aot
 E4M3 = torch.float8_e4m3fn
 
 
-def q_terms(q):
-    """q's rows as the FP8 kernels take them: fp16 values scaled to +-448, two e4m3 terms."""
+def q_terms(q, cuda_division=False):
+    """q's rows as the FP8 kernels take them: fp16 values scaled to +-448, two e4m3 terms.
+    ``cuda_division``: the row's scale as torch on CUDA computed ``amax / 448`` (a multiply
+    by fl(1/448)), the tests' terms before session 38."""
     # the kernel's float32 steps exactly (amax / 448, 1 / scale, x * inv, each rounded once):
     # in float64 rounded to float32 after each; on CUDA, torch's division by a Python number
     # is a multiply by its rounded reciprocal, a bit off in half the rows (tests/reference.py)
     x = q.to(torch.float16).float()
     amax = x.abs().amax(-1, keepdim=True)
-    rs = torch.where(amax > 0, (amax.double() / 448.0).float(), torch.ones_like(amax))
+    scale = (amax.double() * float(torch.tensor(1 / 448.0))) if cuda_division else amax.double() / 448.0
+    rs = torch.where(amax > 0, scale.float(), torch.ones_like(amax))
     x = (x.double() * (1.0 / rs.double()).float().double()).float()
     first = x.to(E4M3)
     return first, (x - first.float()).to(E4M3), rs
