@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import bench  # noqa: E402
 
+import timing  # noqa: E402
 from bench_decode import copy_bandwidth  # noqa: E402
 
 import fa4_aot  # noqa: E402
@@ -53,7 +54,7 @@ def decode_cell(b, n, hq, hkv, page):
         k, v = (torch.randn(pages, page, hkv, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         table = torch.randperm(pages, device="cuda", dtype=torch.int32).view(b, n // page)
     lengths = torch.full((b,), n, dtype=torch.int32, device="cuda")
-    ms = bench(lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=table))
+    ms = timing.bench(lambda: flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, page_table=table))
     return {"batch": b, "keys": n, "heads_q": hq, "heads_kv": hkv, "page": page,
             "tbps": 2 * b * n * hkv * D * 2 / ms / 1e9}
 
@@ -98,14 +99,16 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     ap.add_argument("--kernels", type=Path, default=None, help="a built folder instead of the package's cubins")
+    timing.add_argument(ap)
     args = ap.parse_args()
+    timing.configure(args)
     if args.kernels:
         fa4_aot.set_default_library(fa4_aot.KernelLibrary(args.kernels))
     rounds, ceilings, decodes, copies = [], [], [], []
     for _ in range(args.rounds):
         ceilings.append(matmul_tflops())
         rounds.append([cell(*c, causal) for c in CELLS for causal in (False, True)])
-        copies.append(copy_bandwidth(bench) / 1e12)
+        copies.append(copy_bandwidth(timing.bench) / 1e12)
         decodes.append([decode_cell(*c) for c in DECODE_CELLS])
     ceiling = statistics.median(ceilings)
     rows = []

@@ -29,10 +29,10 @@ import statistics
 from pathlib import Path
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa4_aot
+import timing
 from fa4_aot.torch import as_device_array
 
 # (name, batch, seqlen_q, heads_q, heads_kv, head_dim, keys, page_size or None)
@@ -143,10 +143,12 @@ def main():
     ap.add_argument("--placement", type=int, default=0, metavar="N",
                     help="a placement sweep: each shape N more times, every buffer made fresh behind an "
                     "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
+    timing.add_argument(ap)
     args = ap.parse_args()
     if args.kernels:
         fa4_aot.set_default_library(fa4_aot.KernelLibrary(args.kernels))
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
+    timing.configure(args)
+    bench = timing.bench
     shapes = ISSUE + SPLIT + PAGED if args.quick else ISSUE + MORE + SPLIT + KEYS + PAGED
     if args.only:
         keep = set(args.only.split(","))

@@ -24,13 +24,13 @@ import statistics
 from pathlib import Path
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa4_aot
 from fa4_aot.torch import as_device_array
 
-from bench_decode import copy_bandwidth  # noqa: E402 (run from benchmarks/ or with it on the path)
+import timing  # noqa: E402 (run from benchmarks/ or with it on the path)
+from bench_decode import copy_bandwidth  # noqa: E402
 
 # (name, batch, heads_q, heads_kv, head_dim, window back, softcap, sinks)
 LAYERS = [("gpt-oss", 256, 64, 8, 64, 128, 0.0, True), ("gemma-d256-w1024", 32, 16, 8, 256, 1024, 50.0, False),
@@ -93,10 +93,12 @@ def main():
     ap.add_argument("--kernels", action="append", default=[], metavar="NAME=DIR",
                     help="a built folder timed beside the package's cubins (an A/B), repeatable")
     ap.add_argument("--layers", default="", help="comma-separated layer names to keep")
+    timing.add_argument(ap)
     args = ap.parse_args()
+    timing.configure(args)
     layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
     libraries = {None: None, **{x.split("=")[0]: fa4_aot.KernelLibrary(Path(x.split("=")[1])) for x in args.kernels}}
-    bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
+    bench = timing.bench
     copies, cells = [], {}
     for r in range(args.rounds):
         copies.append(copy_bandwidth(bench))

@@ -30,18 +30,18 @@ import statistics
 from pathlib import Path
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fa4_aot
 import fa4_aot.torch_sdpa as hook
 from fa4_aot.torch import as_device_array, flash_attn_fwd
 
+import timing
 from bench_decode import ISSUE, MORE, copy_bandwidth, kv_bytes
 
 
 def bench(fn, rep=100):
-    return triton.testing.do_bench(fn, warmup=20, rep=rep, return_mode="median")
+    return timing.bench(fn, warmup=20, rep=rep)
 
 
 def arrays(batch, sq, hq, hkv, d, keys, dtype=torch.bfloat16):
@@ -194,7 +194,9 @@ def main():
     ap.add_argument("--local", action="store_true", help="with --sweep: the local layers and group 2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    timing.add_argument(ap)
     args = ap.parse_args()
+    timing.configure(args)
     result = sweep(args) if args.sweep else every_entry(args)
     date = datetime.date.today().isoformat()
     result.update(gpu=torch.cuda.get_device_name(), date=date)

@@ -154,6 +154,40 @@ def kernel_s(first, rest, k8, model, chain_len):
     return total.float().double()
 
 
+def kernel_s_own_remainder(first, rest, k8, model, chain_len):
+    """kernel_s with the remainder's k-blocks in an accumulator of their own (the proposed
+    fix: no cut of the remainder's products against the first term's), added last."""
+    d = first.shape[1]
+    pr, pf = products(rest, k8), products(first, k8)
+    acc = [chain(pf[:, 32 * j:32 * (j + chain_len)], model) for j in range(0, d // 32, chain_len)]
+    acc.append(chain(pr, model))
+    total = acc[0].double() * UNIT
+    for other in acc[1:]:
+        total = (total.float() + (other.double() * UNIT).float()).double()
+    return total.float().double()
+
+
+def debias(c, steps):
+    """c (int64 accumulator) plus half of a 14-significant-bit unit per cut it took (``steps``
+    k-blocks of the first term, each result cut toward zero): the cuts' expected loss."""
+    return c + c.sign() * steps * (torch.ones_like(c) << (exponent(c) - 14).clamp(min=0))
+
+
+def kernel_s_debiased(first, rest, k8, model, chain_len):
+    """kernel_s with each accumulator's expected truncation added back (debias) before the
+    float32 sum: a candidate fix for the cut's bias toward zero."""
+    d = first.shape[1]
+    blocks = d // 32
+    pr, pf = products(rest, k8), products(first, k8)
+    acc = [debias(chain(torch.cat([pr, pf[:, :32 * chain_len]], 1), model), chain_len)]
+    for j in range(chain_len, blocks, chain_len):
+        acc.append(debias(chain(pf[:, 32 * j:32 * (j + chain_len)], model), min(chain_len, blocks - j)))
+    total = acc[0].double() * UNIT
+    for other in acc[1:]:
+        total = (total.float() + (other.double() * UNIT).float()).double()
+    return total.float().double()
+
+
 # the fp8g kernels' chains (decode/config.py): packed rows <= 16 take the transposed consumer
 NARROW_CHAIN = 1
 ROW_MAJOR_CHAIN = {64: 1, 96: 2, 128: 2, 192: 2, 256: 4}

@@ -38,6 +38,9 @@ def masked(logits, causal, window):
     return logits if window is None else _window_masked(logits, *window)
 
 
+S_FORM = [M.kernel_s]  # --own-remainder: M.kernel_s_own_remainder
+
+
 def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None, dtype=torch.float16):
     """(out (b, s_q, h_q, d) in ``dtype``, lse (b, h_q, s_q)) as the model kernel computes them."""
     first, rest, rs = terms
@@ -55,7 +58,7 @@ def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sink
             continue
         for h in range(hq):
             kv = h // group
-            s = M.kernel_s(first[bi, :, h].repeat_interleave(n, 0), rest[bi, :, h].repeat_interleave(n, 0),
+            s = S_FORM[0](first[bi, :, h].repeat_interleave(n, 0), rest[bi, :, h].repeat_interleave(n, 0),
                            k8[bi, :n, kv].repeat(sq, 1), MODEL, chain).view(sq, n).float()
             logits = (s * rs[bi, :, h].float()).double() * scale * ks[bi, kv].item()
             if cap:
@@ -162,7 +165,17 @@ def main():
     ap.add_argument("--local", action="store_true", help="the local variants' checks (windows, sinks)")
     ap.add_argument("--cap", type=float, default=0.0)
     ap.add_argument("--old-terms", action="store_true")
+    ap.add_argument("--chain", type=int, default=0, help="the row-major consumer's chain at this head dim (k-blocks)")
+    ap.add_argument("--debias", action="store_true", help="the model with the cuts' expected loss added back")
+    ap.add_argument("--own-remainder", action="store_true",
+                    help="the model with the remainder's products in an accumulator of their own")
     args = ap.parse_args()
+    if args.chain:
+        M.ROW_MAJOR_CHAIN[args.head_dim] = args.chain
+    if args.debias:
+        S_FORM[0] = M.kernel_s_debiased
+    if args.own_remainder:
+        S_FORM[0] = M.kernel_s_own_remainder
     if args.replay:
         for path in args.replay:
             replay(path, args.tree)

@@ -1,0 +1,68 @@
+"""The benchmarks' timer: the median of CUDA-event timings of single calls, the L2 cleared
+before each by a read.
+
+``triton.testing.do_bench`` clears the L2 by zeroing 256 MB: the timed call then starts
+with the L2 full of dirty lines and pays their write-back (about 50 MB, some 12 us at
+4 TB/s) out of its own bandwidth. A 1 ms copy hardly feels that; a 70 us decode loses
+a seventh of its figure to it (docs/design.md, "Benchmarks": the measurement). Here the
+L2 is cleared by summing 256 MB instead: it is left full of clean lines of other data,
+as after the weight-reading matmuls that come before attention in a model. Otherwise
+the same method as do_bench: a short estimate, ``warmup`` ms of calls, then ``rep`` ms of
+timed calls, each between two events after a clear.
+"""
+
+import statistics
+
+import torch
+
+_CLEAR = {}
+MODE = {"clear": "zero"}  # how the L2 is cleared before each timed call: "read" or "zero" (do_bench)
+
+
+def add_argument(parser):
+    """The benchmarks' --clear-l2 (read: this module's timer; zero: triton's do_bench)."""
+    parser.add_argument("--clear-l2", choices=("read", "zero"), default=MODE["clear"],
+                        help="clear the L2 before each timed call by a read of 256 MB (clean lines) or by "
+                        "do_bench's zeroing (dirty lines the call writes back)")
+
+
+def configure(args):
+    MODE["clear"] = args.clear_l2
+
+
+def clear_l2():
+    """Replace the L2's contents by clean lines: a read of 256 MB (the L2 holds 50-60 MB)."""
+    device = torch.cuda.current_device()
+    if device not in _CLEAR:
+        _CLEAR[device] = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    _CLEAR[device].sum()
+
+
+def bench(fn, warmup=50, rep=200):
+    """Median milliseconds of ``fn()`` (its launches only), the L2 cleared first (MODE)."""
+    if MODE["clear"] == "zero":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        clear_l2()
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5
+    n_warmup, n_rep = max(1, int(warmup / estimate)), max(1, int(rep / estimate))
+    for _ in range(n_warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
+    for s, e in zip(starts, ends):
+        clear_l2()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
