@@ -41,8 +41,8 @@ SHAPES = [  # (label, batch, seqlen_q, heads_q, heads_kv, head_dim, keys, page, 
     ("64x4k GQA32:8 d128", 64, 1, 32, 8, 128, 4096, None, False),
     ("d512 32x4k MQA p64", 32, 1, 8, 1, 512, 4096, 64, False),
     ("fp8 8x32k GQA32:8 d128", 8, 1, 32, 8, 128, 32768, None, True),
-    ("local gpt-oss 256x32k w128", "gpt-oss"),
-    ("local gemma d256 32x32k w1024", "gemma-d256-w1024"),
+    ("local gpt-oss 256x8k w128", "gpt-oss"),
+    ("local gemma d256 32x8k w1024", "gemma-d256-w1024"),
 ]
 
 
@@ -50,8 +50,8 @@ def make(shape):
     """(ours, cudnn or None, buffers kept, bytes the figure counts)"""
     if len(shape) == 2:
         layer = next(x for x in LAYERS if x[0] == shape[1])
-        ours_with, cudnn, keep = setup_local(layer, 32768, False)
-        return ours_with(None), cudnn, keep, window_bytes(layer, 32768)
+        ours_with, cudnn, keep = setup_local(layer, 8192, False)  # the window's bytes as at 32k or 128k
+        return ours_with(None), cudnn, keep, window_bytes(layer, 8192)
     label, batch, sq, hq, hkv, d, keys, page, fp8 = shape
     ours, cudnn, keep = setup(batch, sq, hq, hkv, d, keys, page, fp8=fp8)
     return ours, cudnn, keep, kv_bytes(batch, hkv, d, keys, 1 if fp8 else 2)
