@@ -145,8 +145,8 @@ def main():
     date = datetime.date.today().isoformat()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"d512-{date}.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "date": date, "rounds": args.rounds, "matmul_tflops": ceilings,
-         "rows": rows, "copy_tbps": copies, "decode_rows": decode_rows, "table": text}, indent=1))
+        {"gpu": torch.cuda.get_device_name(), "date": date, "clear_l2": timing.MODE["clear"], "rounds": args.rounds,
+         "matmul_tflops": ceilings, "rows": rows, "copy_tbps": copies, "decode_rows": decode_rows, "table": text}, indent=1))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Our call takes DeviceArrays made once (fa4_aot.torch.as_device_array), so a repe
 call re-launches its packed kernels (the host path costs microseconds, not the GPU's
 time). Every cache is full (cache_seqlens = keys) and not causal (SDPA's causal aligns top-left,
 the decode's bottom-right; at one query token they agree). Time: median of CUDA-event
-timings (triton.testing.do_bench, warmup 50 ms, rep 200 ms); --rounds N interleaves ours
+timings (benchmarks/timing.py: warmup 50 ms, rep 200 ms, the L2 cleared before each call as
+--clear-l2 says); --rounds N interleaves ours
 and cuDNN round by round and reports each cell's median and range. --placement N: a placement
 sweep (each shape N more times, every buffer fresh behind an unrelated allocation of a
 random size), its minimum beside its median. --fp8: each shape also with an FP8 (e4m3)
@@ -220,7 +221,7 @@ def main():
     date = datetime.date.today().isoformat()
     gpu = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {"gpu": gpu, "date": date, "copy_bytes_per_s": copies, "cells": cells}
+    result = {"gpu": gpu, "date": date, "clear_l2": timing.MODE["clear"], "copy_bytes_per_s": copies, "cells": cells}
     (args.out / f"decode-{date}.json").write_text(json.dumps(result, indent=1))
     try:
         import matplotlib

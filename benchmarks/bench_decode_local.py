@@ -129,7 +129,7 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode-local-{datetime.date.today()}.json"
     path.write_text(json.dumps({"copy_bytes_per_s": copies, "cells": cells, "table": table,
-                                "gpu": torch.cuda.get_device_name()}, indent=1))
+                                "gpu": torch.cuda.get_device_name(), "clear_l2": timing.MODE["clear"]}, indent=1))
 
 
 if __name__ == "__main__":

@@ -202,7 +202,7 @@ def main():
     result.update(gpu=torch.cuda.get_device_name(), date=date)
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"dense-decode-{'local-' if args.local else ''}sweep-{date}.json" if args.sweep else f"dense-decode-{date}.json"
-    (args.out / name).write_text(json.dumps(result, indent=1))
+    (args.out / name).write_text(json.dumps({**result, "clear_l2": timing.MODE["clear"]}, indent=1))
 
 
 if __name__ == "__main__":
