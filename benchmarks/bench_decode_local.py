@@ -78,7 +78,8 @@ def setup(layer, keys, paged):
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
 
-    return ours_with, (cudnn if not paged else None), (q, k_cache, v_cache, space, table, sink, out, lse)
+    # every tensor behind a DeviceArray kept (a DeviceArray is a pointer: bench_decode.setup)
+    return ours_with, (cudnn if not paged else None), (q, k_cache, v_cache, space, table, sink, out, lse, lengths)
 
 
 def window_bytes(layer, keys):
