@@ -160,7 +160,7 @@ def main():
                 continue
             v = statistics.median(c[m])
             base = statistics.median(copy_cell.get(m.replace("cudnn_", ""), copy_cell["zero"]))
-            line += f"{v / 1e3:6.2f} ({v / base:4.2f})   "
+            line += f"{v:6.2f} ({v / base:4.2f})   "
         print(line)
         if "profile_read_flush" in c:
             print("   ", json.dumps(c["profile_read_flush"]))
