@@ -4,7 +4,7 @@ before each by a read.
 ``triton.testing.do_bench`` clears the L2 by zeroing 256 MB: the timed call then starts
 with the L2 full of dirty lines and pays their write-back (about 50 MB, some 12 us at
 4 TB/s) out of its own bandwidth. A 1 ms copy hardly feels that; a 70 us decode loses
-a seventh of its figure to it (docs/design.md, "Benchmarks": the measurement). Here the
+a seventh of its figure to it (docs/design.md, "Where the figures are"). Here the
 L2 is cleared by summing 256 MB instead: it is left full of clean lines of other data,
 as after the weight-reading matmuls that come before attention in a model. Otherwise
 the same method as do_bench: a short estimate, ``warmup`` ms of calls, then ``rep`` ms of
@@ -16,7 +16,7 @@ import statistics
 import torch
 
 _CLEAR = {}
-MODE = {"clear": "zero"}  # how the L2 is cleared before each timed call: "read" or "zero" (do_bench)
+MODE = {"clear": "read"}  # how the L2 is cleared before each timed call: "read" or "zero" (do_bench)
 
 
 def add_argument(parser):
