@@ -15,7 +15,9 @@ KERNEL_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # what q, k, v 
 
 def as_device_array(t: torch.Tensor) -> DeviceArray:
     """A DeviceArray view of torch tensor ``t`` (DeviceError for anything else, and for a
-    tensor off the GPU; DTypeError for an element type no launch takes)."""
+    tensor off the GPU; DTypeError for an element type no launch takes). The view holds
+    t's address, not t: keep t alive for as long as launches take the view (a freed
+    block is soon another tensor's, whose values a kernel would then read as its own)."""
     if not isinstance(t, torch.Tensor):
         raise DeviceError(f"a {type(t).__name__} is not a torch.Tensor")
     device = t.device
