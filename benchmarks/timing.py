@@ -38,18 +38,22 @@ def clear_l2():
     _CLEAR[device].sum()
 
 
-def bench(fn, warmup=50, rep=200):
-    """Median milliseconds of ``fn()`` (its launches only), the L2 cleared first (MODE)."""
-    if MODE["clear"] == "zero":
+def bench(fn, warmup=50, rep=200, clear=None):
+    """Median milliseconds of ``fn()`` (its launches only), the L2 cleared first as ``clear``
+    says (default MODE's): "read", "zero" (do_bench itself) or "none" (the last call's
+    lines left)."""
+    clear = clear or MODE["clear"]
+    if clear == "zero":
         import triton.testing
 
         return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    clear_l2_if = clear_l2 if clear == "read" else (lambda: None)
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):
-        clear_l2()
+        clear_l2_if()
         fn()
     end.record()
     torch.cuda.synchronize()
@@ -60,7 +64,7 @@ def bench(fn, warmup=50, rep=200):
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n_rep)]
     for s, e in zip(starts, ends):
-        clear_l2()
+        clear_l2_if()
         s.record()
         fn()
         e.record()

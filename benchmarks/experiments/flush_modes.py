@@ -1,16 +1,16 @@
 #!/usr/bin/env python3
 """How the decode figures depend on what the timer leaves in L2 before each call.
 
-``triton.testing.do_bench`` (the decode benchmarks' timer) zeroes a 256 MB buffer before
-every timed call: the L2 (50 MB) is then full of dirty lines, which the timed call must
+``triton.testing.do_bench`` (the decode benchmarks' timer before benchmarks/timing.py)
+zeroes a 256 MB buffer before every timed call: the L2 (50 MB) is then full of dirty lines, which the timed call must
 write back to DRAM before its own reads get the bandwidth. At 4 TB/s that is ~12 us, a
 fixed cost that a 70-90 us decode call (issue 38's split case) feels and a 1 ms copy does
 not. Each shape is timed four ways, interleaved round by round:
 
-- ``zero``: do_bench as the benchmarks call it (warmup 50 ms, rep 200 ms, median);
-- ``read``: the same loop with a read-only flush (a sum over 256 MB: L2 left full of clean
+- ``zero``: do_bench as the benchmarks called it (warmup 50 ms, rep 200 ms, median);
+- ``read``: timing.bench's read clear (a sum over 256 MB: L2 left full of clean
   lines of other data);
-- ``warm``: no flush (the same buffers call after call);
+- ``warm``: timing.bench with no clear (the same buffers call after call);
 - ``serving``: four distinct copies of the shape's buffers, called in turn back to back,
   one event pair around 48 calls (a serving loop's throughput, nothing L2-resident).
 
@@ -30,6 +30,7 @@ import torch
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402
 from bench_decode import kv_bytes, setup  # noqa: E402
 from bench_decode_local import LAYERS, window_bytes  # noqa: E402
 from bench_decode_local import setup as setup_local  # noqa: E402
@@ -56,27 +57,6 @@ def make(shape):
     ours, cudnn, keep = setup(batch, sq, hq, hkv, d, keys, page, fp8=fp8)
     return ours, cudnn, keep, kv_bytes(batch, hkv, d, keys, 1 if fp8 else 2)
 
-FLUSH = torch.empty(64 << 20, dtype=torch.float32, device="cuda") if torch.cuda.is_available() else None
-ZERO = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if torch.cuda.is_available() else None
-
-
-def timed(fn, flush, reps=60):
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for _ in range(5):
-        fn()
-    for i in range(reps):
-        if flush == "read":
-            FLUSH.sum()
-        elif flush == "zero":
-            ZERO.zero_()
-        start[i].record()
-        fn()
-        end[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end))
-
-
 def serving(fns, calls=48):
     for f in fns:
         f()
@@ -94,7 +74,7 @@ def kernel_profile(fn, calls=20):
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
-            FLUSH.sum()
+            timing.clear_l2()
             fn()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
@@ -121,13 +101,12 @@ def main():
     dst_t = torch.empty_like(src_t)
     copy = lambda: dst_t.copy_(src_t)  # noqa: E731
     cells = result["cells"]
+    clears = {"zero": "zero", "read": "read", "warm": "none"}  # the figure's name: timing.bench's clear
     for r in range(rounds):
         c = cells.setdefault("copy 2 GiB", {})
         nbytes = 2 * src_t.numel()
-        c.setdefault("zero", []).append(nbytes / triton.testing.do_bench(copy, warmup=50, rep=200,
-                                                                          return_mode="median") / 1e9)
-        for mode in ("read", "warm"):
-            c.setdefault(mode, []).append(nbytes / timed(copy, mode, 20) / 1e9)
+        for mode, clear in clears.items():
+            c.setdefault(mode, []).append(nbytes / timing.bench(copy, clear=clear) / 1e9)
         c.setdefault("serving", []).append(nbytes / serving([copy], 8) / 1e9)
         for shape in SHAPES:
             label = shape[0]
@@ -135,14 +114,10 @@ def main():
             fn, cudnn, _, nbytes = sets[0]
             c = cells.setdefault(label, {})
             if cudnn is not None:
-                c.setdefault("cudnn_zero", []).append(nbytes / triton.testing.do_bench(
-                    cudnn, warmup=50, rep=200, return_mode="median") / 1e9)
-                c.setdefault("cudnn_read", []).append(nbytes / timed(cudnn, "read") / 1e9)
-            c.setdefault("zero", []).append(nbytes / triton.testing.do_bench(fn, warmup=50, rep=200,
-                                                                              return_mode="median") / 1e9)
-            c.setdefault("zero_own", []).append(nbytes / timed(fn, "zero") / 1e9)
-            c.setdefault("read", []).append(nbytes / timed(fn, "read") / 1e9)
-            c.setdefault("warm", []).append(nbytes / timed(fn, "warm") / 1e9)
+                for mode in ("zero", "read"):
+                    c.setdefault(f"cudnn_{mode}", []).append(nbytes / timing.bench(cudnn, clear=mode) / 1e9)
+            for mode, clear in clears.items():
+                c.setdefault(mode, []).append(nbytes / timing.bench(fn, clear=clear) / 1e9)
             c.setdefault("serving", []).append(nbytes / serving([s[0] for s in sets]) / 1e9)
             if r == 0:
                 c["profile_read_flush"] = kernel_profile(fn)
@@ -150,7 +125,7 @@ def main():
             torch.cuda.empty_cache()
     copy_cell = cells["copy 2 GiB"]
     print(json.dumps(result["do_bench_clears_by"]))
-    modes = ("zero", "zero_own", "read", "warm", "serving", "cudnn_zero", "cudnn_read")
+    modes = ("zero", "read", "warm", "serving", "cudnn_zero", "cudnn_read")
     print(f"{'shape':30s} " + " ".join(f"{m:>16s}" for m in modes))
     for label, c in cells.items():
         line = f"{label:30s} "

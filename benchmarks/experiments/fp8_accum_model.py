@@ -137,51 +137,32 @@ def fit(hw, which="fast", top=8, rows=1024):
     return scores
 
 
-def kernel_s(first, rest, k8, model, chain_len):
-    """S as the FP8 decode kernel forms it (sm90/primitives.wgmma_two_terms): the remainder's
-    k-blocks, then the first term's first ``chain_len`` into accumulator 0; the first term's
-    later k-blocks ``chain_len`` to a fresh accumulator; the accumulators added in float32 in
-    order. first, rest, k8: (n, d) e4m3. Returns (n,) float64 (before the row's scale)."""
-    d = first.shape[1]
-    blocks = d // 32
-    pr, pf = products(rest, k8), products(first, k8)
-    acc = [chain(torch.cat([pr, pf[:, :32 * chain_len]], 1), model)]
-    for j in range(chain_len, blocks, chain_len):
-        acc.append(chain(pf[:, 32 * j:32 * (j + chain_len)], model))
-    total = acc[0].double() * UNIT
-    for other in acc[1:]:
-        total = (total.float() + (other.double() * UNIT).float()).double()
-    return total.float().double()
-
-
-def kernel_s_own_remainder(first, rest, k8, model, chain_len):
-    """kernel_s with the remainder's k-blocks in an accumulator of their own (the proposed
-    fix: no cut of the remainder's products against the first term's), added last."""
-    d = first.shape[1]
-    pr, pf = products(rest, k8), products(first, k8)
-    acc = [chain(pf[:, 32 * j:32 * (j + chain_len)], model) for j in range(0, d // 32, chain_len)]
-    acc.append(chain(pr, model))
-    total = acc[0].double() * UNIT
-    for other in acc[1:]:
-        total = (total.float() + (other.double() * UNIT).float()).double()
-    return total.float().double()
-
-
 def debias(c, steps):
     """c (int64 accumulator) plus half of a 14-significant-bit unit per cut it took (``steps``
     k-blocks of the first term, each result cut toward zero): the cuts' expected loss."""
     return c + c.sign() * steps * (torch.ones_like(c) << (exponent(c) - 14).clamp(min=0))
 
 
-def kernel_s_debiased(first, rest, k8, model, chain_len):
-    """kernel_s with each accumulator's expected truncation added back (debias) before the
-    float32 sum: a candidate fix for the cut's bias toward zero."""
-    d = first.shape[1]
-    blocks = d // 32
+def kernel_s(first, rest, k8, model, chain_len, own_remainder=False, debiased=False):
+    """S as the FP8 decode kernel forms it (sm90/primitives.wgmma_two_terms): the remainder's
+    k-blocks, then the first term's first ``chain_len`` into accumulator 0; the first term's
+    later k-blocks ``chain_len`` to a fresh accumulator; the accumulators added in float32 in
+    order. first, rest, k8: (n, d) e4m3. Returns (n,) float64 (before the row's scale).
+    Candidate fixes, tried in session 40 (neither helped): ``own_remainder``, the
+    remainder's k-blocks in an accumulator of their own, added last (no cut of its products
+    against the first term's); ``debiased``, each first-term accumulator's expected loss
+    to the cuts added back (debias) before the sum."""
+    blocks = first.shape[1] // 32
     pr, pf = products(rest, k8), products(first, k8)
-    acc = [debias(chain(torch.cat([pr, pf[:, :32 * chain_len]], 1), model), chain_len)]
-    for j in range(chain_len, blocks, chain_len):
-        acc.append(debias(chain(pf[:, 32 * j:32 * (j + chain_len)], model), min(chain_len, blocks - j)))
+    starts = range(0, blocks, chain_len)
+    acc = [pf[:, 32 * j:32 * (j + chain_len)] for j in starts]
+    if not own_remainder:
+        acc[0] = torch.cat([pr, acc[0]], 1)
+    acc = [chain(p, model) for p in acc]
+    if debiased:
+        acc = [debias(c, min(chain_len, blocks - j)) for c, j in zip(acc, starts)]
+    if own_remainder:
+        acc.append(chain(pr, model))
     total = acc[0].double() * UNIT
     for other in acc[1:]:
         total = (total.float() + (other.double() * UNIT).float()).double()

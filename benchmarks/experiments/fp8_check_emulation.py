@@ -38,7 +38,7 @@ def masked(logits, causal, window):
     return logits if window is None else _window_masked(logits, *window)
 
 
-S_FORM = [M.kernel_s]  # --own-remainder: M.kernel_s_own_remainder
+S_FORM = {}  # kernel_s's candidate fixes (--own-remainder, --debias)
 
 
 def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sinks=None, dtype=torch.float16):
@@ -58,8 +58,8 @@ def kernel(terms, k8, v8, ks, vs, lengths, causal, d, window=None, cap=0.0, sink
             continue
         for h in range(hq):
             kv = h // group
-            s = S_FORM[0](first[bi, :, h].repeat_interleave(n, 0), rest[bi, :, h].repeat_interleave(n, 0),
-                           k8[bi, :n, kv].repeat(sq, 1), MODEL, chain).view(sq, n).float()
+            s = M.kernel_s(first[bi, :, h].repeat_interleave(n, 0), rest[bi, :, h].repeat_interleave(n, 0),
+                           k8[bi, :n, kv].repeat(sq, 1), MODEL, chain, **S_FORM).view(sq, n).float()
             logits = (s * rs[bi, :, h].float()).double() * scale * ks[bi, kv].item()
             if cap:
                 logits = cap * torch.tanh(logits / cap)
@@ -172,10 +172,7 @@ def main():
     args = ap.parse_args()
     if args.chain:
         M.ROW_MAJOR_CHAIN[args.head_dim] = args.chain
-    if args.debias:
-        S_FORM[0] = M.kernel_s_debiased
-    if args.own_remainder:
-        S_FORM[0] = M.kernel_s_own_remainder
+    S_FORM.update(own_remainder=args.own_remainder, debiased=args.debias)
     if args.replay:
         for path in args.replay:
             replay(path, args.tree)
