@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "experiments")]
 
 import fa4_aot  # noqa: E402
-from fp8_s_probe import E4M3, q_terms  # noqa: E402
+from fp8_s_probe import E4M3, gemm, q_terms  # noqa: E402
 
 # the chains build's config (decode/config.py there): first-chain k-blocks by head dim, row-major
 # consumer; the transposed (narrow) consumer's chains are one k-block
@@ -40,26 +40,13 @@ NARROW_CHAIN_KBLOCKS = 1
 NARROW_ROWS = 16  # packed rows a KV head up to which the transposed consumer runs (not where d % 64)
 
 
-def scaled_mm_rows(x, y):
-    """Row-wise dot products of e4m3 x (n, k) and y (n, k): each 16 rows one (16 x k) @ (k x
-    16) torch._scaled_mm, fast accumulation, float32 out, the diagonal kept."""
-    n, k = x.shape
-    pad_n, pad_k = -n % 16, -k % 16
-    x = torch.nn.functional.pad(x.view(torch.uint8), (0, pad_k, 0, pad_n)).view(E4M3).view(-1, 16, k + pad_k)
-    y = torch.nn.functional.pad(y.view(torch.uint8), (0, pad_k, 0, pad_n)).view(E4M3).view(-1, 16, k + pad_k)
-    one = torch.ones((), dtype=torch.float32, device=x.device)
-    out = [torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True).diagonal()
-           for a, b in zip(x, y)]
-    return torch.cat(out)[:n]
-
-
 def chained(first, rest, key, chain):
     """S as the kernel's accumulators: [rest | first's first chain] then each further chain
     of first's k-blocks from zero, added in float32 in order."""
     d, c = first.shape[-1], 32 * chain
-    s = scaled_mm_rows(torch.cat([rest, first[:, :c]], -1).contiguous(), torch.cat([key, key[:, :c]], -1).contiguous())
+    s = gemm(torch.cat([rest, first[:, :c]], -1).contiguous(), torch.cat([key, key[:, :c]], -1).contiguous(), True)
     for j in range(c, d, c):
-        s = s + scaled_mm_rows(first[:, j:j + c].contiguous(), key[:, j:j + c].contiguous())
+        s = s + gemm(first[:, j:j + c].contiguous(), key[:, j:j + c].contiguous(), True)
     return s
 
 
@@ -86,7 +73,7 @@ def probe(d, heads_q, heads_kv, dtype, spread, gen):
     narrow = group <= NARROW_ROWS and d % 64 == 0  # the chains build's narrow_rows rule
     chain = NARROW_CHAIN_KBLOCKS if narrow else CHAIN_KBLOCKS[d]
     twin = chained(f, r, kk, chain).double() * rs
-    one_gemm = scaled_mm_rows(torch.cat([f, r], -1).contiguous(), torch.cat([kk, kk], -1).contiguous()).double() * rs
+    one_gemm = gemm(torch.cat([f, r], -1).contiguous(), torch.cat([kk, kk], -1).contiguous(), True).double() * rs
     s16 = (exact * scale).to(dtype).double() / scale
     unit = 1.0 / scale  # one logit
 
