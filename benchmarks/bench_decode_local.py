@@ -5,7 +5,7 @@ and 128, GQA 16:8, windows 1024 and 4096 back, softcap 50) layers, one query tok
 sequence, caches of 32k and 128k keys, contiguous and paged (pages of 64 keys, randomly
 placed: the window starts mid-page).
 
-    python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results]
+    python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results] [--caches 32768]
 
 Figure: bytes of the window's K and V (batch x (window + 1) keys x heads_kv x head_dim x
 2 tensors x 2 bytes) per second, and its ratio to the same run's device-to-device copy
@@ -94,17 +94,20 @@ def main():
     ap.add_argument("--kernels", action="append", default=[], metavar="NAME=DIR",
                     help="a built folder timed beside the package's cubins (an A/B), repeatable")
     ap.add_argument("--layers", default="", help="comma-separated layer names to keep")
+    ap.add_argument("--caches", default=",".join(str(k) for k in CACHES),
+                    help="comma-separated cache lengths in keys (gpt-oss's batch at 128k needs 68 GB)")
     timing.add_argument(ap)
     args = ap.parse_args()
     timing.configure(args)
     layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
+    caches = [int(x) for x in args.caches.split(",") if x]
     libraries = {None: None, **{x.split("=")[0]: fa4_aot.KernelLibrary(Path(x.split("=")[1])) for x in args.kernels}}
     bench = timing.bench
     copies, cells = [], {}
     for r in range(args.rounds):
         copies.append(copy_bandwidth(bench))
         for layer in layers:
-            for keys in CACHES:
+            for keys in caches:
                 for paged in (False, True):
                     label = f"{layer[0]} {keys // 1024}k{' paged' if paged else ''}"
                     ours_with, cudnn, keep = setup(layer, keys, paged)
