@@ -199,10 +199,10 @@ def main():
     timing.configure(args)
     result = sweep(args) if args.sweep else every_entry(args)
     date = datetime.date.today().isoformat()
-    result.update(gpu=torch.cuda.get_device_name(), date=date)
+    result.update(gpu=torch.cuda.get_device_name(), date=date, clear_l2=timing.MODE["clear"])
     args.out.mkdir(parents=True, exist_ok=True)
     name = f"dense-decode-{'local-' if args.local else ''}sweep-{date}.json" if args.sweep else f"dense-decode-{date}.json"
-    (args.out / name).write_text(json.dumps({**result, "clear_l2": timing.MODE["clear"]}, indent=1))
+    (args.out / name).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks" / "experiments")]
 
 import fa4_aot  # noqa: E402
-from fp8_s_probe import E4M3, gemm, q_terms  # noqa: E402
+from fp8_s_probe import gemm, one_key_scores, q_terms  # noqa: E402
 
 # the chains build's config (decode/config.py there): first-chain k-blocks by head dim, row-major
 # consumer; the transposed (narrow) consumer's chains are one k-block
@@ -51,20 +51,8 @@ def chained(first, rest, key, chain):
 
 
 def probe(d, heads_q, heads_kv, dtype, spread, gen):
-    b = 4096 // heads_q
-    q = (torch.randn(b, 1, heads_q, d, device="cuda", generator=gen) * spread).to(dtype)
-    k8 = torch.randn(b, 1, heads_kv, d, device="cuda", generator=gen).to(E4M3)
-    v8 = torch.randn(b, 1, heads_kv, d, device="cuda", generator=gen).to(E4M3)
-    out = torch.full((b, 1, heads_q, d), float("nan"), device="cuda", dtype=dtype)
-    lse = torch.full((b, heads_q, 1), float("nan"), device="cuda")
-    lengths = torch.ones(b, dtype=torch.int32, device="cuda")
+    q, k8, s_kernel = one_key_scores(d, heads_q, heads_kv, dtype, spread, gen)
     scale = 1.0 / math.sqrt(d)
-    need = fa4_aot.forward_kvcache_workspace_bytes(b, 1, heads_q, heads_kv, d, 1, num_splits=1)
-    space = torch.zeros(max(need, 1), dtype=torch.uint8, device="cuda")
-    fa4_aot.forward_kvcache(q, k8, v8, out, lse, lengths, space if need else None, num_splits=1,
-                            stream=torch.cuda.current_stream().cuda_stream)
-    torch.cuda.synchronize()
-    s_kernel = (lse[:, :, 0].double() / scale).reshape(-1)  # (b * heads_q,)
     first, rest, row_scale = q_terms(q[:, 0])  # (b, heads_q, d)
     group = heads_q // heads_kv
     key = k8[:, 0].repeat_interleave(group, dim=1)  # each query head's KV head

@@ -58,22 +58,28 @@ def stats(err, unit):
     return {"rms": e.square().mean().sqrt().item(), "max": e.max().item(), "p99": e.quantile(0.99).item()}
 
 
-def probe(d, heads, dtype, spread, gen):
-    b = 4096 // heads
-    q = torch.randn(b, 1, heads, d, device="cuda", generator=gen) * spread
-    q = q.to(dtype)
-    k8 = torch.randn(b, 1, heads, d, device="cuda", generator=gen).to(E4M3)
-    v8 = torch.randn(b, 1, heads, d, device="cuda", generator=gen).to(E4M3)
-    out = torch.full((b, 1, heads, d), float("nan"), device="cuda", dtype=dtype)
-    lse = torch.full((b, heads, 1), float("nan"), device="cuda")
+def one_key_scores(d, heads_q, heads_kv, dtype, spread, gen):
+    """(q (b, 1, h_q, d), k8 (b, 1, h_kv, d) e4m3, the kernel's S (b * h_q,) float64) of
+    4096 rows: fresh q (randn times ``spread``, in ``dtype``) and one e4m3 key per sequence,
+    S read back from a one-key decode's LSE (LSE = scale x S)."""
+    b = 4096 // heads_q
+    q = (torch.randn(b, 1, heads_q, d, device="cuda", generator=gen) * spread).to(dtype)
+    k8 = torch.randn(b, 1, heads_kv, d, device="cuda", generator=gen).to(E4M3)
+    v8 = torch.randn(b, 1, heads_kv, d, device="cuda", generator=gen).to(E4M3)
+    out = torch.full((b, 1, heads_q, d), float("nan"), device="cuda", dtype=dtype)
+    lse = torch.full((b, heads_q, 1), float("nan"), device="cuda")
     lengths = torch.ones(b, dtype=torch.int32, device="cuda")
-    scale = 1.0 / math.sqrt(d)
-    need = fa4_aot.forward_kvcache_workspace_bytes(b, 1, heads, heads, d, 1, num_splits=1)
+    need = fa4_aot.forward_kvcache_workspace_bytes(b, 1, heads_q, heads_kv, d, 1, num_splits=1)
     space = torch.zeros(max(need, 1), dtype=torch.uint8, device="cuda")
     fa4_aot.forward_kvcache(q, k8, v8, out, lse, lengths, space if need else None, num_splits=1,
                             stream=torch.cuda.current_stream().cuda_stream)
     torch.cuda.synchronize()
-    s_kernel = lse[:, :, 0].reshape(-1).double() / scale  # (b * heads,)
+    return q, k8, (lse[:, :, 0].double() / (1.0 / math.sqrt(d))).reshape(-1)
+
+
+def probe(d, heads, dtype, spread, gen):
+    q, k8, s_kernel = one_key_scores(d, heads, heads, dtype, spread, gen)
+    scale = 1.0 / math.sqrt(d)
     first, rest, row_scale = q_terms(q[:, 0])  # (b, heads, d)
     rs = row_scale.reshape(-1).double()
     f, r, kk = first.reshape(-1, d), rest.reshape(-1, d), k8[:, 0].reshape(-1, d)
