@@ -93,8 +93,9 @@ def setup(batch, sq, hq, hkv, d, keys, page, split_counts=(), fp8=False):
     space_a = as_device_array(space) if need else None
     table_a = as_device_array(table) if table is not None else None
 
-    def ours(splits=None):
-        fa4_aot.forward_kvcache(*args, space_a, page_table=table_a, num_splits=splits, stream=stream, **scales)
+    def ours(splits=None, library=None):
+        fa4_aot.forward_kvcache(*args, space_a, page_table=table_a, num_splits=splits, stream=stream,
+                                library=library, **scales)
 
     ours.split_counts = split_counts
 
@@ -146,6 +147,9 @@ def main():
     ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the heuristic's")
     ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
     ap.add_argument("--fp8", action="store_true", help="each shape also with an FP8 (e4m3) cache")
+    ap.add_argument("--ab", action="append", default=[], metavar="NAME=DIR",
+                    help="a built folder timed beside the default library in every cell (an A/B, interleaved "
+                    "call by call; with --fp8 its FP8 cells too), repeatable")
     ap.add_argument("--placement", type=int, default=0, metavar="N",
                     help="a placement sweep: each shape N more times, every buffer made fresh behind an "
                     "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
@@ -164,6 +168,7 @@ def main():
 
     default_turn = policy.DECODE_TURN_STRIDE
     turns = [int(x) for x in args.turn_strides.split(",") if x]
+    others = {x.split("=")[0]: fa4_aot.KernelLibrary(Path(x.split("=")[1])) for x in args.ab}
     copies, cells = [], {}
     for r in range(args.rounds):
         copies.append(copy_bandwidth(bench))
@@ -179,6 +184,8 @@ def main():
                 cell["max_diff_vs_cudnn"] = (keep[3].float() - ref.float()).abs().max().item()
             t16 = bench(ours)
             cell["ours"].append(nbytes / (t16 * 1e-3))
+            for n, lib in others.items():
+                cell.setdefault(f"ours:{n}", []).append(nbytes / (bench(lambda: ours(library=lib)) * 1e-3))
             for n in ours.split_counts:
                 cell.setdefault(f"splits{n}", []).append(nbytes / (bench(lambda: ours(n)) * 1e-3))
             for turn in turns:
@@ -196,6 +203,9 @@ def main():
                 t8 = bench(ours8)
                 cell.setdefault("fp8", []).append(kv_bytes(batch, hkv, d, keys, 1) / (t8 * 1e-3))
                 cell.setdefault("fp8_speedup", []).append(t16 / t8)
+                for n, lib in others.items():
+                    rate = kv_bytes(batch, hkv, d, keys, 1) / (bench(lambda: ours8(library=lib)) * 1e-3)
+                    cell.setdefault(f"fp8:{n}", []).append(rate)
                 del keep
             torch.cuda.empty_cache()
     if args.placement:
@@ -218,6 +228,8 @@ def main():
             line += (f"  fp8: {statistics.median(f) / 1e12:.2f} ({min(f) / 1e12:.2f}-{max(f) / 1e12:.2f}) TB/s "
                      f"{statistics.median(f) / copy:.2f} x copy, {statistics.median(u):.2f}x bf16 "
                      f"({min(u):.2f}-{max(u):.2f})")
+        line += "".join(f"  {n}: {statistics.median(x) / 1e12:.2f} ({statistics.median(x) / copy:.2f})"
+                        for n, x in cell.items() if n.startswith(("ours:", "fp8:")))
         if "placed" in cell:
             p = cell["placed"]
             line += (f"  placement: median {statistics.median(p) / 1e12:.2f} min {min(p) / 1e12:.2f} "

@@ -155,8 +155,10 @@ def _forward(fallback, keyset, query, key, value, dropout_p=0.0, is_causal=False
     lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=query.device)
     flash_attn_fwd(_bshd(query), _bshd(key), _bshd(value), softmax_scale=scale, causal=bool(is_causal),
                    out=out.transpose(1, 2), lse=lse)
-    rng_state = torch.zeros((2,), dtype=torch.uint64, device=query.device)
-    philox_offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    # dropout 0: the RNG fields are placeholders (torch's own flash op leaves them
+    # unfilled too); zeros would cost two fill kernels a call, as long as a short decode
+    rng_state = torch.empty((2,), dtype=torch.uint64, device=query.device)
+    philox_offset = torch.empty((), dtype=torch.uint64, device=query.device)
     debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, None, None, s_q, key.shape[2], rng_state, philox_offset, debug_mask
 

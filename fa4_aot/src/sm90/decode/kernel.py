@@ -283,11 +283,12 @@ class DecodeSm90:
                 softcap_scale = softcap_scale * k_scale
             else:
                 scale_log2 = scale_log2 * k_scale
+        # the sinks' logits read before the key tiles, so that their latency hides behind them
+        sink_log2 = self.sink_logits(ctidx, place, (p.sink, p.use_sink), split) if const_expr(cfg.local) else None
         acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, (seqlen_k, n_begin, n_end, turn), scale_log2,
                                      (window, softcap_scale), halves)
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
-        sinks = (p.sink, p.use_sink) if const_expr(cfg.local) else None
-        self.epilogue(ctidx, acc_o, softmax, place, out, sinks, v_scale, None if halves is None else halves[0],
+        self.epilogue(ctidx, acc_o, softmax, place, out, sink_log2, v_scale, None if halves is None else halves[0],
                       pair=p.pair_heads if const_expr(cfg.pairs) else None)
 
     @cute.jit
@@ -494,12 +495,21 @@ class DecodeSm90:
                 token = (first_row + coords[r, 0][0]) // group
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1 + window.right)
                 lows[r] = seqlen_k - seqlen_q + token - window.left
+        # rows in use: a warp skips the scores and softmax of its rows past the KV head's
+        # packed rows (their Q is zero, their O not written): with 4-8 packed rows in 64,
+        # three warps of four and half of the fourth's rows (docs/design.md, "Decode": rows
+        # in use). Warp-uniform (any lane's row), so the quad shuffles stay whole.
+        live = cute.make_rmem_tensor((nrows,), Int32)
+        for r in cutlass.range_constexpr(nrows):
+            live[r] = Int32(0)
+            if cute.arch.vote_any_sync(first_row + coords[r, 0][0] < rows):
+                live[r] = Int32(1)
         # key tiles from the first whose end passes the lowest limit need the mask
         lowest = seqlen_k
         if const_expr(cfg.causal):
             lowest = cutlass.min(seqlen_k, seqlen_k - seqlen_q + first_row // group + 1)
         softmax_step = softmax.step
-        score = (coords, limits, lows, lowest, softcap_scale)
+        score = (coords, limits, lows, lowest, softcap_scale, live)
         steps = n_end - n_begin
         # fp8: the widened buffers' one stage
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -515,7 +525,7 @@ class DecodeSm90:
                 # the tile's index taken after the sum: the order the H200 tests ran
                 n_block = _key_tile(i, n_end, steps, turn)
             self._score_tile(acc_s, n_block, score)
-            softmax_step(acc_s, row_scale)
+            softmax_step(acc_s, row_scale, live)
             rescale_rows(acc_o, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
             pipe_v.consumer_wait(state)
@@ -529,32 +539,53 @@ class DecodeSm90:
         """Key tile n_block's scores capped (softcap) and masked: every tile where local
         (decode reads, it barely computes), else the tiles past the lowest row's limit."""
         cfg = self.cfg
-        coords, limits, lows, lowest, softcap_scale = score
+        coords, limits, lows, lowest, softcap_scale, live = score
         nrows = cute.size(limits)
         if const_expr(cfg.softcap):
-            cap_scores(acc_s, softcap_scale)
+            cap_scores(acc_s, softcap_scale, live)
         if const_expr(cfg.local):
             s = acc_as_rows_cols(acc_s)
             for r in cutlass.range_constexpr(nrows):
-                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    key = n_block * cfg.tile_n + coords[r, c][1]
-                    s[r, c] = select_f32(key < lows[r], -Float32.inf,
-                                         select_f32(key >= limits[r], -Float32.inf, s[r, c]))
+                if live[r] != 0:
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        key = n_block * cfg.tile_n + coords[r, c][1]
+                        s[r, c] = select_f32(key < lows[r], -Float32.inf,
+                                             select_f32(key >= limits[r], -Float32.inf, s[r, c]))
         else:
             if (n_block + 1) * cfg.tile_n > lowest:
                 s = acc_as_rows_cols(acc_s)
                 for r in cutlass.range_constexpr(nrows):
-                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                        key = n_block * cfg.tile_n + coords[r, c][1]
-                        s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+                    if live[r] != 0:
+                        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                            key = n_block * cfg.tile_n + coords[r, c][1]
+                            s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
 
     @cute.jit
-    def epilogue(self, tidx, acc_o, softmax, place, out, sinks=None, v_scale=None, wg=None, pair=None):
+    def sink_logits(self, tidx, place, sinks, split):
+        """The sink's logit (exp2 domain) of each row this thread holds of O: split 0's rows
+        count their head's sink (the combine's merge by LSE then counts it once), others
+        and a launch without sinks -inf. ``sinks``: the sinks' address and use_sink."""
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        sink_ptr, use_sink = sinks
+        own = self.cfg.head_dim // self.cfg.consumers
+        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True).get_slice(tidx)
+        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, own))))
+        nrows = cute.size(coords, mode=[0])
+        sink_log2 = cute.make_rmem_tensor((nrows,), Float32)
+        for r in cutlass.range_constexpr(nrows):
+            sink_log2[r] = -Float32.inf
+            if use_sink != 0:
+                if split == 0:  # the head of row p: head_kv * group + p % group, within heads_q
+                    head = head_kv * group + (first_row + coords[r, 0][0]) % group
+                    sink_log2[r] = cute.make_tensor(sink_ptr, cute.make_layout(heads_q))[head] * Float32(LOG2E)
+        return sink_log2
+
+    @cute.jit
+    def epilogue(self, tidx, acc_o, softmax, place, out, sink_log2=None, v_scale=None, wg=None, pair=None):
         """O normalized and LSE: with one split into out and lse (the dtype), else this
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
         packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
-        columns per store. ``sinks``
-        (local): the sinks' address and use_sink; split 0 counts each row's head's sink.
+        columns per store. ``sink_log2`` (local): ``sink_logits``.
         ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE). ``wg`` (head_split):
         this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's). ``pair``
         (cfg.pairs: the run-time pair_heads): each row's O is its own KV head's columns of
@@ -572,16 +603,6 @@ class DecodeSm90:
         col0 = 0  # head_split: this warpgroup's first column
         if const_expr(wg is not None):
             col0 = wg * own
-        sink_log2 = None
-        if const_expr(sinks is not None):
-            sink_ptr, use_sink = sinks
-            sink_log2 = cute.make_rmem_tensor((nrows,), Float32)
-            for r in cutlass.range_constexpr(nrows):
-                sink_log2[r] = -Float32.inf
-                if use_sink != 0:
-                    if split == 0:  # the head of row p: head_kv * group + p % group, within heads_q
-                        head = head_kv * group + (first_row + coords[r, 0][0]) % group
-                        sink_log2[r] = cute.make_tensor(sink_ptr, cute.make_layout(heads_q))[head] * Float32(LOG2E)
         softmax.finalize(inv_sum, lse, sink_log2)
         if const_expr(v_scale is not None):
             for r in cutlass.range_constexpr(nrows):
