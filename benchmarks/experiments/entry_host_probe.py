@@ -6,6 +6,8 @@ GPU idle enough that the host is what is timed), the CUDA API calls and kernels 
 call (torch.profiler), and the benchmark's figure with and without the L2 read clear.
 
 Run on an sm_90 GPU: PYTHONPATH=$PWD python benchmarks/experiments/entry_host_probe.py
+``--profile LABEL [--shape 1x4096]``: instead, cProfile's costliest functions over 1000 calls
+of that entry point (its Python, the driver calls among them).
 """
 
 import sys
@@ -54,7 +56,38 @@ def one_call(fn):
     return ({k: v / 3 for k, v in api.items()}, {k: v / 3 for k, v in kernels.items()})
 
 
+def profile_one(label, shape):
+    import cProfile
+    import pstats
+
+    calls, keep = entry_points(*SHAPES[shape])
+    fn = calls[label]
+    if label == "sdpa_hook":
+        hook.activate()
+    with torch.no_grad():
+        host_us(fn)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(1000):
+            fn()
+        prof.disable()
+        torch.cuda.synchronize()
+    if label == "sdpa_hook":
+        hook.restore()
+    stats = pstats.Stats(prof)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+
+
 def main():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", default=None, metavar="LABEL")
+    ap.add_argument("--shape", default="1x4096", choices=sorted(SHAPES))
+    args = ap.parse_args()
+    if args.profile:
+        return profile_one(args.profile, args.shape)
     for name, shape in SHAPES.items():
         calls, keep = entry_points(*shape)
         print(f"== {name} {shape}", flush=True)

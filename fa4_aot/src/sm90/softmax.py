@@ -79,69 +79,42 @@ class OnlineSoftmax:
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor, live=None):
+    def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
         """Exponentiate one score tile in place; write each row's O correction factor.
 
         The correction exp2(m_prev - m_new) is 1 unless a row's maximum moved (rare once
         the first tiles are seen: conditional rescaling keeps the stale maximum), so a warp
         takes those exponentials only when one of its rows moved: two MUFU.EX2 of the
-        66 a thread issues per 64-column tile at head_dim 64, where that unit is busiest.
-
-        ``live`` (decode's packed rows): a register tensor of one Int32 per row, nonzero
-        where some lane of the warp holds a row in use (warp-uniform, so the quad shuffles
-        stay whole); a row that is not keeps its state and scores as they are and a
-        correction of 1 (docs/design.md, "Decode": rows in use)."""
+        66 a thread issues per 64-column tile at head_dim 64, where that unit is busiest."""
         s = acc_as_rows_cols(acc_s)
         ncols = cute.size(s, mode=[1])
         offsets = cute.make_rmem_tensor((self.num_rows,), Float32)
         prevs = cute.make_rmem_tensor((self.num_rows,), Float32)
         moved = Float32(0.0)
         for r in cutlass.range_constexpr(self.num_rows):
-            if cutlass.const_expr(live is None):
-                moved = self._new_max(s, r, ncols, row_scale, offsets, prevs, moved)
-            else:
-                row_scale[r] = Float32(1.0)
-                offsets[r] = Float32(0.0)
-                prevs[r] = -Float32.inf  # with offsets 0: a correction of exp2(0) = 1
-                if live[r] != 0:
-                    moved = self._new_max(s, r, ncols, row_scale, offsets, prevs, moved)
+            m_prev = self.row_max[r]
+            m_cur = _tree_reduce([m_prev] + [s[r, c] for c in range(ncols)], cute.arch.fmax)
+            m_cur = _quad_reduce(m_cur, cute.arch.fmax)
+            # Keep the stale maximum unless it grew past the threshold (or was -inf: the
+            # difference is then +inf; both -inf gives NaN, which compares false).
+            m_cur = select_f32((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
+            offsets[r] = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
+            # moved: some row's kept maximum changed (from -inf too: its correction is 1,
+            # computed below as exp2(0))
+            moved = select_f32(m_cur != m_prev, Float32(1.0), moved)
+            row_scale[r] = Float32(1.0)
+            self.row_max[r] = m_cur
+            prevs[r] = m_prev
         if cute.arch.vote_any_sync(moved > Float32(0.0)):
             for r in cutlass.range_constexpr(self.num_rows):
                 m_prev = prevs[r]
                 prev_offset = select_f32(m_prev == -Float32.inf, offsets[r], m_prev * self.scale_log2)
                 row_scale[r] = exp2_mufu(prev_offset - offsets[r])
         for r in cutlass.range_constexpr(self.num_rows):
-            if cutlass.const_expr(live is None):
-                self._exponentiate(s, r, ncols, row_scale, offsets)
-            else:
-                if live[r] != 0:
-                    self._exponentiate(s, r, ncols, row_scale, offsets)
-
-    @cute.jit
-    def _new_max(self, s, r, ncols, row_scale, offsets, prevs, moved):
-        """Row r's kept maximum after this tile, its exponent offset; ``moved`` raised
-        where it changed."""
-        m_prev = self.row_max[r]
-        m_cur = _tree_reduce([m_prev] + [s[r, c] for c in range(ncols)], cute.arch.fmax)
-        m_cur = _quad_reduce(m_cur, cute.arch.fmax)
-        # Keep the stale maximum unless it grew past the threshold (or was -inf: the
-        # difference is then +inf; both -inf gives NaN, which compares false).
-        m_cur = select_f32((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
-        offsets[r] = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
-        # moved: some row's kept maximum changed (from -inf too: its correction is 1,
-        # computed as exp2(0))
-        moved = select_f32(m_cur != m_prev, Float32(1.0), moved)
-        row_scale[r] = Float32(1.0)
-        self.row_max[r] = m_cur
-        prevs[r] = m_prev
-        return moved
-
-    @cute.jit
-    def _exponentiate(self, s, r, ncols, row_scale, offsets):
-        for c in cutlass.range_constexpr(ncols):
-            s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offsets[r])
-        total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
-        self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
+            for c in cutlass.range_constexpr(ncols):
+                s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offsets[r])
+            total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
+            self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
 
     @cute.jit
     def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor, sink_log2=None):
@@ -183,7 +156,7 @@ TANH_SERIES_BELOW = 0.55
 
 
 @cute.jit
-def cap_scores(acc_s: cute.Tensor, softcap_scale: Float32, live=None):
+def cap_scores(acc_s: cute.Tensor, softcap_scale: Float32):
     """Scores s -> tanh(s * softcap_scale) in place, softcap_scale = softmax_scale / cap
     (the softmax then takes cap * log2(e) as its scale: cap * tanh(s * scale / cap)).
 
@@ -192,38 +165,21 @@ def cap_scores(acc_s: cute.Tensor, softcap_scale: Float32, live=None):
     below takes the series alone (Gemma's cap of 50 keeps |x| below 0.55 for |s * scale| <
     27). tanh.approx is off by up to 2^-11 of the value, and 1 - 2 / (1 + e^2x) alone by
     ~1e-7 absolute near 0: times the cap, 50 float32 ulps of a score of 1 (docs/design.md,
-    "Local attention, sinks, softcap").
-
-    ``live`` (decode's packed rows, as ``OnlineSoftmax.step`` takes it): rows not in use
-    are left as they are."""
+    "Local attention, sinks, softcap")."""
     largest = Float32(0.0)
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         largest = cute.arch.fmax(largest, cute.arch.fmax(acc_s[i], -acc_s[i]))
-    far = cute.arch.vote_any_sync(largest * cute.arch.fmax(softcap_scale, -softcap_scale) >= Float32(TANH_SERIES_BELOW))
-    if cutlass.const_expr(live is None):
-        _cap(acc_s, softcap_scale, far)
-    else:
-        s = acc_as_rows_cols(acc_s)
-        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
-            if live[r] != 0:
-                _cap(s[r, None], softcap_scale, far)
-
-
-@cute.jit
-def _cap(scores: cute.Tensor, softcap_scale: Float32, far):
-    """cap_scores on ``scores``: the series and the far form where ``far`` (some score of
-    the warp's lies past the series' reach), else the series alone."""
-    if far:
-        for i in cutlass.range_constexpr(cute.size(scores)):
-            x = scores[i] * softcap_scale
+    if cute.arch.vote_any_sync(largest * cute.arch.fmax(softcap_scale, -softcap_scale) >= Float32(TANH_SERIES_BELOW)):
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            x = acc_s[i] * softcap_scale
             magnitude = cute.arch.fmax(x, -x)
-            far_value = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(
+            far = Float32(1.0) - Float32(2.0) * cute.arch.rcp_approx(
                 Float32(1.0) + exp2_mufu(magnitude * Float32(2.0 * math.log2(math.e))))
-            scores[i] = select_f32(magnitude < Float32(TANH_SERIES_BELOW), _tanh_series(x),
-                                   select_f32(x < 0.0, -far_value, far_value))
+            acc_s[i] = select_f32(magnitude < Float32(TANH_SERIES_BELOW), _tanh_series(x),
+                                  select_f32(x < 0.0, -far, far))
     else:
-        for i in cutlass.range_constexpr(cute.size(scores)):
-            scores[i] = _tanh_series(scores[i] * softcap_scale)
+        for i in cutlass.range_constexpr(cute.size(acc_s)):
+            acc_s[i] = _tanh_series(acc_s[i] * softcap_scale)
 
 
 def _tanh_series(x):

@@ -283,7 +283,7 @@ class DecodeSm90:
                 softcap_scale = softcap_scale * k_scale
             else:
                 scale_log2 = scale_log2 * k_scale
-        # the sinks' logits read before the key tiles, so that their latency hides behind them
+        # the sinks' logits read before the key tiles, their latency hidden behind them
         sink_log2 = self.sink_logits(ctidx, place, (p.sink, p.use_sink), split) if const_expr(cfg.local) else None
         acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, (seqlen_k, n_begin, n_end, turn), scale_log2,
                                      (window, softcap_scale), halves)
@@ -495,21 +495,19 @@ class DecodeSm90:
                 token = (first_row + coords[r, 0][0]) // group
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1 + window.right)
                 lows[r] = seqlen_k - seqlen_q + token - window.left
-        # rows in use: a warp skips the scores and softmax of its rows past the KV head's
-        # packed rows (their Q is zero, their O not written): with 4-8 packed rows in 64,
-        # three warps of four and half of the fourth's rows (docs/design.md, "Decode": rows
-        # in use). Warp-uniform (any lane's row), so the quad shuffles stay whole.
-        live = cute.make_rmem_tensor((nrows,), Int32)
-        for r in cutlass.range_constexpr(nrows):
-            live[r] = Int32(0)
-            if cute.arch.vote_any_sync(first_row + coords[r, 0][0] < rows):
-                live[r] = Int32(1)
+        # rows in use: a warp none of whose rows is one of the KV head's packed rows (their Q
+        # is zero, their O not written) skips each tile's scores and softmax (with 4-8 packed
+        # rows, three warps of four: docs/design.md, "Decode"). Rows past the packed ones
+        # are the last, so a warp's first row is in use if any is.
+        in_use = Int32(0)
+        if cute.arch.vote_any_sync(first_row + coords[0, 0][0] < rows):
+            in_use = Int32(1)
         # key tiles from the first whose end passes the lowest limit need the mask
         lowest = seqlen_k
         if const_expr(cfg.causal):
             lowest = cutlass.min(seqlen_k, seqlen_k - seqlen_q + first_row // group + 1)
         softmax_step = softmax.step
-        score = (coords, limits, lows, lowest, softcap_scale, live)
+        score = (coords, limits, lows, lowest, softcap_scale)
         steps = n_end - n_begin
         # fp8: the widened buffers' one stage
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
@@ -524,9 +522,10 @@ class DecodeSm90:
                 sum_halves(acc_s, halves[1], halves[0], tidx, (HALVES_READ, HALVES_WRITTEN))
                 # the tile's index taken after the sum: the order the H200 tests ran
                 n_block = _key_tile(i, n_end, steps, turn)
-            self._score_tile(acc_s, n_block, score)
-            softmax_step(acc_s, row_scale, live)
-            rescale_rows(acc_o, row_scale)
+            if in_use != 0:
+                self._score_tile(acc_s, n_block, score)
+                softmax_step(acc_s, row_scale)
+                rescale_rows(acc_o, row_scale)
             tOrP.store(acc_as_operand_a(acc_s).load().to(self.mma_type))
             pipe_v.consumer_wait(state)
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
@@ -539,32 +538,31 @@ class DecodeSm90:
         """Key tile n_block's scores capped (softcap) and masked: every tile where local
         (decode reads, it barely computes), else the tiles past the lowest row's limit."""
         cfg = self.cfg
-        coords, limits, lows, lowest, softcap_scale, live = score
+        coords, limits, lows, lowest, softcap_scale = score
         nrows = cute.size(limits)
         if const_expr(cfg.softcap):
-            cap_scores(acc_s, softcap_scale, live)
+            cap_scores(acc_s, softcap_scale)
         if const_expr(cfg.local):
             s = acc_as_rows_cols(acc_s)
             for r in cutlass.range_constexpr(nrows):
-                if live[r] != 0:
-                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                        key = n_block * cfg.tile_n + coords[r, c][1]
-                        s[r, c] = select_f32(key < lows[r], -Float32.inf,
-                                             select_f32(key >= limits[r], -Float32.inf, s[r, c]))
+                for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    key = n_block * cfg.tile_n + coords[r, c][1]
+                    s[r, c] = select_f32(key < lows[r], -Float32.inf,
+                                         select_f32(key >= limits[r], -Float32.inf, s[r, c]))
         else:
             if (n_block + 1) * cfg.tile_n > lowest:
                 s = acc_as_rows_cols(acc_s)
                 for r in cutlass.range_constexpr(nrows):
-                    if live[r] != 0:
-                        for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                            key = n_block * cfg.tile_n + coords[r, c][1]
-                            s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
+                    for c in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                        key = n_block * cfg.tile_n + coords[r, c][1]
+                        s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
 
     @cute.jit
     def sink_logits(self, tidx, place, sinks, split):
         """The sink's logit (exp2 domain) of each row this thread holds of O: split 0's rows
-        count their head's sink (the combine's merge by LSE then counts it once), others
-        and a launch without sinks -inf. ``sinks``: the sinks' address and use_sink."""
+        count their head's sink (the combine's merge by LSE then counts it once); other
+        splits' rows and a launch without sinks -inf. ``sinks``: the sinks' address and
+        use_sink."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         sink_ptr, use_sink = sinks
         own = self.cfg.head_dim // self.cfg.consumers
