@@ -167,27 +167,27 @@ def pair_sizes(manifest, sizes: dict, local: bool = False) -> dict | None:
     """The sizes (``served_sizes``') of a call that reads pairs of adjacent KV heads as one
     head of twice the width (policy.decode_pairs: a narrow head's 128-byte rows; docs/
     design.md, "Decode"): heads_kv halved, the head dim of the narrowest decode kernel
-    built for pairs (config ``pairs``) that holds both heads, pair_heads 2; None where the
-    call is not paired (an FP8 cache, ``local``: a window, sinks or softcap, other sizes,
-    or no such kernel built). The cache's layout is the caller's to check
-    (``heads_adjacent``)."""
+    built for pairs (config ``pairs``) that holds both heads, pair_heads 2 (an FP8 cache:
+    each row takes its own head's scales); None where the call is not paired (``local``: a
+    window, sinks or softcap, other sizes, or no such kernel built for the cache's dtype).
+    The cache's layout is the caller's to check (``heads_adjacent``)."""
     width = max(sizes["columns"], sizes["columns_v"])
-    if sizes.get("kv_dtype", "same") != "same" or local or not policy.decode_pairs(
-            width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"]):
+    if local or not policy.decode_pairs(width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"]):
         return None
-    head_dim = _pair_head_dim(manifest, width)
+    head_dim = _pair_head_dim(manifest, width, sizes.get("kv_dtype", "same"))
     if head_dim is None:
         return None
     return {**sizes, "heads_kv": sizes["heads_kv"] // 2, "head_dim": head_dim, "pair_heads": 2}
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_head_dim(manifest, width: int) -> int | None:
-    """The narrowest decode head dim of ``manifest`` whose 16-bit rows without a window are
-    built for pairs (config ``pairs``) and hold two heads ``width`` wide; None if none.
-    Kept per manifest: it decodes only those rows, once (a first call reads few rows)."""
+def _pair_head_dim(manifest, width: int, kv_dtype: str = "same") -> int | None:
+    """The narrowest decode head dim of ``manifest`` whose rows for a ``kv_dtype`` cache
+    without a window are built for pairs (config ``pairs``) and hold two heads ``width``
+    wide; None if none. Kept per manifest: it decodes only those rows, once (a first call
+    reads few rows)."""
     for head_dim in sorted({v.head_dim for v in manifest.variants if v.kind == "decode" and v.head_dim >= 2 * width}):
-        rows = manifest.matching(kind="decode", head_dim=head_dim, local=False, kv_dtype="same")
+        rows = manifest.matching(kind="decode", head_dim=head_dim, local=False, kv_dtype=kv_dtype)
         if rows and all(r["config"].get("pairs") for r in rows):
             return head_dim
     return None

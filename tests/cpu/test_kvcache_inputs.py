@@ -431,6 +431,27 @@ def test_narrow_heads_are_read_in_pairs(built):
         assert grid_of(row["launches"][0], values) == (1, 4, 4)  # 8 rows of a pair: one tile, 4 pairs, 4 sequences
 
 
+def test_narrow_fp8_heads_are_read_in_pairs_with_their_scales(built):
+    """An FP8 cache of narrow heads is paired too, on the FP8 kernel built for pairs: the
+    descale tensors go as given, over the cache's own (batch, heads_kv), for each row to
+    take its own head's (the kernel's ``row_descales``)."""
+    from fa4_aot.launch.manifest import Manifest
+
+    library = _FakeLibrary(Manifest(built[0]))
+    b, hkv, d = 4, 8, 64
+    a = _narrow(k_cache=bshd(b, 1000, hkv, d, "e4m3"), v_cache=bshd(b, 1000, hkv, d, "e4m3"))
+    k_scale, v_scale = scales((b, hkv)), scales((b, hkv), strides=(1, b))
+    _call(a, library, num_splits=1, k_descale=k_scale, v_descale=v_scale)
+    (row, values, tensors), = library.launches
+    _every_slot_given(row, values, tensors)
+    assert row["name"] == "decode.sm90a.bf16.d128.kv_e4m3" and row["config"]["pairs"]
+    assert (values["pair_heads"], values["heads_kv"], values["columns"]) == (2, hkv // 2, d)
+    assert tensors["k_cache"]["shape"] == (b, 1000, hkv // 2, 2 * d)
+    for name, t in (("k_descale", k_scale), ("v_descale", v_scale)):
+        assert tensors[name]["ptr"] == t.ptr
+        assert (values[f"{name}_sb"], values[f"{name}_sh"], values[f"use_{name}"]) == (*t.strides, 1)
+
+
 @pytest.mark.parametrize("what, over", [
     ("MQA: one KV head", dict(hq=8, hkv=1)),
     ("odd KV heads", dict(hq=12, hkv=3)),

@@ -12,7 +12,7 @@ from fa4_aot.torch import flash_attn_with_kvcache
 from fa4_aot.variants import MATRIX
 
 from ..reference import check_attention
-from .test_decode import _check, _lengths, _run
+from .test_decode import PAIRED, _check, _lengths, _run
 
 FP8 = torch.float8_e4m3fn
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,6 +88,31 @@ def test_fp8_decode_matches_reference(variant, gen):
                                         **ref_mods)
             else:
                 _check(out, lse, q, k_full, v_full, lengths, variant.causal)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 32])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", PAIRED, ids=lambda c: f"b{c[0]}_q{c[1]}_h{c[2]}x{c[3]}_k{c[4]}_p{c[5]}")
+def test_fp8_paired_heads_match_reference(case, causal, d, dtype, gen, monkeypatch):
+    """An FP8 cache of narrow heads read in pairs (decode.pair_sizes), each row with its own
+    head's scales (up to 128x apart between a pair's two heads): against the reference on
+    the dequantized cache, every split count; the pairing shown taken."""
+    import fa4_aot.decode as decode
+
+    views = []
+    monkeypatch.setattr(decode, "_pair_view", lambda t, view=decode._pair_view: views.append(t) or view(t))
+    batch, sq, hq, hkv, max_cache, page = case
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=DTYPES[dtype], generator=gen)
+    k, v, table, k_raw, v_raw = _fp8_cache(batch, max_cache, hkv, d, page, gen)
+    k_scale, v_scale = _scales(batch, hkv, gen), _scales(batch, hkv, gen)
+    lengths = _lengths(batch, max_cache, sq, gen)
+    k_full, v_full = _dequantized(k_raw, k_scale), _dequantized(v_raw, v_scale)
+    for splits in (None, 1, 3):
+        views.clear()
+        out, lse = _run(q, k, v, lengths, table, causal, splits, k_descale=k_scale, v_descale=v_scale)
+        assert len(views) == 2, "the call was not paired"
+        _check(out, lse, q, k_full, v_full, lengths, causal)
 
 
 @pytest.mark.parametrize("descale", ["given", "scalar", "broadcast", "none"])

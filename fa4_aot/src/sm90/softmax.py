@@ -65,13 +65,22 @@ def _quad_reduce(x: Float32, op) -> Float32:
 
 
 class OnlineSoftmax:
-    """Running max and sum for the rows this thread holds of one accumulator tile."""
+    """Running max and sum for the rows this thread holds of one accumulator tile.
 
-    def __init__(self, scale_log2: Float32, num_rows: int):
+    ``scale_log2``: one scale for every row, or a register tensor of one a row (decode's
+    FP8 pairs: each row's own head's K scale in it)."""
+
+    def __init__(self, scale_log2, num_rows: int):
         self.scale_log2 = scale_log2
         self.num_rows = num_rows
         self.row_max = cute.make_rmem_tensor((num_rows,), Float32)
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+
+    def _scale(self, r: int):
+        """Row r's scale (trace time: the same scalar for every row, or its entry)."""
+        if isinstance(self.scale_log2, cute.Tensor):
+            return self.scale_log2[r]
+        return self.scale_log2
 
     @cute.jit
     def reset(self):
@@ -97,8 +106,8 @@ class OnlineSoftmax:
             m_cur = _quad_reduce(m_cur, cute.arch.fmax)
             # Keep the stale maximum unless it grew past the threshold (or was -inf: the
             # difference is then +inf; both -inf gives NaN, which compares false).
-            m_cur = select_f32((m_cur - m_prev) * self.scale_log2 <= RESCALE_THRESHOLD, m_prev, m_cur)
-            offsets[r] = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self.scale_log2)
+            m_cur = select_f32((m_cur - m_prev) * self._scale(r) <= RESCALE_THRESHOLD, m_prev, m_cur)
+            offsets[r] = select_f32(m_cur == -Float32.inf, 0.0, m_cur * self._scale(r))
             # moved: some row's kept maximum changed (from -inf too: its correction is 1,
             # computed below as exp2(0))
             moved = select_f32(m_cur != m_prev, Float32(1.0), moved)
@@ -108,11 +117,11 @@ class OnlineSoftmax:
         if cute.arch.vote_any_sync(moved > Float32(0.0)):
             for r in cutlass.range_constexpr(self.num_rows):
                 m_prev = prevs[r]
-                prev_offset = select_f32(m_prev == -Float32.inf, offsets[r], m_prev * self.scale_log2)
+                prev_offset = select_f32(m_prev == -Float32.inf, offsets[r], m_prev * self._scale(r))
                 row_scale[r] = exp2_mufu(prev_offset - offsets[r])
         for r in cutlass.range_constexpr(self.num_rows):
             for c in cutlass.range_constexpr(ncols):
-                s[r, c] = exp2_mufu(s[r, c] * self.scale_log2 - offsets[r])
+                s[r, c] = exp2_mufu(s[r, c] * self._scale(r) - offsets[r])
             total = _tree_reduce([s[r, c] for c in range(ncols)], operator.add)
             self.row_sum[r] = self.row_sum[r] * row_scale[r] + total
 
@@ -134,10 +143,10 @@ class OnlineSoftmax:
                     lse[r] = -Float32.inf
                 else:
                     inv_sum[r] = cute.arch.rcp_approx(total)
-                    lse[r] = (m * self.scale_log2 + cute.math.log2(total, fastmath=True)) * LN2
+                    lse[r] = (m * self._scale(r) + cute.math.log2(total, fastmath=True)) * LN2
             else:
                 sink = sink_log2[r] if cutlass.const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
-                m_log2 = select_f32(m == -Float32.inf, -Float32.inf, m * self.scale_log2)
+                m_log2 = select_f32(m == -Float32.inf, -Float32.inf, m * self._scale(r))
                 top = cute.arch.fmax(m_log2, sink)
                 if top == -Float32.inf:  # no key and no sink
                     inv_sum[r] = Float32(0.0)

@@ -276,7 +276,15 @@ class DecodeSm90:
         scale_log2 = p.scale_log2
         softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
         v_scale = None
-        if const_expr(cfg.fp8):  # the scores' scale times K's, O's normalization times V's
+        if const_expr(cfg.fp8 and cfg.pairs):  # each row its own head's scales (a pair's two heads' differ)
+            k_descale = (p.k_descale, p.k_descale_sb, p.k_descale_sh, p.use_k_descale)
+            v_descale = (p.v_descale, p.v_descale_sb, p.v_descale_sh, p.use_v_descale)
+            k_scale = self.row_descales(ctidx, place, k_descale, p.pair_heads)
+            v_scale = self.row_descales(ctidx, place, v_descale, p.pair_heads)
+            for r in cutlass.range_constexpr(cute.size(k_scale)):
+                k_scale[r] = k_scale[r] * scale_log2
+            scale_log2 = k_scale
+        elif const_expr(cfg.fp8):  # the scores' scale times K's, O's normalization times V's
             k_scale = self._descale(p.k_descale, p.k_descale_sb, p.k_descale_sh, p.use_k_descale, b, head_kv)
             v_scale = self._descale(p.v_descale, p.v_descale_sb, p.v_descale_sh, p.use_v_descale, b, head_kv)
             if const_expr(cfg.softcap):
@@ -290,6 +298,23 @@ class DecodeSm90:
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
         self.epilogue(ctidx, acc_o, softmax, place, out, sink_log2, v_scale, None if halves is None else halves[0],
                       pair=p.pair_heads if const_expr(cfg.pairs) else None)
+
+    @cute.jit
+    def row_descales(self, tidx, place, descale, pair):
+        """cfg.fp8 with cfg.pairs: a dequantization scale (``descale``: its address,
+        strides over (batch, heads_kv) and use) for each row this thread holds, that of the
+        row's own KV head: of pair ``head_kv``, head head_kv * pair + the row's place in
+        it (``_pair_offset``'s)."""
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        ptr, sb, sh, use = descale
+        coords = acc_as_rows_cols(tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), self.cfg.head_dim,
+                                            a_in_registers=True).get_slice(tidx).partition_C(
+            cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
+        values = cute.make_rmem_tensor((cute.size(coords, mode=[0]),), Float32)
+        for r in cutlass.range_constexpr(cute.size(values)):
+            member = (first_row + coords[r, 0][0]) % group // (group // pair)
+            values[r] = self._descale(ptr, sb, sh, use, b, head_kv * pair + member)
+        return values
 
     @cute.jit
     def _descale(self, ptr, sb, sh, use, b, head_kv):
@@ -584,7 +609,8 @@ class DecodeSm90:
         split's share into the workspace (fp32), for the combine. Rows past the KV head's
         packed rows are not written, nor O's columns past its head dim. Pairs of adjacent
         columns per store. ``sink_log2`` (local): ``sink_logits``.
-        ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE). ``wg`` (head_split):
+        ``v_scale`` (fp8): V's dequantization scale, on O (not on LSE); with pairs, a
+        register tensor of one a row (``row_descales``). ``wg`` (head_split):
         this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's). ``pair``
         (cfg.pairs: the run-time pair_heads): each row's O is its own KV head's columns of
         the pair (``_pair_offset``), written from column 0 of the row (out, or the split's
@@ -604,7 +630,10 @@ class DecodeSm90:
         softmax.finalize(inv_sum, lse, sink_log2)
         if const_expr(v_scale is not None):
             for r in cutlass.range_constexpr(nrows):
-                inv_sum[r] = inv_sum[r] * v_scale
+                if const_expr(isinstance(v_scale, cute.Tensor)):
+                    inv_sum[r] = inv_sum[r] * v_scale[r]
+                else:
+                    inv_sum[r] = inv_sum[r] * v_scale
         scale_rows(acc_o, inv_sum)
         o = acc_as_rows_cols(acc_o)
         ncols = cute.size(o, mode=[1])
