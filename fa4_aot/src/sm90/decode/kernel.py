@@ -307,9 +307,7 @@ class DecodeSm90:
         it (``_pair_offset``'s)."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         ptr, sb, sh, use = descale
-        coords = acc_as_rows_cols(tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), self.cfg.head_dim,
-                                            a_in_registers=True).get_slice(tidx).partition_C(
-            cute.make_identity_tensor((self.cfg.tile_m, self.cfg.head_dim))))
+        coords = self._o_coords(tidx)
         values = cute.make_rmem_tensor((cute.size(coords, mode=[0]),), Float32)
         for r in cutlass.range_constexpr(cute.size(values)):
             member = (first_row + coords[r, 0][0]) % group // (group // pair)
@@ -582,6 +580,13 @@ class DecodeSm90:
                         key = n_block * cfg.tile_n + coords[r, c][1]
                         s[r, c] = select_f32(key >= limits[r], -Float32.inf, s[r, c])
 
+    def _o_coords(self, tidx):
+        """(row, column) in the tile of each element of O that thread ``tidx`` of a consumer
+        warpgroup holds, as (rows, columns) (its own columns where the head dim is split)."""
+        own = self.cfg.head_dim // self.cfg.consumers
+        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True).get_slice(tidx)
+        return acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, own))))
+
     @cute.jit
     def sink_logits(self, tidx, place, sinks, split):
         """The sink's logit (exp2 domain) of each row this thread holds of O: split 0's rows
@@ -590,9 +595,7 @@ class DecodeSm90:
         use_sink."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         sink_ptr, use_sink = sinks
-        own = self.cfg.head_dim // self.cfg.consumers
-        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True).get_slice(tidx)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((self.cfg.tile_m, own))))
+        coords = self._o_coords(tidx)
         nrows = cute.size(coords, mode=[0])
         sink_log2 = cute.make_rmem_tensor((nrows,), Float32)
         for r in cutlass.range_constexpr(nrows):
@@ -622,8 +625,7 @@ class DecodeSm90:
         inv_sum = cute.make_rmem_tensor((nrows,), Float32)
         lse = cute.make_rmem_tensor((nrows,), Float32)
         own = cfg.head_dim // cfg.consumers
-        thr_pv = tiled_mma(self.mma_type, "K", "MN", (1, 1, 1), own, a_in_registers=True).get_slice(tidx)
-        coords = acc_as_rows_cols(thr_pv.partition_C(cute.make_identity_tensor((cfg.tile_m, own))))
+        coords = self._o_coords(tidx)
         col0 = 0  # head_split: this warpgroup's first column
         if const_expr(wg is not None):
             col0 = wg * own
