@@ -148,8 +148,8 @@ def main():
     ap.add_argument("--only", default="", help="comma-separated shape labels to keep")
     ap.add_argument("--fp8", action="store_true", help="each shape also with an FP8 (e4m3) cache")
     ap.add_argument("--ab", action="append", default=[], metavar="NAME=DIR",
-                    help="a built folder timed beside the default library in every cell (an A/B, interleaved "
-                    "call by call; with --fp8 its FP8 cells too), repeatable")
+                    help="a built folder timed right after the default library in every cell of every round "
+                    "(an A/B in one process; with --fp8 its FP8 cells too), repeatable")
     ap.add_argument("--placement", type=int, default=0, metavar="N",
                     help="a placement sweep: each shape N more times, every buffer made fresh behind an "
                     "unrelated allocation of a random size (1 MiB-3 GiB); reports the minimum beside the median")
