@@ -11,7 +11,6 @@ of that entry point (its Python, the driver calls among them).
 """
 
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -21,22 +20,11 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timing  # noqa: E402
 from bench_dense_decode import entry_points  # noqa: E402
+from launch_overhead import host_us  # noqa: E402
 import fa4_aot.torch_sdpa as hook  # noqa: E402
 
 SHAPES = {"1x4096": (1, 1, 32, 8, 128, 4096), "16x4096": (16, 1, 32, 8, 128, 4096),
           "8x32768": (8, 1, 32, 8, 128, 32768)}
-
-
-def host_us(fn, n=300):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
 
 
 def one_call(fn):
@@ -65,7 +53,7 @@ def profile_one(label, shape):
     if label == "sdpa_hook":
         hook.activate()
     with torch.no_grad():
-        host_us(fn)
+        host_us(fn, 300)
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(1000):
@@ -96,7 +84,7 @@ def main():
                 if label == "sdpa_hook":
                     hook.activate()
                 try:
-                    h = host_us(fn)
+                    h = host_us(fn, 300)
                     read = timing.bench(fn, clear="read") * 1e3
                     none = timing.bench(fn, clear="none") * 1e3
                     api, kernels = one_call(fn)
