@@ -6,6 +6,10 @@ sequence, caches of 32k and 128k keys, contiguous and paged (pages of 64 keys, r
 placed: the window starts mid-page).
 
     python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results] [--caches 32768]
+        [--layers gpt-oss,...] [--windows 256,1024] [--batch 64] [--kernels NAME=DIR]
+
+(--windows: each windowed layer also at these windows; --batch: every layer at this batch;
+the span policy's sweeps, docs/design.md "Local attention, sinks, softcap".)
 
 Figure: bytes of the window's K and V (batch x (window + 1) keys x heads_kv x head_dim x
 2 tensors x 2 bytes) per second, and its ratio to the same run's device-to-device copy
@@ -94,12 +98,19 @@ def main():
     ap.add_argument("--kernels", action="append", default=[], metavar="NAME=DIR",
                     help="a built folder timed beside the package's cubins (an A/B), repeatable")
     ap.add_argument("--layers", default="", help="comma-separated layer names to keep")
+    ap.add_argument("--windows", default="",
+                    help="comma-separated windows (keys back) each windowed layer is also run at (a policy sweep)")
+    ap.add_argument("--batch", type=int, default=0, help="every layer's batch (0: each layer's own)")
     ap.add_argument("--caches", default=",".join(str(k) for k in CACHES),
                     help="comma-separated cache lengths in keys (gpt-oss's batch at 128k needs 68 GB)")
     timing.add_argument(ap)
     args = ap.parse_args()
     timing.configure(args)
     layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
+    layers += [(f"{x[0]}-w{w}", *x[1:5], w, *x[6:]) for x in list(layers) if x[5] is not None
+               for w in (int(y) for y in args.windows.split(",") if y) if w != x[5]]
+    if args.batch:
+        layers = [(f"{x[0]} b{args.batch}", args.batch, *x[2:]) for x in layers]
     caches = [int(x) for x in args.caches.split(",") if x]
     libraries = {None: None, **{x.split("=")[0]: fa4_aot.KernelLibrary(Path(x.split("=")[1])) for x in args.kernels}}
     bench = timing.bench

@@ -193,6 +193,21 @@ def _pair_head_dim(manifest, width: int, kv_dtype: str = "same") -> int | None:
     return None
 
 
+def span_row(manifest, axes: dict, arch: str, sizes: dict, mods, sm_count: int | None) -> dict:
+    """The row of the decode kernel ``axes`` (kind decode, dtype, head dim, ScoreMods
+    ``mods``' axes) that serves a call of ``sizes`` (batch, seqlen_q, heads_q, heads_kv) on
+    ``arch``, ``sm_count`` SMs: the span-narrow kernel where policy.decode_narrow says and
+    one is built, else the span-any one (also where sm_count is None: not known)."""
+    if mods.local and mods.left >= 0 and sm_count is not None:
+        narrow = dict(axes, arch=arch, q_tiles=1, span="narrow")
+        if manifest.built(**narrow):
+            row = manifest.find(**narrow)
+            if policy.decode_narrow(mods.left, mods.right, sizes["seqlen_q"], _ctas(sizes, row["config"]["tile_m"]),
+                                    sm_count):
+                return row
+    return manifest.find(**axes, arch=arch, q_tiles=1)
+
+
 def heads_adjacent(k: DeviceArray, v: DeviceArray) -> bool:
     """Whether each KV head of the cache follows the one before with nothing between (head
     stride = head dim, in K and V): a pair of them is then one row of twice the width."""
@@ -389,8 +404,9 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     check_limits(sizes, library.manifest.matching(**axes)[0]["limits"])
     device = device_of(arrays)
     arch = library.arch(device)
-    row = library.manifest.find(**axes, arch=arch, q_tiles=1)
-    splits = _splits(num_splits, sizes, row, library.sm_count(device), mods if mods.local else None)
+    sm_count = library.sm_count(device)
+    row = span_row(library.manifest, axes, arch, sizes, mods, sm_count)
+    splits = _splits(num_splits, sizes, row, sm_count, mods if mods.local else None)
     tensors = {}
     if splits > 1:
         if "workspace" not in arrays:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import math
 
 from . import policy
-from .decode import forward_kvcache_workspace_bytes, heads_adjacent, pair_sizes, prepare_checked, splits_for
+from .decode import (forward_kvcache_workspace_bytes, heads_adjacent, pair_sizes, prepare_checked, span_row,
+                     splits_for)
 from .launch import checks
 from .launch import workspace as ws
 from .launch.arrays import as_device_arrays
@@ -162,7 +163,9 @@ def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count
     built = [a for a in archs if library.manifest.built(**axes, arch=a, q_tiles=1)]
     if not built:
         return None
-    row = library.manifest.find(**axes, arch=built[0], q_tiles=1)
+    sizes = {"batch": problem.batch, "seqlen_q": problem.seqlen_q, "heads_q": problem.heads_q,
+             "heads_kv": problem.heads_kv}
+    row = span_row(library.manifest, axes, built[0], sizes, mods, sm_count)
     if problem.seqlen_q > row["limits"]["max_seqlen_q"] or max(problem.batch, problem.heads_kv) > GRID_YZ_MAX:
         return None
     return row

@@ -167,6 +167,30 @@ SPLIT_COST_TILES = 1
 # 75 cells (512 keys, gpt-oss's 128-key window: 1.2-1.5x); with 3, 0.45% and 5 cells
 # (worst 1.14x); 2 and 4 within 0.1% of 3.
 COMBINE_COST_TILES = 3
+# Decode with a bounded window (left >= 0): the span-narrow kernels (32-key tiles, four CTAs
+# an SM: decode/config.NARROW_SPAN), where built (head_dim 64, no cap), where a row tile's
+# windows cover at most DECODE_NARROW_MAX_SPAN keys and one split's CTAs are at least
+# DECODE_NARROW_MIN_CTAS_PER_SM a multiprocessor (the span-any kernel's resident CTAs: a
+# wave at least). Measured (bench_decode_local.py --windows --batch, H100, 32k caches, GQA
+# 64:8, sinks, against the span-any kernel in one process; docs/design.md, "Local
+# attention, sinks, softcap": windowed decode): batch 64-256 (512-2048 CTAs), window 128
+# +15-17%, 1024 +2-17%, 4096 +3-6%; batch 32 -1.5 to +8%; batch 8-16 (64-128 CTAs, both
+# split) -4 to -27%; the whole cache at batch 8 -2.5%.
+DECODE_NARROW_MAX_SPAN = 8192
+DECODE_NARROW_MIN_CTAS_PER_SM = 3
+
+
+def decode_narrow(left: int, right: int, seqlen_q: int, ctas: int, sm_count: int) -> bool:
+    """Whether a decode with window (``left``, ``right``; -1 unbounded) of ``seqlen_q``
+    query tokens a sequence, ``ctas`` CTAs a split, on ``sm_count`` SMs takes the
+    span-narrow kernels. The span: the keys its row tiles' windows cover (the queries end
+    the cache, so a right reach past the last query adds nothing)."""
+    if left < 0 or ctas < DECODE_NARROW_MIN_CTAS_PER_SM * sm_count:
+        return False
+    reach = min(right, seqlen_q) if right >= 0 else seqlen_q
+    return left + reach + seqlen_q <= DECODE_NARROW_MAX_SPAN
+
+
 # Key tiles between the starting points of consecutive (sequence, split) CTAs in their key
 # ranges (the KV heads of one start together: they read the same cache rows).
 DECODE_TURN_STRIDE = 11

@@ -51,6 +51,10 @@ AXES = {
     # q's; 128 beside 192 (DeepSeek V3-family prefill), whose forward then computes P V and
     # stores O 128 columns wide instead of 192 (docs/design.md, "Head dims")
     "head_dim_v": {"declared": (0, 128), "built": (0, 128)},
+    # decode with a window: "narrow", tiles for a bounded window's few keys (32-key tiles,
+    # four CTAs an SM), chosen by policy.decode_narrow; "any", every cache and window
+    # (docs/design.md, "Local attention, sinks, softcap": windowed decode)
+    "span": {"declared": ("any", "narrow"), "built": ("any", "narrow")},
 }
 # What a call may give beyond an axis's built values, printed by `fa4-aot list --all`.
 AXIS_NOTES = {
@@ -73,11 +77,11 @@ KINDS = {
 # NOT_BUILT_REASONS says why).
 _UP_TO_256 = tuple(d for d in HEAD_DIMS if d <= 256)
 KIND_AXES = {
-    "fwd": {"deterministic": (False,), "kv_dtype": ("same",)},
-    "bwd": {"kv_dtype": ("same",), "head_dim": _UP_TO_256},
+    "fwd": {"deterministic": (False,), "kv_dtype": ("same",), "span": ("any",)},
+    "bwd": {"kv_dtype": ("same",), "head_dim": _UP_TO_256, "span": ("any",)},
     "decode": {"varlen": (False,), "deterministic": (False,), "q_tiles": (1,), "head_dim_v": (0,)},
     "combine": {"causal": (False,), "varlen": (False,), "deterministic": (False,), "q_tiles": (1,),
-                "local": (False,), "softcap": (False,), "kv_dtype": ("same",), "head_dim_v": (0,)},
+                "local": (False,), "softcap": (False,), "kv_dtype": ("same",), "head_dim_v": (0,), "span": ("any",)},
 }
 
 NOT_BUILT_REASONS = {
@@ -104,6 +108,13 @@ NOT_BUILT_REASONS = {
     "prefill and training read K and V in q's dtype)",
     "kind=bwd,kv_dtype=e4m3": "an FP8 KV cache is decode's: there is no backward through a cache",
     "kind=combine,kv_dtype=e4m3": "the combine merges fp32 partials whatever the cache held",
+    # decode's span: the narrow-window kernels, built where a model needs them (gpt-oss)
+    "local=False,span=narrow": "without a window every key of the cache is read: the span-any kernels",
+    **{f"head_dim={d},span=narrow": "narrow-window decode is built at head_dim 64 (gpt-oss's 128-key windows); "
+       "wider heads' windows (Gemma, Mistral: 1024-4096 keys) take the span-any kernels" for d in HEAD_DIMS if d != 64},
+    "softcap=True,span=narrow": "narrow-window decode is built without a cap (gpt-oss has none); a capped call "
+    "takes the span-any kernels",
+    "kv_dtype=e4m3,span=narrow": "an FP8 cache's windows take the span-any kernels (narrow FP8 tiles not measured)",
     # the backward's q_tiles: query tiles per step, where a variant has both kernels
     "kind=bwd,causal=False,q_tiles=2": "not causal, head_dim 64 steps over two query tiles already (q_tiles 1)",
     "kind=bwd,deterministic=True,q_tiles=2": "deterministic, head_dim 64 steps over two query tiles already "
@@ -152,6 +163,7 @@ class Variant:
     softcap: bool = False  # cap * tanh(s / cap) on the scores
     kv_dtype: str = "same"  # decode's cache: q's dtype, or "e4m3" (FP8, dequantization scales at run time)
     head_dim_v: int = 0  # v's head dim where a kernel of its own serves it, 0: q's (head_dim)
+    span: str = "any"  # decode: "narrow", tiles for a bounded window's few keys
 
     def __post_init__(self):
         for axis, spec in AXES.items():
@@ -179,6 +191,8 @@ class Variant:
             parts.append("softcap")
         if self.kv_dtype != "same":
             parts.append(f"kv_{self.kv_dtype}")
+        if self.span != "any":
+            parts.append(self.span)
         return ".".join(parts)
 
     @property
@@ -242,13 +256,14 @@ def _build_matrix() -> tuple[Variant, ...]:
                 for head_dim in built_values(kind, "head_dim"):
                     for causal, varlen in itertools.product(built_values(kind, "causal"),
                                                             built_values(kind, "varlen")):
-                        for det, q_tiles, local, softcap, kv_dtype, head_dim_v in itertools.product(
+                        for det, q_tiles, local, softcap, kv_dtype, head_dim_v, span in itertools.product(
                                 built_values(kind, "deterministic"), built_values(kind, "q_tiles"),
                                 built_values(kind, "local"), built_values(kind, "softcap"),
-                                built_values(kind, "kv_dtype"), built_values(kind, "head_dim_v")):
+                                built_values(kind, "kv_dtype"), built_values(kind, "head_dim_v"),
+                                built_values(kind, "span")):
                             v = Variant(kind, arch, dtype, head_dim, causal, varlen=varlen, deterministic=det,
                                         q_tiles=q_tiles, local=local, softcap=softcap, kv_dtype=kv_dtype,
-                                        head_dim_v=head_dim_v)
+                                        head_dim_v=head_dim_v, span=span)
                             if not any(matches(v, key) for key in NOT_BUILT_REASONS):
                                 out.append(v)
     return tuple(sorted(out))

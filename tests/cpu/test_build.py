@@ -56,7 +56,7 @@ def test_manifest_records_toolchain_and_driver_floor(built):
     assert m["toolchain"]["ptxas"].startswith("13.")
     assert m["driver_floor"]["cuda_version"] >= 13000
     assert set(m["axes"]) == {"kind", "arch", "dtype", "head_dim", "causal", "varlen", "cta_mode", "deterministic",
-                              "q_tiles", "local", "softcap", "kv_dtype", "head_dim_v"}
+                              "q_tiles", "local", "softcap", "kv_dtype", "head_dim_v", "span"}
 
 
 @pytest.mark.parametrize("name", SUBSET)

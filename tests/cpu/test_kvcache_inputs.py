@@ -530,3 +530,75 @@ def test_dense_decode_shapes_of_narrow_heads_are_read_in_pairs(built):
 ])
 def test_decode_pairs_policy(sizes, want):
     assert policy.decode_pairs(*sizes) is want
+
+
+# the local decode kernels beside each other (tests/conftest.SUBSET has none: its d64 calls
+# run on the d128 kernels), for the choice between the span-narrow and span-any ones
+WINDOWED = ("decode.sm90a.bf16.d64", "decode.sm90a.bf16.d64.local", "decode.sm90a.bf16.d64.local.narrow",
+            "decode.sm90a.bf16.d64.local.softcap", "decode.sm90a.bf16.d128.local", "combine.sm90a.bf16.d64",
+            "combine.sm90a.bf16.d128", "fwd.sm90a.bf16.d64.local")
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory):
+    """A Manifest of WINDOWED, built into a temporary folder."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fa4_aot.launch.manifest import Manifest
+
+    pytest.importorskip("cutlass", reason="the CuTe DSL is needed to build kernels")
+    out = tmp_path_factory.mktemp("windowed")
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, str(root / "build_kernels.py"), "--out", str(out), "--jobs", "2"]
+    proc = subprocess.run(cmd + [x for name in WINDOWED for x in ("--only", name)], capture_output=True, text=True,
+                          cwd=root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return Manifest(out)
+
+
+@pytest.mark.parametrize("b, sq, window, cap, d, want", [
+    (64, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # gpt-oss's window, 512 CTAs
+    (64, 4, (127, -1), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),
+    (64, 1, (8191, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # 8191 + 1 keys: the policy's last
+    (64, 1, (8192, 0), 0.0, 64, "decode.sm90a.bf16.d64.local"),
+    (50, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # 400 CTAs: 3 a multiprocessor
+    (49, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local"),  # 392: fewer, split
+    (64, 1, (-1, -1), 0.0, 64, "decode.sm90a.bf16.d64.local"),  # sinks over the whole cache
+    (64, 1, (128, 0), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap"),  # no narrow kernel with a cap
+    (64, 1, (128, 0), 0.0, 128, "decode.sm90a.bf16.d128.local"),  # nor at head_dim 128
+])
+def test_narrow_windows_take_the_span_narrow_kernel(windowed, b, sq, window, cap, d, want):
+    """A decode whose window covers at most policy.DECODE_NARROW_MAX_SPAN keys, with CTAs
+    enough for three a multiprocessor, takes the span-narrow kernel where one is built
+    (head_dim 64, no cap), on the workspace forward_kvcache_workspace_bytes asked for (for
+    132 SMs, or any GPU); others the span-any kernel."""
+    hq, hkv, keys = 64, 8, 32768
+    sinks = DeviceArray(fresh(), (hq,), (1,), "fp32", 0)
+    for count in (None, 132):
+        library = _FakeLibrary(windowed)
+        need = forward_kvcache_workspace_bytes(b, sq, hq, hkv, d, keys, library=library, sm_count=count)
+        space = DeviceArray(fresh(), (max(need, 1),), (1,), "u8", 0)
+        a = _narrow(b=b, sq=sq, hq=hq, hkv=hkv, d=d, keys=keys, workspace=space if need else None)
+        _call(a, library, window_size=window, softcap=cap, learnable_sink=sinks)
+        row, values, tensors = library.launches[0]
+        _every_slot_given(row, values, tensors)
+        assert row["name"] == want and values.get("pair_heads", 1) == 1
+        assert row["config"]["tile_n"] == (32 if want.endswith("narrow") else 64 if d == 64 else 128)
+
+
+def test_dense_decode_shapes_with_a_narrow_window_take_the_span_narrow_kernel(windowed):
+    """fa4_aot.forward of a decode shape with gpt-oss's window and sinks: the span-narrow
+    decode, on a workspace of forward_workspace_bytes."""
+    from fa4_aot import forward, forward_workspace_bytes
+
+    library = _FakeLibrary(windowed)
+    shape = (64, 1, 64, 8, 64, 32768)
+    need = forward_workspace_bytes(*shape, sm_count=132, library=library, window_size=(128, 0), learnable_sink=True)
+    sinks = DeviceArray(fresh(), (64,), (1,), "fp32", 0)
+    space = DeviceArray(fresh(), (need,), (1,), "u8", 0) if need else None
+    forward(*_dense(*shape).values(), workspace=space, library=library, window_size=(128, 0), learnable_sink=sinks)
+    row, values, tensors = library.launches[0]
+    _every_slot_given(row, values, tensors)
+    assert row["name"] == "decode.sm90a.bf16.d64.local.narrow"

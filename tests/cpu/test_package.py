@@ -31,7 +31,7 @@ def test_matrix_is_the_product_of_the_built_axes():
     for axis, spec in AXES.items():
         assert {getattr(v, axis) for v in MATRIX} == set(spec["built"]), axis
     axes = ("arch", "dtype", "head_dim", "causal", "varlen", "deterministic", "q_tiles", "local", "softcap",
-            "kv_dtype", "head_dim_v")
+            "kv_dtype", "head_dim_v", "span")
     for kind in AXES["kind"]["built"]:
         mine = [v for v in MATRIX if v.kind == kind]
         for axis in axes:

@@ -166,8 +166,12 @@ def decode_cases():
     past the cache, page numbers negative and past the pages."""
     from fa4_aot.torch import flash_attn_with_kvcache
 
+    from fa4_aot import policy
+
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
+    span_policy = policy.decode_narrow
     for v in (v for v in MATRIX if v.kind == "decode"):
+        policy.decode_narrow = lambda *_, narrow=v.span == "narrow": narrow  # the window on each span's kernel
         dtype, d = DTYPES[v.dtype], v.head_dim
         cache = torch.float8_e4m3fn if v.kv_dtype == "e4m3" else dtype  # FP8: with scales per (sequence, head)
         k, val = (torch.randn(3, 200, 2, d, device="cuda", dtype=dtype).to(cache) for _ in range(2))
@@ -183,6 +187,7 @@ def decode_cases():
                                             num_splits=splits, **mods, **scales)
                     flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
                                             causal=v.causal, num_splits=splits, **mods, **scales)
+    policy.decode_narrow = span_policy
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import fa4_aot  # noqa: E402
+from fa4_aot import decode, policy  # noqa: E402
 from fa4_aot.errors import OptionError, ShapeError, DTypeError, UnsupportedVariantError  # noqa: E402
 from fa4_aot.torch import flash_attn_fwd  # noqa: E402
 from fa4_aot.variants import MATRIX  # noqa: E402
@@ -226,7 +227,7 @@ DECODE_LOCAL = [v for v in MATRIX if v.kind == "decode" and v.local and v.kv_dty
 DECODE_CASES = [(4, 1, 32, 8, 1000, None), (3, 4, 8, 8, 640, 128), (4, 16, 16, 1, 300, 48), (5, 64, 4, 2, 2048, 16)]
 
 
-def test_local_decode_matches_reference_where_built(gen):
+def test_local_decode_matches_reference_where_built(gen, monkeypatch):
     """Decode with a window (starting mid-page, ragged cache lengths, random page tables),
     sinks and softcap, split and not, against the reference over each sequence's cache
     (its queries at the end); where no local decode is built, the call is refused before
@@ -245,7 +246,11 @@ def test_local_decode_matches_reference_where_built(gen):
         torch.cuda.synchronize()
         assert out.isnan().all() and lse.isnan().all()
         return
-    for variant in DECODE_LOCAL:
+    chosen, span_row = [], decode.span_row
+    monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)["name"]) or span_row(*a))
+    for variant in DECODE_LOCAL:  # each on its own kernel: the span-narrow ones where the policy is told to
+        monkeypatch.setattr(policy, "decode_narrow", lambda *_, narrow=variant.span == "narrow": narrow)
+        chosen.clear()
         dtype, d = DTYPES[variant.dtype], variant.head_dim
         cap = 30.0 if variant.softcap else 0.0
         for (batch, sq, hq, hkv, max_cache, page), window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0)]):
@@ -272,3 +277,4 @@ def test_local_decode_matches_reference_where_built(gen):
                     else:  # no key: out 0, lse the sink
                         assert torch.equal(got, torch.zeros_like(got)), what
                         _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))
+        assert set(chosen) == {variant.name}, (variant.name, set(chosen))

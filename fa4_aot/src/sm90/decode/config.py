@@ -25,11 +25,18 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232  # setmaxnreg: two warpgroups within 64K 
 # Q 64 KB, two stages of 32-key K and V (128 KB in flight), S's halves 16 KB: 208 KB.
 TILES_HEAD_SPLIT = {512: (32, 2)}
 HEAD_SPLIT_REGS = (24, 240)  # producer, each consumer: three warpgroups within 64K
-# Local at head_dim 64 (gpt-oss's 128-key windows: a row tile reads two or three key
-# tiles): shallow tiles and three CTAs per SM, so that some CTAs' loads wait while others
-# compute (tile_n, stages, CTAs per SM, consumer registers: (40 + 120) x 128 = 80 a thread
-# of 256) (docs/design.md, "Local attention, sinks, softcap": windowed decode).
-LOCAL_NARROW = {64: (64, 2, 3, 120)}
+# Local at head_dim 64, span any (gpt-oss's full layers: sinks over the whole cache;
+# windows wider than policy.DECODE_NARROW_MAX_SPAN): 64-key tiles, 2 stages, three CTAs per
+# SM (tile_n, stages, CTAs per SM, producer and consumer registers: (40 + 120) x 128 = 80 a
+# thread of 256). The full layers, 8 x 32k: 2748 GB/s; 32-key tiles at four CTAs 2680; the
+# plain decode's 128-key tiles at one CTA 2661 (128k: 2779, 2769, 2830) (docs/design.md,
+# "Local attention, sinks, softcap": windowed decode).
+LOCAL_TILES = {64: (64, 2, 3, 40, 120)}
+# The span-narrow kernels (a bounded window, policy.decode_narrow): 32-key tiles, 4 stages,
+# four CTAs per SM ((24 + 104) x 128 = 64 registers a thread of 256): gpt-oss's window 128
+# 1493 -> 1702-1734 GB/s, windows 256-8192 +2.5-7%; its full layers (8 x 32k, sinks) 2748
+# -> 2680, hence a kernel of their own (docs/design.md, "Local attention, sinks, softcap").
+NARROW_SPAN = {64: (32, 4, 4, 24, 104)}
 # An FP8 (e4m3) cache: TMA brings e4m3 tiles (half the bytes of a 16-bit one), a third
 # warpgroup widens each into one 16-bit K and one V buffer that the consumer's wgmmas read
 # (docs/design.md, "Decode": FP8 cache). (tile_n, e4m3 stages) per head dim: the stages
@@ -88,14 +95,16 @@ class DecodeConfig:
                        tile_n=tile_n, stages=stages, threads=3 * WARPGROUP, producer_regs=producer_regs,
                        consumer_regs=consumer_regs, head_split=True)
         tile_n, stages = TILES[variant.head_dim]
-        ctas, consumer_regs = 1, CONSUMER_REGS
+        ctas, producer_regs, consumer_regs = 1, PRODUCER_REGS, CONSUMER_REGS
         fp8 = variant.kv_dtype == "e4m3"
         if fp8:
             tile_n, stages = TILES_E4M3[variant.head_dim]
-        elif variant.local and variant.head_dim in LOCAL_NARROW:
-            tile_n, stages, ctas, consumer_regs = LOCAL_NARROW[variant.head_dim]
+        elif variant.span == "narrow":
+            tile_n, stages, ctas, producer_regs, consumer_regs = NARROW_SPAN[variant.head_dim]
+        elif variant.local and variant.head_dim in LOCAL_TILES:
+            tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_TILES[variant.head_dim]
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
-                   tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=PRODUCER_REGS,
+                   tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=producer_regs,
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
                    pairs=variant.head_dim in PAIRED_HEAD_DIMS and not (variant.local or variant.softcap))
