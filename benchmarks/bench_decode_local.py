@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Decode with a sliding window against a long KV cache, bf16, on an sm_90 GPU:
-gpt-oss-like (head_dim 64, GQA 64:8, window 128 back, sinks) and Gemma-like (head_dim 256
-and 128, GQA 16:8, windows 1024 and 4096 back, softcap 50) layers, one query token per
+gpt-oss-like (head_dim 64, GQA 64:8, window 128 back, sinks), Gemma-like (head_dim 256
+and 128, GQA 16:8, windows 1024 and 4096 back, softcap 50) and Mistral-like (head_dim 128,
+GQA 32:8, window 4096, neither) layers, one query token per
 sequence, caches of 32k and 128k keys, contiguous and paged (pages of 64 keys, randomly
 placed: the window starts mid-page).
 
@@ -40,6 +41,7 @@ from bench_decode import copy_bandwidth  # noqa: E402
 LAYERS = [("gpt-oss", 256, 64, 8, 64, 128, 0.0, True), ("gemma-d256-w1024", 32, 16, 8, 256, 1024, 50.0, False),
           ("gemma-d256-w4096", 16, 16, 8, 256, 4096, 50.0, False),
           ("gemma-d128-w4096", 16, 16, 8, 128, 4096, 50.0, False),
+          ("mistral-w4096", 16, 32, 8, 128, 4096, 0.0, False),  # head_dim 128, GQA 32:8, no cap, no sinks
           ("gpt-oss-full", 8, 64, 8, 64, None, 0.0, True)]  # its full layers: sinks, no window
 CACHES = (32768, 131072)
 PAGE = 64

@@ -163,31 +163,34 @@ def check_limits(sizes: dict, limits: dict) -> None:
                          f"{limits['page_align']}")
 
 
-def pair_sizes(manifest, sizes: dict, local: bool = False) -> dict | None:
+def pair_sizes(manifest, sizes: dict, mods=None) -> dict | None:
     """The sizes (``served_sizes``') of a call that reads pairs of adjacent KV heads as one
     head of twice the width (policy.decode_pairs: a narrow head's 128-byte rows; docs/
     design.md, "Decode"): heads_kv halved, the head dim of the narrowest decode kernel
     built for pairs (config ``pairs``) that holds both heads, pair_heads 2 (an FP8 cache:
-    each row takes its own head's scales); None where the call is not paired (``local``: a
-    window, sinks or softcap, other sizes, or no such kernel built for the cache's dtype).
-    The cache's layout is the caller's to check (``heads_adjacent``)."""
+    each row takes its own head's scales; with sinks, each row its own head's sink); None
+    where the call is not paired (other sizes, a cap, a window bounded behind, or no such
+    kernel built for the cache's dtype and the call's ScoreMods ``mods``, None: plain). The
+    cache's layout is the caller's to check (``heads_adjacent``)."""
     width = max(sizes["columns"], sizes["columns_v"])
-    if local or not policy.decode_pairs(width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"]):
+    local = mods is not None and mods.local
+    if (local and mods.softcap > 0) or not policy.decode_pairs(width, sizes["heads_q"], sizes["heads_kv"],
+                                                               sizes["seqlen_q"], mods.left if local else -1):
         return None
-    head_dim = _pair_head_dim(manifest, width, sizes.get("kv_dtype", "same"))
+    head_dim = _pair_head_dim(manifest, width, sizes.get("kv_dtype", "same"), local)
     if head_dim is None:
         return None
     return {**sizes, "heads_kv": sizes["heads_kv"] // 2, "head_dim": head_dim, "pair_heads": 2}
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_head_dim(manifest, width: int, kv_dtype: str = "same") -> int | None:
-    """The narrowest decode head dim of ``manifest`` whose rows for a ``kv_dtype`` cache
-    without a window are built for pairs (config ``pairs``) and hold two heads ``width``
-    wide; None if none. Kept per manifest: it decodes only those rows, once (a first call
-    reads few rows)."""
+def _pair_head_dim(manifest, width: int, kv_dtype: str = "same", local: bool = False) -> int | None:
+    """The narrowest decode head dim of ``manifest`` whose rows for a ``kv_dtype`` cache,
+    with a window and sinks (not capped) where ``local``, are built for pairs (config
+    ``pairs``) and hold two heads ``width`` wide; None if none. Kept per manifest: it
+    decodes only those rows, once (a first call reads few rows)."""
     for head_dim in sorted({v.head_dim for v in manifest.variants if v.kind == "decode" and v.head_dim >= 2 * width}):
-        rows = manifest.matching(kind="decode", head_dim=head_dim, local=False, kv_dtype=kv_dtype)
+        rows = manifest.matching(kind="decode", head_dim=head_dim, local=local, softcap=False, kv_dtype=kv_dtype)
         if rows and all(r["config"].get("pairs") for r in rows):
             return head_dim
     return None
@@ -295,12 +298,15 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
         return ws.total_bytes(rule, ws.regions(rule, ws.names(rule, {**sizes, "splits": splits})))
 
     bytes_ = need(sizes, rows)
-    # a call of these sizes may read pairs of KV heads (pair_sizes), on those kernels: the more of the two
-    paired = pair_sizes(library.manifest, {**sizes, "columns": head_dim_q, "columns_v": head_dim_v or head_dim_q})
-    if paired is not None:
-        pair_rows = [r for r in library.manifest.matching(kind="decode", head_dim=paired["head_dim"])
-                     if r["config"].get("pairs")]
-        bytes_ = max(bytes_, need({n: paired[n] for n in sizes}, pair_rows))
+    # a call of these sizes may read pairs of KV heads (pair_sizes), on those kernels, with
+    # sinks and no window too (the local ones): the most of them all
+    for mods in (None, checks.ScoreMods(-1, -1, 0.0, True)):
+        paired = pair_sizes(library.manifest, {**sizes, "columns": head_dim_q, "columns_v": head_dim_v or head_dim_q},
+                            mods)
+        if paired is not None:
+            pair_rows = [r for r in library.manifest.matching(kind="decode", head_dim=paired["head_dim"])
+                         if r["config"].get("pairs")]
+            bytes_ = max(bytes_, need({n: paired[n] for n in sizes}, pair_rows))
     return bytes_
 
 
@@ -390,7 +396,7 @@ def prepare_checked(arrays: dict, mods, scale, num_splits, stream: int, library:
     (``mods``: checks.ScoreMods) are read, and its launches (the decode, and the combine
     where split) packed: forward_kvcache's, and fa4_aot.forward's for decode shapes."""
     sizes = served_sizes(library.manifest, "decode", check_forward_kvcache(arrays))
-    paired = pair_sizes(library.manifest, sizes, mods.local)
+    paired = pair_sizes(library.manifest, sizes, mods)
     if paired is not None and heads_adjacent(arrays["k_cache"], arrays["v_cache"]):
         sizes = paired
     else:

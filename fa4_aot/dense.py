@@ -182,11 +182,11 @@ def decode_splits(library: KernelLibrary, problem, mods, arch: str | None, devic
     if row is None:
         return 0
     sizes = {**served(library.manifest, "decode", problem).sizes, "max_seqlen_k": problem.seqlen_k}
-    paired = pair_sizes(library.manifest, sizes, mods.local) if adjacent else None
+    paired = pair_sizes(library.manifest, sizes, mods) if adjacent else None
     if paired is not None:
         sizes = paired
-        row = library.manifest.find(kind="decode", dtype=row["variant"]["dtype"], head_dim=paired["head_dim"],
-                                    **mods.axes(), arch=row["variant"]["arch"], q_tiles=1)
+        axes = dict(kind="decode", dtype=row["variant"]["dtype"], head_dim=paired["head_dim"], **mods.axes())
+        row = span_row(library.manifest, axes, row["variant"]["arch"], sizes, mods, sm_count)
     return splits_for(sizes, row, sm_count, mods)
 
 

@@ -558,22 +558,25 @@ def windowed(tmp_path_factory):
     return Manifest(out)
 
 
-@pytest.mark.parametrize("b, sq, window, cap, d, want", [
-    (64, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # gpt-oss's window, 512 CTAs
-    (64, 4, (127, -1), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),
-    (64, 1, (8191, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # 8191 + 1 keys: the policy's last
-    (64, 1, (8192, 0), 0.0, 64, "decode.sm90a.bf16.d64.local"),
-    (50, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow"),  # 400 CTAs: 3 a multiprocessor
-    (49, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local"),  # 392: fewer, split
-    (64, 1, (-1, -1), 0.0, 64, "decode.sm90a.bf16.d64.local"),  # sinks over the whole cache
-    (64, 1, (128, 0), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap"),  # no narrow kernel with a cap
-    (64, 1, (128, 0), 0.0, 128, "decode.sm90a.bf16.d128.local"),  # nor at head_dim 128
+@pytest.mark.parametrize("b, sq, window, cap, d, want, pair", [
+    (64, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # gpt-oss's window, 512 CTAs
+    (64, 4, (127, -1), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),
+    (64, 1, (8191, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # 8191 + 1 keys: the policy's last
+    (64, 1, (8192, 0), 0.0, 64, "decode.sm90a.bf16.d64.local", 1),
+    (50, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # 400 CTAs: 3 a multiprocessor
+    (49, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local", 1),  # 392: fewer, split
+    (64, 1, (-1, -1), 0.0, 64, "decode.sm90a.bf16.d128.local", 2),  # sinks over the whole cache: in pairs
+    (8, 1, (-1, 0), 0.0, 64, "decode.sm90a.bf16.d128.local", 2),
+    (8, 1, (-1, -1), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap", 1),  # capped: one by one
+    (64, 1, (128, 0), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap", 1),  # no narrow kernel with a cap
+    (64, 1, (128, 0), 0.0, 128, "decode.sm90a.bf16.d128.local", 1),  # nor at head_dim 128
 ])
-def test_narrow_windows_take_the_span_narrow_kernel(windowed, b, sq, window, cap, d, want):
+def test_windows_take_the_kernel_of_their_span(windowed, b, sq, window, cap, d, want, pair):
     """A decode whose window covers at most policy.DECODE_NARROW_MAX_SPAN keys, with CTAs
     enough for three a multiprocessor, takes the span-narrow kernel where one is built
-    (head_dim 64, no cap), on the workspace forward_kvcache_workspace_bytes asked for (for
-    132 SMs, or any GPU); others the span-any kernel."""
+    (head_dim 64, no cap); sinks over the whole cache (no window behind) read narrow heads
+    in pairs on the d128 local kernel; others the span-any kernel; each on the workspace
+    forward_kvcache_workspace_bytes asked for (for 132 SMs, or any GPU)."""
     hq, hkv, keys = 64, 8, 32768
     sinks = DeviceArray(fresh(), (hq,), (1,), "fp32", 0)
     for count in (None, 132):
@@ -584,8 +587,10 @@ def test_narrow_windows_take_the_span_narrow_kernel(windowed, b, sq, window, cap
         _call(a, library, window_size=window, softcap=cap, learnable_sink=sinks)
         row, values, tensors = library.launches[0]
         _every_slot_given(row, values, tensors)
-        assert row["name"] == want and values.get("pair_heads", 1) == 1
-        assert row["config"]["tile_n"] == (32 if want.endswith("narrow") else 64 if d == 64 else 128)
+        assert row["name"] == want and values.get("pair_heads", 1) == pair
+        assert values["heads_kv"] == hkv // pair and tensors["k_cache"]["shape"][2:] == (hkv // pair, d * pair)
+        assert row["config"]["tile_n"] == (32 if want.endswith("narrow") else 64 if want.startswith(
+            "decode.sm90a.bf16.d64") else 128)
 
 
 def test_dense_decode_shapes_with_a_narrow_window_take_the_span_narrow_kernel(windowed):

@@ -160,7 +160,8 @@ def varlen_backward_cases():
 
 
 def decode_cases():
-    """Decode of every variant (an FP8 cache's with scales), contiguous and paged (pages of 48 keys: pieces of 16), one
+    """Decode of every variant (an FP8 cache's with scales; the local d128 ones also reading
+    64-column heads in pairs), contiguous and paged (pages of 48 keys: pieces of 16), one
     split and three (the combine), one row tile per KV head and two (4 query heads x 5
     tokens = 20 rows; 8 x 16 = 128), with metadata that lies: cache lengths negative and
     past the cache, page numbers negative and past the pages."""
@@ -187,6 +188,15 @@ def decode_cases():
                                             num_splits=splits, **mods, **scales)
                     flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
                                             causal=v.causal, num_splits=splits, **mods, **scales)
+        if v.local and not v.softcap and v.kv_dtype == "same" and d == 128:  # 64-column heads in pairs, sinks only
+            q = torch.randn(3, 5, 8, 64, device="cuda", dtype=dtype)
+            half = [x[..., :64].contiguous() for x in (k, val, pk, pv)]
+            sinks = torch.randn(8, device="cuda")
+            for lengths, splits in itertools.product(([0, 1, 200], [-7, 2**30, 150]), (1, 3)):
+                flash_attn_with_kvcache(q, half[0], half[1], cache_seqlens=as_i32(lengths), num_splits=splits,
+                                        learnable_sink=sinks)
+                flash_attn_with_kvcache(q, half[2], half[3], cache_seqlens=as_i32(lengths), page_table=table,
+                                        num_splits=splits, learnable_sink=sinks)
     policy.decode_narrow = span_policy
 
 

@@ -278,3 +278,47 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
                         assert torch.equal(got, torch.zeros_like(got)), what
                         _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))
         assert set(chosen) == {variant.name}, (variant.name, set(chosen))
+
+
+# the local kernels that read two adjacent KV heads of 64 columns as one (config pairs)
+PAIRED_LOCAL = [v for v in DECODE_LOCAL if v.head_dim == 128 and not v.softcap and v.span == "any"]
+PAIR_CASES = [(4, 1, 64, 8, 1000, None), (3, 4, 32, 8, 700, 64), (5, 1, 16, 2, 2048, 16), (2, 2, 8, 4, 300, None)]
+
+
+@pytest.mark.parametrize("variant", PAIRED_LOCAL, ids=lambda v: v.name)
+def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
+    """Sinks with no window behind (gpt-oss's full layers) on a cache of 64-column heads:
+    two adjacent KV heads read as one on the d128 local kernel (policy.decode_pairs), each
+    row its own head's Q, O and sink, against the reference over ragged cache lengths;
+    contiguous and paged (random page tables), split and not, one query token and more."""
+    from .test_decode import _cache, _lengths
+
+    chosen, span_row = [], decode.span_row
+    monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or span_row(*a))
+    dtype = DTYPES[variant.dtype]
+    for (batch, sq, hq, hkv, max_cache, page), window in zip(PAIR_CASES, [(-1, -1), (-1, 0), (-1, -1), (-1, 3)]):
+        q = torch.randn(batch, sq, hq, 64, device="cuda", dtype=dtype, generator=gen)
+        k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, 64, dtype, page, gen)
+        lengths = _lengths(batch, max_cache, sq, gen)
+        sinks = _sinks(hq, gen)
+        for splits in (None, 1, 3):
+            out = torch.full_like(q, float("nan"))
+            lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+            reach = k.shape[1] * (table.shape[1] if table is not None else 1)
+            need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, 64, reach, num_splits=splits)
+            space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+            chosen.clear()
+            fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table,
+                                    num_splits=splits, window_size=window, learnable_sink=sinks,
+                                    stream=torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            assert [r["name"] for r in chosen] == [variant.name] and chosen[0]["config"]["pairs"]
+            for b, n in enumerate(lengths.tolist()):
+                what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
+                got, got_lse = out[b:b + 1], lse[b:b + 1]
+                if n:
+                    check_attention(got, got_lse, q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], False,
+                                    what=what, window=window, sink=sinks)
+                else:  # no key: out 0, lse the sink
+                    assert torch.equal(got, torch.zeros_like(got)), what
+                    _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))

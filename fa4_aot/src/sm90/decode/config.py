@@ -51,7 +51,9 @@ WIDENER_REGS = 96
 # CTA at another time (issue 38's 32 x 16k GQA 16:2 d64 case at 0.73-0.75 of the copy,
 # cuDNN 0.80; the d128 shapes 0.99). Paired, a row tile's packed rows are both heads' query
 # heads, each row's Q and O in its own head's half of the columns, and with an FP8 cache
-# its own head's scales (docs/design.md, "Decode").
+# its own head's scales, and with sinks (the local kernels, but FP8's) its own head's sink
+# (docs/design.md, "Decode"; the local ones are paired only where no window bounds the keys
+# behind: policy.decode_pairs).
 PAIRED_HEAD_DIMS = (128,)
 COMBINE_ROWS = 4  # the combine kernel: one warp per (batch, query token, query head) row
 MAX_SPLITS = 128  # the most key-range splits a launch takes (the workspace is sized up to it)
@@ -107,7 +109,8 @@ class DecodeConfig:
                    tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=producer_regs,
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
-                   pairs=variant.head_dim in PAIRED_HEAD_DIMS and not (variant.local or variant.softcap))
+                   pairs=variant.head_dim in PAIRED_HEAD_DIMS and not variant.softcap
+                   and not (variant.local and fp8))
 
     @property
     def fp8(self) -> bool:
