@@ -34,8 +34,9 @@ HEAD_SPLIT_REGS = (24, 240)  # producer, each consumer: three warpgroups within 
 LOCAL_TILES = {64: (64, 2, 3, 40, 120)}
 # The span-narrow kernels (a bounded window, policy.decode_narrow): 32-key tiles, 4 stages,
 # four CTAs per SM ((24 + 104) x 128 = 64 registers a thread of 256): gpt-oss's window 128
-# 1493 -> 1702-1734 GB/s, windows 256-8192 +2.5-7%; its full layers (8 x 32k, sinks) 2748
-# -> 2680, hence a kernel of their own (docs/design.md, "Local attention, sinks, softcap").
+# at batch 256 1493 -> 1702-1734 GB/s, windows 256-8192 +2.5-7%; its full layers (8 x 32k,
+# sinks) 2748 -> 2680, and windows at batch 8-16 (split) -4 to -27%, hence a kernel of its
+# own (docs/design.md, "Local attention, sinks, softcap").
 NARROW_SPAN = {64: (32, 4, 4, 24, 104)}
 # An FP8 (e4m3) cache: TMA brings e4m3 tiles (half the bytes of a 16-bit one), a third
 # warpgroup widens each into one 16-bit K and one V buffer that the consumer's wgmmas read
