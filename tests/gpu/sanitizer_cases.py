@@ -165,9 +165,8 @@ def decode_cases():
     split and three (the combine), one row tile per KV head and two (4 query heads x 5
     tokens = 20 rows; 8 x 16 = 128), with metadata that lies: cache lengths negative and
     past the cache, page numbers negative and past the pages."""
-    from fa4_aot.torch import flash_attn_with_kvcache
-
     from fa4_aot import policy
+    from fa4_aot.torch import flash_attn_with_kvcache
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
     span_policy = policy.decode_narrow
