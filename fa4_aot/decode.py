@@ -169,13 +169,15 @@ def pair_sizes(manifest, sizes: dict, mods=None) -> dict | None:
     design.md, "Decode"): heads_kv halved, the head dim of the narrowest decode kernel
     built for pairs (config ``pairs``) that holds both heads, pair_heads 2 (an FP8 cache:
     each row takes its own head's scales; with sinks, each row its own head's sink); None
-    where the call is not paired (other sizes, a cap, a window bounded behind, or no such
-    kernel built for the cache's dtype and the call's ScoreMods ``mods``, None: plain). The
-    cache's layout is the caller's to check (``heads_adjacent``)."""
+    where the call is not paired (other sizes, a cap, a window bounded behind or a cache
+    too short for the local pairs, or no such kernel built for the cache's dtype and the
+    call's ScoreMods ``mods``, None: plain). The cache's layout is the caller's to check
+    (``heads_adjacent``)."""
     width = max(sizes["columns"], sizes["columns_v"])
     local = mods is not None and mods.local
-    if (local and mods.softcap > 0) or not policy.decode_pairs(width, sizes["heads_q"], sizes["heads_kv"],
-                                                               sizes["seqlen_q"], mods.left if local else -1):
+    if (local and mods.softcap > 0) or not policy.decode_pairs(
+            width, sizes["heads_q"], sizes["heads_kv"], sizes["seqlen_q"],
+            (mods.left, sizes["max_seqlen_k"]) if local else None):
         return None
     head_dim = _pair_head_dim(manifest, width, sizes.get("kv_dtype", "same"), local)
     if head_dim is None:

@@ -229,15 +229,24 @@ DECODE_PAIR_MAX_HEAD_DIM = 64
 DECODE_PAIR_TILE_ROWS = 64
 
 
-def decode_pairs(head_dim: int, heads_q: int, heads_kv: int, seqlen_q: int, window_left: int = -1) -> bool:
+def decode_pairs(head_dim: int, heads_q: int, heads_kv: int, seqlen_q: int, local: tuple | None = None) -> bool:
     """Whether a decode of these sizes (``head_dim``: the wider of the cache's K and V)
-    reads pairs of adjacent KV heads as one head (the cache's layout permitting). Not with
-    a window bounded behind (``window_left`` >= 0): the local kernels built for pairs have
-    the deep tiles (128 keys, one CTA an SM), on which gpt-oss's window (d64, GQA 64:8,
-    sinks, 32k caches, H100) read 167-953 GB/s against 212-1689 unpaired at batch 8-256,
-    where its whole cache (8 x 32k, 128k) read 2772 and 2998 against 2748 and 2779."""
-    return (head_dim <= DECODE_PAIR_MAX_HEAD_DIM and heads_kv % 2 == 0 and window_left < 0
+    reads pairs of adjacent KV heads as one head (the cache's layout permitting). ``local``:
+    a call with sinks or a window, (its window's left, the cache's keys): paired only where
+    no window bounds the keys behind and the cache holds at least DECODE_LOCAL_PAIR_MIN_KEYS."""
+    if local is not None and (local[0] >= 0 or local[1] < DECODE_LOCAL_PAIR_MIN_KEYS):
+        return False
+    return (head_dim <= DECODE_PAIR_MAX_HEAD_DIM and heads_kv % 2 == 0
             and 2 * (heads_q // heads_kv) * seqlen_q <= DECODE_PAIR_TILE_ROWS)
+
+
+# The local kernels built for pairs have the deep tiles (128 keys, one CTA an SM). Measured
+# (gpt-oss, d64, GQA 64:8, sinks; bench_decode_local.py, paired against the local d64
+# kernels in one process): its whole cache at batch 8, H100 32k 2771 against 2757 GB/s,
+# 128k 2981 against 2780 (+7%); H200 32k 3930 against 4107 (-4%, paged -6%), 64k 4205
+# against 4361 (-4%, paged -5%), 128k 4356 against 4178 (+4%); its 128-key window at batch
+# 8-256 (H100) 167-953 against 212-1689. So pairs with sinks from 128k keys, no window.
+DECODE_LOCAL_PAIR_MIN_KEYS = 131072
 
 
 # The varlen forward's sequence order (docs/design.md, "Variable length"): "lpt" sorts the

@@ -558,26 +558,29 @@ def windowed(tmp_path_factory):
     return Manifest(out)
 
 
-@pytest.mark.parametrize("b, sq, window, cap, d, want, pair", [
-    (64, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # gpt-oss's window, 512 CTAs
-    (64, 4, (127, -1), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),
-    (64, 1, (8191, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # 8191 + 1 keys: the policy's last
-    (64, 1, (8192, 0), 0.0, 64, "decode.sm90a.bf16.d64.local", 1),
-    (50, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local.narrow", 1),  # 400 CTAs: 3 a multiprocessor
-    (49, 1, (128, 0), 0.0, 64, "decode.sm90a.bf16.d64.local", 1),  # 392: fewer, split
-    (64, 1, (-1, -1), 0.0, 64, "decode.sm90a.bf16.d128.local", 2),  # sinks over the whole cache: in pairs
-    (8, 1, (-1, 0), 0.0, 64, "decode.sm90a.bf16.d128.local", 2),
-    (8, 1, (-1, -1), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap", 1),  # capped: one by one
-    (64, 1, (128, 0), 30.0, 64, "decode.sm90a.bf16.d64.local.softcap", 1),  # no narrow kernel with a cap
-    (64, 1, (128, 0), 0.0, 128, "decode.sm90a.bf16.d128.local", 1),  # nor at head_dim 128
+@pytest.mark.parametrize("b, sq, window, cap, d, keys, want, pair", [
+    (64, 1, (128, 0), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local.narrow", 1),  # gpt-oss's window, 512 CTAs
+    (64, 4, (127, -1), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local.narrow", 1),
+    (64, 1, (8191, 0), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local.narrow", 1),  # 8191 + 1 keys: the last
+    (64, 1, (8192, 0), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local", 1),
+    (50, 1, (128, 0), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local.narrow", 1),  # 400 CTAs: 3 an SM
+    (49, 1, (128, 0), 0.0, 64, 32768, "decode.sm90a.bf16.d64.local", 1),  # 392: fewer, split
+    (8, 1, (128, 0), 0.0, 64, 131072, "decode.sm90a.bf16.d64.local", 1),  # a window: never in pairs
+    (8, 1, (-1, -1), 0.0, 64, 131072, "decode.sm90a.bf16.d128.local", 2),  # sinks over a 128k cache: in pairs
+    (8, 1, (-1, 0), 0.0, 64, 131072, "decode.sm90a.bf16.d128.local", 2),
+    (8, 1, (-1, -1), 0.0, 64, 131071, "decode.sm90a.bf16.d64.local", 1),  # a shorter cache: one by one
+    (8, 1, (-1, -1), 30.0, 64, 131072, "decode.sm90a.bf16.d64.local.softcap", 1),  # capped: one by one
+    (64, 1, (128, 0), 30.0, 64, 32768, "decode.sm90a.bf16.d64.local.softcap", 1),  # no narrow kernel capped
+    (64, 1, (128, 0), 0.0, 128, 32768, "decode.sm90a.bf16.d128.local", 1),  # nor at head_dim 128
 ])
-def test_windows_take_the_kernel_of_their_span(windowed, b, sq, window, cap, d, want, pair):
+def test_windows_take_the_kernel_of_their_span(windowed, b, sq, window, cap, d, keys, want, pair):
     """A decode whose window covers at most policy.DECODE_NARROW_MAX_SPAN keys, with CTAs
     enough for three a multiprocessor, takes the span-narrow kernel where one is built
-    (head_dim 64, no cap); sinks over the whole cache (no window behind) read narrow heads
-    in pairs on the d128 local kernel; others the span-any kernel; each on the workspace
-    forward_kvcache_workspace_bytes asked for (for 132 SMs, or any GPU)."""
-    hq, hkv, keys = 64, 8, 32768
+    (head_dim 64, no cap); sinks over a cache of policy.DECODE_LOCAL_PAIR_MIN_KEYS keys or
+    more (no window behind) read narrow heads in pairs on the d128 local kernel; others the
+    span-any kernel; each on the workspace forward_kvcache_workspace_bytes asked for (for
+    132 SMs, or any GPU)."""
+    hq, hkv = 64, 8
     sinks = DeviceArray(fresh(), (hq,), (1,), "fp32", 0)
     for count in (None, 132):
         library = _FakeLibrary(windowed)

@@ -169,7 +169,7 @@ def decode_cases():
     from fa4_aot.torch import flash_attn_with_kvcache
 
     as_i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")  # noqa: E731
-    span_policy = policy.decode_narrow
+    span_policy, pair_keys = policy.decode_narrow, policy.DECODE_LOCAL_PAIR_MIN_KEYS
     for v in (v for v in MATRIX if v.kind == "decode"):
         policy.decode_narrow = lambda *_, narrow=v.span == "narrow": narrow  # the window on each span's kernel
         dtype, d = DTYPES[v.dtype], v.head_dim
@@ -188,6 +188,7 @@ def decode_cases():
                     flash_attn_with_kvcache(q, pk, pv, cache_seqlens=as_i32(lengths), page_table=table,
                                             causal=v.causal, num_splits=splits, **mods, **scales)
         if v.local and not v.softcap and v.kv_dtype == "same" and d == 128:  # 64-column heads in pairs, sinks only
+            policy.DECODE_LOCAL_PAIR_MIN_KEYS = 0  # pairs on these short caches too
             q = torch.randn(3, 5, 8, 64, device="cuda", dtype=dtype)
             half = [x[..., :64].contiguous() for x in (k, val, pk, pv)]
             sinks = torch.randn(8, device="cuda")
@@ -196,7 +197,7 @@ def decode_cases():
                                         learnable_sink=sinks)
                 flash_attn_with_kvcache(q, half[2], half[3], cache_seqlens=as_i32(lengths), page_table=table,
                                         num_splits=splits, learnable_sink=sinks)
-    policy.decode_narrow = span_policy
+    policy.decode_narrow, policy.DECODE_LOCAL_PAIR_MIN_KEYS = span_policy, pair_keys
 
 
 if __name__ == "__main__":

@@ -288,13 +288,15 @@ PAIR_CASES = [(4, 1, 64, 8, 1000, None), (3, 4, 32, 8, 700, 64), (5, 1, 16, 2, 2
 @pytest.mark.parametrize("variant", PAIRED_LOCAL, ids=lambda v: v.name)
 def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
     """Sinks with no window behind (gpt-oss's full layers) on a cache of 64-column heads:
-    two adjacent KV heads read as one on the d128 local kernel (policy.decode_pairs), each
+    two adjacent KV heads read as one on the d128 local kernel (policy.decode_pairs, told
+    to pair these short caches too), each
     row its own head's Q, O and sink, against the reference over ragged cache lengths;
     contiguous and paged (random page tables), split and not, one query token and more."""
     from .test_decode import _cache, _lengths
 
     chosen, span_row = [], decode.span_row  # the rows the calls take
     monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or chosen[-1])
+    monkeypatch.setattr(policy, "DECODE_LOCAL_PAIR_MIN_KEYS", 0)  # pairs on these short caches too
     dtype = DTYPES[variant.dtype]
     for (batch, sq, hq, hkv, max_cache, page), window in zip(PAIR_CASES, [(-1, -1), (-1, 0), (-1, -1), (-1, 3)]):
         q = torch.randn(batch, sq, hq, 64, device="cuda", dtype=dtype, generator=gen)
