@@ -289,9 +289,9 @@ PAIR_CASES = [(4, 1, 64, 8, 1000, None), (3, 4, 32, 8, 700, 64), (5, 1, 16, 2, 2
 def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
     """Sinks with no window behind (gpt-oss's full layers) on a cache of 64-column heads:
     two adjacent KV heads read as one on the d128 local kernel (policy.decode_pairs, told
-    to pair these short caches too), each
-    row its own head's Q, O and sink, against the reference over ragged cache lengths;
-    contiguous and paged (random page tables), split and not, one query token and more."""
+    to pair these short caches too), each row its own head's Q, O and sink, against the
+    reference over ragged cache lengths; contiguous and paged (random page tables), split
+    and not, one query token and more."""
     from .test_decode import _cache, _lengths
 
     chosen, span_row = [], decode.span_row  # the rows the calls take
