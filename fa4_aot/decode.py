@@ -301,14 +301,13 @@ def forward_kvcache_workspace_bytes(batch: int, seqlen_q: int, heads_q: int, hea
 
     bytes_ = need(sizes, rows)
     # a call of these sizes may read pairs of KV heads (pair_sizes), on those kernels, with
-    # sinks and no window too (the local ones): the most of them all
-    for mods in (None, checks.ScoreMods(-1, -1, 0.0, True)):
-        paired = pair_sizes(library.manifest, {**sizes, "columns": head_dim_q, "columns_v": head_dim_v or head_dim_q},
-                            mods)
-        if paired is not None:
-            pair_rows = [r for r in library.manifest.matching(kind="decode", head_dim=paired["head_dim"])
-                         if r["config"].get("pairs")]
-            bytes_ = max(bytes_, need({n: paired[n] for n in sizes}, pair_rows))
+    # sinks and no window too (the local ones): the most of every head dim built for pairs
+    columns = {**sizes, "columns": head_dim_q, "columns_v": head_dim_v or head_dim_q}
+    paired = {p["head_dim"]: p for p in (pair_sizes(library.manifest, columns, mods)
+                                         for mods in (None, checks.ScoreMods(-1, -1, 0.0, True))) if p is not None}
+    for pair_dim, pair in paired.items():
+        pair_rows = [r for r in library.manifest.matching(kind="decode", head_dim=pair_dim) if r["config"].get("pairs")]
+        bytes_ = max(bytes_, need({n: pair[n] for n in sizes}, pair_rows))
     return bytes_
 
 

@@ -163,9 +163,7 @@ def decode_row(library: KernelLibrary, problem, mods, arch: str | None, sm_count
     built = [a for a in archs if library.manifest.built(**axes, arch=a, q_tiles=1)]
     if not built:
         return None
-    sizes = {"batch": problem.batch, "seqlen_q": problem.seqlen_q, "heads_q": problem.heads_q,
-             "heads_kv": problem.heads_kv}
-    row = span_row(library.manifest, axes, built[0], sizes, mods, sm_count)
+    row = span_row(library.manifest, axes, built[0], problem.sizes, mods, sm_count)
     if problem.seqlen_q > row["limits"]["max_seqlen_q"] or max(problem.batch, problem.heads_kv) > GRID_YZ_MAX:
         return None
     return row

@@ -232,8 +232,6 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
     sinks and softcap, split and not, against the reference over each sequence's cache
     (its queries at the end); where no local decode is built, the call is refused before
     anything is written."""
-    from .test_decode import _cache, _lengths
-
     if not DECODE_LOCAL:
         q = torch.randn(1, 1, 4, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
         k = torch.randn(1, 64, 2, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -251,32 +249,9 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
     for variant in DECODE_LOCAL:  # each on its own kernel: the span-narrow ones where the policy is told to
         monkeypatch.setattr(policy, "decode_narrow", lambda *_, narrow=variant.span == "narrow": narrow)
         chosen.clear()
-        dtype, d = DTYPES[variant.dtype], variant.head_dim
         cap = 30.0 if variant.softcap else 0.0
-        for (batch, sq, hq, hkv, max_cache, page), window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0)]):
-            q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
-            k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, dtype, page, gen)
-            lengths = _lengths(batch, max_cache, sq, gen)
-            sinks = _sinks(hq, gen)
-            for splits in (None, 1, 3):
-                out = torch.full_like(q, float("nan"))
-                lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
-                reach = k.shape[1] * (table.shape[1] if table is not None else 1)
-                need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, reach, num_splits=splits)
-                space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
-                fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table,
-                                        num_splits=splits, window_size=window, softcap=cap, learnable_sink=sinks,
-                                        stream=torch.cuda.current_stream().cuda_stream)
-                torch.cuda.synchronize()
-                for b, n in enumerate(lengths.tolist()):
-                    what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
-                    got, got_lse = out[b:b + 1], lse[b:b + 1]
-                    if n:
-                        check_attention(got, got_lse, q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], False,
-                                        what=what, window=window, softcap=cap, sink=sinks)
-                    else:  # no key: out 0, lse the sink
-                        assert torch.equal(got, torch.zeros_like(got)), what
-                        _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))
+        for case, window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0)]):
+            _decode_matches_reference(variant, case, window, gen, variant.head_dim, cap)
         assert {r["name"] for r in chosen} == {variant.name}, (variant.name, {r["name"] for r in chosen})
 
 
@@ -292,35 +267,50 @@ def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
     to pair these short caches too), each row its own head's Q, O and sink, against the
     reference over ragged cache lengths; contiguous and paged (random page tables), split
     and not, one query token and more."""
-    from .test_decode import _cache, _lengths
-
     chosen, span_row = [], decode.span_row  # the rows the calls take
     monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or chosen[-1])
     monkeypatch.setattr(policy, "DECODE_LOCAL_PAIR_MIN_KEYS", 0)  # pairs on these short caches too
+
+    def paired():  # each launch on the pairs' kernel
+        assert [r["name"] for r in chosen] == [variant.name] and chosen[0]["config"]["pairs"]
+        chosen.clear()
+
+    for case, window in zip(PAIR_CASES, [(-1, -1), (-1, 0), (-1, -1), (-1, 3)]):
+        _decode_matches_reference(variant, case, window, gen, 64, after=paired)
+
+
+def _decode_matches_reference(variant, case, window, gen, d, cap=0.0, after=None):
+    """A decode ``case`` (batch, seqlen_q, heads_q, heads_kv, max_cache, page size or None)
+    of a cache ``d`` columns a head in ``variant``'s dtype, with ``window``, sinks and a cap
+    ``cap``, split and not, against the reference over each sequence's cache (its queries at
+    the end): a sequence with no key gives out 0 and its sink as LSE. ``after``: called
+    after each launch."""
+    from .test_decode import _cache, _lengths
+
+    batch, sq, hq, hkv, max_cache, page = case
     dtype = DTYPES[variant.dtype]
-    for (batch, sq, hq, hkv, max_cache, page), window in zip(PAIR_CASES, [(-1, -1), (-1, 0), (-1, -1), (-1, 3)]):
-        q = torch.randn(batch, sq, hq, 64, device="cuda", dtype=dtype, generator=gen)
-        k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, 64, dtype, page, gen)
-        lengths = _lengths(batch, max_cache, sq, gen)
-        sinks = _sinks(hq, gen)
-        for splits in (None, 1, 3):
-            out = torch.full_like(q, float("nan"))
-            lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
-            reach = k.shape[1] * (table.shape[1] if table is not None else 1)
-            need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, 64, reach, num_splits=splits)
-            space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
-            chosen.clear()
-            fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table,
-                                    num_splits=splits, window_size=window, learnable_sink=sinks,
-                                    stream=torch.cuda.current_stream().cuda_stream)
-            torch.cuda.synchronize()
-            assert [r["name"] for r in chosen] == [variant.name] and chosen[0]["config"]["pairs"]
-            for b, n in enumerate(lengths.tolist()):
-                what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
-                got, got_lse = out[b:b + 1], lse[b:b + 1]
-                if n:
-                    check_attention(got, got_lse, q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], False,
-                                    what=what, window=window, sink=sinks)
-                else:  # no key: out 0, lse the sink
-                    assert torch.equal(got, torch.zeros_like(got)), what
-                    _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))
+    q = torch.randn(batch, sq, hq, d, device="cuda", dtype=dtype, generator=gen)
+    k, v, table, k_full, v_full = _cache(batch, max_cache, hkv, d, dtype, page, gen)
+    lengths = _lengths(batch, max_cache, sq, gen)
+    sinks = _sinks(hq, gen)
+    for splits in (None, 1, 3):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full((batch, hq, sq), float("nan"), device="cuda")
+        reach = k.shape[1] * (table.shape[1] if table is not None else 1)
+        need = fa4_aot.forward_kvcache_workspace_bytes(batch, sq, hq, hkv, d, reach, num_splits=splits)
+        space = torch.full((max(need, 1),), 255, dtype=torch.uint8, device="cuda")
+        fa4_aot.forward_kvcache(q, k, v, out, lse, lengths, space if need else None, page_table=table,
+                                num_splits=splits, window_size=window, softcap=cap, learnable_sink=sinks,
+                                stream=torch.cuda.current_stream().cuda_stream)
+        torch.cuda.synchronize()
+        if after is not None:
+            after()
+        for b, n in enumerate(lengths.tolist()):
+            what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
+            got, got_lse = out[b:b + 1], lse[b:b + 1]
+            if n:
+                check_attention(got, got_lse, q[b:b + 1], k_full[b:b + 1, :n], v_full[b:b + 1, :n], False,
+                                what=what, window=window, softcap=cap, sink=sinks)
+            else:  # no key: out 0, lse the sink
+                assert torch.equal(got, torch.zeros_like(got)), what
+                _assert_is_the_sink(got_lse, sinks[None, :, None].expand_as(got_lse))

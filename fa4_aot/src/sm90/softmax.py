@@ -64,6 +64,12 @@ def _quad_reduce(x: Float32, op) -> Float32:
     return x
 
 
+def row_value(value, r: int):
+    """Row r's entry of ``value``: a register tensor of one a row, or one scalar for every
+    row (decided at trace time)."""
+    return value[r] if isinstance(value, cute.Tensor) else value
+
+
 class OnlineSoftmax:
     """Running max and sum for the rows this thread holds of one accumulator tile.
 
@@ -77,10 +83,8 @@ class OnlineSoftmax:
         self.row_sum = cute.make_rmem_tensor((num_rows,), Float32)
 
     def _scale(self, r: int):
-        """Row r's scale (trace time: the same scalar for every row, or its entry)."""
-        if isinstance(self.scale_log2, cute.Tensor):
-            return self.scale_log2[r]
-        return self.scale_log2
+        """Row r's scale."""
+        return row_value(self.scale_log2, r)
 
     @cute.jit
     def reset(self):
@@ -145,7 +149,7 @@ class OnlineSoftmax:
                     inv_sum[r] = cute.arch.rcp_approx(total)
                     lse[r] = (m * self._scale(r) + cute.math.log2(total, fastmath=True)) * LN2
             else:
-                sink = sink_log2[r] if cutlass.const_expr(isinstance(sink_log2, cute.Tensor)) else sink_log2
+                sink = row_value(sink_log2, r)
                 m_log2 = select_f32(m == -Float32.inf, -Float32.inf, m * self._scale(r))
                 top = cute.arch.fmax(m_log2, sink)
                 if top == -Float32.inf:  # no key and no sink

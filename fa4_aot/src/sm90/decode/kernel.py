@@ -57,7 +57,7 @@ from ..primitives import (
     DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, sum_halves, tiled_mma, tma_pipeline, wgmma,
 )
 from ..mask import Window
-from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
+from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, row_value, scale_rows
 from ..widen import widen_tile
 from ...common import symbols
 from ...common.params import Tma
@@ -632,10 +632,7 @@ class DecodeSm90:
         softmax.finalize(inv_sum, lse, sink_log2)
         if const_expr(v_scale is not None):
             for r in cutlass.range_constexpr(nrows):
-                if const_expr(isinstance(v_scale, cute.Tensor)):
-                    inv_sum[r] = inv_sum[r] * v_scale[r]
-                else:
-                    inv_sum[r] = inv_sum[r] * v_scale
+                inv_sum[r] = inv_sum[r] * row_value(v_scale, r)
         scale_rows(acc_o, inv_sum)
         o = acc_as_rows_cols(acc_o)
         ncols = cute.size(o, mode=[1])
