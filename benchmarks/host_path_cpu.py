@@ -95,6 +95,34 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return min(best)
 
 
+def _hook_paths(torch, b, s, h, d) -> dict:
+    """The SDPA hook's two ops called as SDPA calls them, on the CPU key (SDPA itself picks
+    no flash op on a CPU): the hook's Python from the dispatcher down, every call taken as on
+    an sm_90 GPU (the capability and the built kernels stand in for a CUDA device's)."""
+    if not hasattr(torch.nn.attention, "register_flash_attention_impl"):
+        return {}
+    import fa4_aot.torch.sdpa as hook
+
+    decide = hook.fallback_reason
+    hook.fallback_reason = lambda *a, capability, built, **kw: decide(*a, capability=(9, 0), built=hook._built(), **kw)
+    hook.current_stream = lambda device: 7
+    handle = hook.register_kernels("CPU")  # for as long as the calls below hold it
+    q, k, v = (torch.empty(b, s, h, d, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    fwd = torch.ops.aten._scaled_dot_product_flash_attention.default
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_backward.default
+    out, lse, cq, ck, mq, mk, seed, offset, _ = fwd(q, k, v, 0.0, True)
+    dout = torch.empty_like(out)
+
+    def forward():
+        assert handle.library is not None
+        return fwd(q, k, v, 0.0, True)
+
+    def both():
+        o, l, *_ = fwd(q, k, v, 0.0, True)
+        return bwd(dout, q, k, v, o, l, cq, ck, mq, mk, 0.0, True, seed, offset)
+    return {"SDPA hook: the flash op (repeat)": forward, "SDPA hook: the flash op and its backward (repeat)": both}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=20000)
@@ -144,6 +172,9 @@ def main():
             out = fa4_torch.flash_attn_func(gq, gk, gv, causal=True)
             out.backward(torch.ones_like(out))
         paths["fa4_aot.torch.flash_attn_func forward + backward (checked path)"] = step
+        hook = _hook_paths(torch, b, s, h, d)
+        if hook:
+            paths.update(hook)
     for name, fn in paths.items():
         print(f"{name}: {per_call_us(fn, args.calls):.2f} us a call (Python only, driver stubbed)")
         if args.profile:

@@ -24,7 +24,7 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
     s_q, h_q, d_v); see fa4_aot.forward
     (``learnable_sink``: float32 (h_q,); decode shapes take the decode kernel, its split
     workspace from torch's allocator). Every option is keyword-only."""
-    repeat, stream = None, None
+    repeat, stream, workspace = None, None, None
     if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor and q.is_cuda and q.dim() == 4
             and k.dim() == 4 and v.dim() == 4 and type(out) in (torch.Tensor, type(None))
             and type(lse) in (torch.Tensor, type(None))
@@ -47,14 +47,25 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
             repeat += (workspace.data_ptr(), workspace.numel())
         if default_library().launch_again(repeat):  # tensors.repeat_key's key, spelt out
             return out, lse
-    check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink))
+    return launch_forward(q, k, v, out, lse, workspace, softmax_scale=softmax_scale, causal=causal, q_tiles=q_tiles,
+                          window_size=window_size, softcap=softcap, learnable_sink=learnable_sink, stream=stream,
+                          keep=(repeat,) if repeat else ())
+
+
+def launch_forward(q, k, v, out, lse, workspace, *, softmax_scale, causal, q_tiles, window_size, softcap,
+                   learnable_sink, stream=None, keep=()) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_fwd past its repeat: every check, the outputs (and a decode shape's
+    workspace) not given made, the launch kept under each key of ``keep`` too (keys an
+    adapter builds from its own tensors, for its repeated calls: the SDPA hook's)."""
+    check_tensors({"q": q, "k": k, "v": v}, passed(out=out, lse=lse, learnable_sink=learnable_sink,
+                                                    workspace=workspace))
     out, lse = _outputs(q, v, out, lse)
-    if repeat is None:
+    if workspace is None:
         workspace = _workspace(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink)
     arrays = [as_device_array(t) for t in (q, k, v, out, lse)]
     sink = None if learnable_sink is None else as_device_array(learnable_sink)
     stream = stream_of(q) if stream is None else stream  # asked once a call
-    run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, ((repeat, ()),) if repeat else (),
+    run_forward(*arrays, softmax_scale, causal, q_tiles, stream, None, tuple((key, ()) for key in keep),
                 window_size, softcap, sink, None if workspace is None else as_device_array(workspace))
     return out, lse
 
@@ -62,15 +73,21 @@ def flash_attn_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax
 def _workspace(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink) -> torch.Tensor | None:
     """The forward's workspace where the problem is a decode shape that the decode kernel
     splits (fa4_aot.forward_workspace_bytes), else None."""
+    size = forward_workspace_size(q, k, v, causal, q_tiles, window_size, softcap, learnable_sink is not None)
+    return torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
+
+
+def forward_workspace_size(q, k, v, causal, q_tiles=None, window_size=(-1, -1), softcap=0.0, sink=False) -> int:
+    """Bytes of the forward's workspace for q, k, v (b, s, h, d) on a GPU: a decode shape's
+    split workspace, 0 for the prefill kernel or a call the checks refuse."""
     if q_tiles is not None or q.shape[1] > DENSE_DECODE_MAX_SEQLEN_Q:  # the prefill kernel: no workspace
-        return None
+        return 0
     window = tuple(window_size) if isinstance(window_size, list) else window_size
     try:
-        size = _forward_workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype), causal,
-                                        window, softcap, learnable_sink is not None, q.get_device(), default_library())
+        return _forward_workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype),
+                                        causal, window, softcap, sink, q.get_device(), default_library())
     except TypeError:  # an option that is not hashable: the checks say what they make of it
-        size = 0
-    return torch.empty(size, dtype=torch.uint8, device=q.device) if size else None
+        return 0
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,6 +143,16 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                             (softmax_scale, causal, deterministic, q_tiles, window_size, softcap, device, stream))
         if default_library().launch_again(repeat):
             return (dq, dk, dv) + sinks[1:]
+    return launch_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale=softmax_scale, causal=causal,
+                           deterministic=deterministic, q_tiles=q_tiles, window_size=window_size, softcap=softcap,
+                           learnable_sink=learnable_sink, dsink=dsink, stream=stream,
+                           keep=(repeat,) if repeat else ())
+
+
+def launch_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, *, softmax_scale, causal, deterministic, q_tiles,
+                    window_size, softcap, learnable_sink, dsink, stream=None, keep=()) -> tuple:
+    """flash_attn_bwd past its repeat: every check, the gradients and workspace not given
+    made, the launch kept under each key of ``keep`` too (as launch_forward's)."""
     check_tensors({"q": q, "k": k, "v": v, "out": out, "dout": dout},
                   {"lse": lse, **passed(dq=dq, dk=dk, dv=dv, workspace=workspace, learnable_sink=learnable_sink,
                                         dsink=dsink)})
@@ -135,7 +162,7 @@ def flash_attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
     sink_arrays = [None if t is None else as_device_array(t) for t in (learnable_sink, dsink)]
     stream = stream_of(q) if stream is None else stream  # asked once a call
     run_backward(*arrays, softmax_scale, causal, deterministic, q_tiles, stream, None,
-                 ((repeat, ()),) if repeat else (), window_size, softcap, *sink_arrays)
+                 tuple((key, ()) for key in keep), window_size, softcap, *sink_arrays)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
 
 
@@ -149,13 +176,18 @@ def _gradients(q, k, v, given, causal, deterministic, window_size, softcap, lear
     dk = torch.empty_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.empty_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if workspace is None:
-        local = checks.score_mods(causal, window_size, softcap, learnable_sink is not None).local
-        size = _workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype), bool(causal),
-                                bool(deterministic), local, default_library())
+        size = backward_workspace_size(q, k, v, causal, deterministic, window_size, softcap, learnable_sink is not None)
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     if learnable_sink is not None and dsink is None:
         dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
     return dq, dk, dv, workspace, dsink
+
+
+def backward_workspace_size(q, k, v, causal, deterministic, window_size=(-1, -1), softcap=0.0, sink=False) -> int:
+    """Bytes of the backward's workspace for q, k, v (b, s, h, d) (a refusal is raised)."""
+    local = checks.score_mods(causal, window_size, softcap, sink).local
+    return _workspace_bytes(tuple(q.shape), tuple(k.shape), v.shape[-1], KERNEL_DTYPES.get(q.dtype), bool(causal),
+                            bool(deterministic), local, default_library())
 
 
 @functools.lru_cache(maxsize=256)

@@ -36,8 +36,9 @@ import torch
 from ..errors import FrameworkError
 from ..launch import checks
 from ..variants import arch_for_capability, serving_head_dim
-from .dense import flash_attn_bwd, flash_attn_fwd
-from .tensors import KERNEL_DTYPES
+from ..launch.calls import default_library
+from .dense import backward_workspace_size, forward_workspace_size, launch_backward, launch_forward
+from .tensors import KERNEL_DTYPES, current_stream
 
 __all__ = ["NAME", "OPS", "activate", "built_keys", "fallback_reason", "register_kernels", "restore"]
 
@@ -96,8 +97,6 @@ def built_keys(variants) -> frozenset:
 
 @functools.cache
 def _built() -> frozenset:
-    from ..launch.calls import default_library
-
     return built_keys(default_library().manifest.variants)
 
 
@@ -118,29 +117,91 @@ def _reason(query, key, value, dropout_p, causal, return_debug_mask=False) -> st
 
 
 # ---------------------------------------------------------------- the kernels
+def _layout_ready(shape, stride, size: int) -> bool:
+    """A (b, s, h, d) layout the kernels address as it is: last dim contiguous, the other
+    strides (of axes longer than 1) 16-byte multiples."""
+    return stride[-1] == 1 and all(n == 1 or (st > 0 and st * size % 16 == 0) for n, st in zip(shape[:3], stride[:3]))
+
+
 def _kernel_ready(view: torch.Tensor) -> bool:
-    """A (b, s, h, d) view the kernels address as it is: last dim contiguous, the other
-    strides (of axes longer than 1) and the pointer 16-byte aligned."""
-    size = view.element_size()
-    return (view.stride(-1) == 1 and view.data_ptr() % 16 == 0
-            and all(n == 1 or (st > 0 and st * size % 16 == 0) for n, st in zip(view.shape[:3], view.stride()[:3])))
+    """A (b, s, h, d) view the kernels address as it is: its layout (_layout_ready) and a
+    16-byte-aligned pointer."""
+    return _layout_ready(view.shape, view.stride(), view.element_size()) and view.data_ptr() % 16 == 0
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
     """(b, h, s, d) -> the (b, s, h, d) view fa4_aot takes; a copy only where that view is
-    not kernel-ready (an expanded grad_out, a misaligned slice)."""
+    not kernel-ready (an expanded grad_out, a misaligned slice: a fresh block, where
+    contiguous() would keep a contiguous view's misaligned pointer)."""
     view = t.transpose(1, 2)
-    return view if _kernel_ready(view) else view.contiguous()
+    return view if _kernel_ready(view) else view.clone(memory_format=torch.contiguous_format)
 
 
-def _empty_bhsd_like(t: torch.Tensor) -> torch.Tensor:
-    """A (b, h, s, d) output with ``t``'s strides where they suit the kernels (empty_like
-    keeps a dense tensor's layout), else (b, s, h, d)-contiguous underneath."""
-    out = torch.empty_like(t)
-    if not _kernel_ready(out.transpose(1, 2)):
-        b, h, s, d = t.shape
-        out = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
-    return out
+def _like_ready(t: torch.Tensor) -> bool:
+    """Whether torch.empty_like(t) (b, h, s, d) has a kernel-ready (b, s, h, d) layout
+    (empty_like keeps a dense tensor's strides): read off a meta tensor, nothing allocated."""
+    view = torch.empty_like(t, device="meta").transpose(1, 2)
+    return _layout_ready(view.shape, view.stride(), view.element_size())
+
+
+def _empty_bhsd_like(t: torch.Tensor, like: bool) -> torch.Tensor:
+    """A (b, h, s, d) output: empty_like(t) where ``like`` (_like_ready(t)), else (b, s, h,
+    d)-contiguous underneath (the caching allocator's blocks are 512-byte aligned)."""
+    if like:
+        return torch.empty_like(t)
+    b, h, s, d = t.shape
+    return torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(1, 2)
+
+
+# ---------------------------------------------------------------- a call's plan
+@dataclass(frozen=True)
+class _Plan:
+    """What the hook decides once for a signature of its calls (every tensor's sizes,
+    strides, dtype and device, and the options): whether fa4_aot runs it (``reason`` None),
+    whether every input's (b, s, h, d) view is kernel-ready by its strides (then a call
+    whose pointers are 16-byte aligned needs no copy, and its launches are kept under a key
+    of the signature and its pointers: the next such call is launched again at once, the
+    host path of benchmarks/experiments/entry_host_probe.py), and the workspace's bytes."""
+
+    reason: str | None
+    views: bool = False
+    like: tuple = ()  # _like_ready of each output's model (out: query; dq, dk, dv: query, key, value)
+    workspace: int = 0
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 1024  # a serving process's shapes change call by call: the plans are dropped past this
+
+
+def _signature(kind: str, tensors, options) -> tuple:
+    key = [kind, *options]
+    for t in tensors:
+        key += (t.shape, t.stride(), t.dtype, t.device)
+    return tuple(key)
+
+
+def _plan(signature: tuple, reason, views, like, workspace) -> _Plan:
+    """The plan of ``signature``, made by the four functions of nothing the first time."""
+    plan = _PLANS.get(signature)
+    if plan is None:
+        why = reason()
+        plan = _Plan(why) if why is not None else _Plan(None, views(), like(), workspace())
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[signature] = plan
+    return plan
+
+
+def _views_ready(*tensors) -> bool:
+    """Every (b, h, s, d) tensor's (b, s, h, d) view kernel-ready by its strides."""
+    return all(_layout_ready(t.transpose(1, 2).shape, t.transpose(1, 2).stride(), t.element_size()) for t in tensors)
+
+
+def _aligned(*pointers) -> bool:
+    bits = 0
+    for p in pointers:
+        bits |= p
+    return bits % 16 == 0
 
 
 def _forward(fallback, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -148,34 +209,79 @@ def _forward(fallback, keyset, query, key, value, dropout_p=0.0, is_causal=False
     """aten::_scaled_dot_product_flash_attention: q (b, h_q, s_q, d), k, v (b, h_kv, s_k, d)
     -> (out like q, lse float32 (b, h_q, s_q), None, None, s_q, s_k, rng_state, offset,
     debug mask), as torch's own FA4 returns them for dense inputs."""
-    if _reason(query, key, value, dropout_p, is_causal, return_debug_mask) is not None:
+    library = default_library()
+    signature = _signature("fwd", (query, key, value), (dropout_p, is_causal, return_debug_mask, scale, library))
+    plan = _plan(signature, lambda: _reason(query, key, value, dropout_p, is_causal, return_debug_mask),
+                 lambda: _views_ready(query, key, value), lambda: (_like_ready(query),),
+                 lambda: forward_workspace_size(*(t.transpose(1, 2) for t in (query, key, value)), bool(is_causal)))
+    if plan.reason is not None:
         return _call(fallback, keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
-    out = _empty_bhsd_like(query)  # (b, h_q, s_q, d)
+    device = query.device
+    out = _empty_bhsd_like(query, *plan.like)  # (b, h_q, s_q, d)
     b, h_q, s_q, _ = query.shape
-    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=query.device)
-    flash_attn_fwd(_bshd(query), _bshd(key), _bshd(value), softmax_scale=scale, causal=bool(is_causal),
-                   out=out.transpose(1, 2), lse=lse)
+    lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=device)
+    workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=device) if plan.workspace else None
+    pointers = (query.data_ptr(), key.data_ptr(), value.data_ptr())
+    if plan.views and _aligned(*pointers):  # views, no copies: what the pointers hold is what is launched
+        again = (signature, current_stream(device.index), *pointers, out.data_ptr(), lse.data_ptr(),
+                 None if workspace is None else workspace.data_ptr())
+        if not library.launch_again(again):
+            _launch_forward(*(t.transpose(1, 2) for t in (query, key, value, out)), lse, workspace, scale,
+                            is_causal, stream=again[1], keep=(again,))
+    else:
+        _launch_forward(_bshd(query), _bshd(key), _bshd(value), out.transpose(1, 2), lse, workspace, scale, is_causal)
     # dropout 0: the RNG fields are placeholders (torch's own flash op leaves them
     # unfilled too); zeros would cost two fill kernels a call, as long as a short decode
-    rng_state = torch.empty((2,), dtype=torch.uint64, device=query.device)
-    philox_offset = torch.empty((), dtype=torch.uint64, device=query.device)
-    debug_mask = torch.empty(0, dtype=query.dtype, device=query.device)
+    rng_state = torch.empty((2,), dtype=torch.uint64, device=device)
+    philox_offset = torch.empty((), dtype=torch.uint64, device=device)
+    debug_mask = torch.empty(0, dtype=query.dtype, device=device)
     return out, lse, None, None, s_q, key.shape[2], rng_state, philox_offset, debug_mask
+
+
+def _launch_forward(q, k, v, out, lse, workspace, scale, causal, stream=None, keep=()) -> None:
+    """The hook's forward launch on (b, s, h, d) views (launch_forward: every check)."""
+    launch_forward(q, k, v, out, lse, workspace, softmax_scale=scale, causal=bool(causal), q_tiles=None,
+                   window_size=(-1, -1), softcap=0.0, learnable_sink=None, stream=stream, keep=keep)
 
 
 def _backward(fallback, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
               dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
     """aten::_scaled_dot_product_flash_attention_backward -> (dq, dk, dv) in (b, h, s, d),
     shaped like query, key, value."""
-    if _reason(query, key, value, dropout_p, is_causal) is not None:
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    tensors = (query, key, value, out, grad_out)
+    library = default_library()
+    signature = _signature("bwd", (*tensors, logsumexp), (dropout_p, is_causal, scale, deterministic, library))
+    plan = _plan(signature, lambda: _reason(query, key, value, dropout_p, is_causal),
+                 lambda: _views_ready(*tensors) and logsumexp.is_contiguous(),
+                 lambda: tuple(_like_ready(t) for t in (query, key, value)),
+                 lambda: backward_workspace_size(*(t.transpose(1, 2) for t in (query, key, value)), bool(is_causal),
+                                                 deterministic))
+    if plan.reason is not None:
         return _call(fallback, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                      max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
-    dq, dk, dv = (_empty_bhsd_like(t) for t in (query, key, value))
-    flash_attn_bwd(_bshd(query), _bshd(key), _bshd(value), _bshd(out), _bshd(grad_out), logsumexp.contiguous(),
-                   softmax_scale=scale, causal=bool(is_causal),
-                   deterministic=torch.are_deterministic_algorithms_enabled(),
-                   dq=dq.transpose(1, 2), dk=dk.transpose(1, 2), dv=dv.transpose(1, 2))
+    dq, dk, dv = (_empty_bhsd_like(t, like) for t, like in zip((query, key, value), plan.like))
+    workspace = torch.empty(plan.workspace, dtype=torch.uint8, device=query.device)
+    pointers = tuple(t.data_ptr() for t in tensors)
+    if plan.views and _aligned(*pointers):
+        again = (signature, current_stream(query.device.index), *pointers, logsumexp.data_ptr(), dq.data_ptr(),
+                 dk.data_ptr(), dv.data_ptr(), workspace.data_ptr())
+        if not library.launch_again(again):
+            _launch_backward(*(t.transpose(1, 2) for t in tensors), logsumexp,
+                             *(t.transpose(1, 2) for t in (dq, dk, dv)), workspace, scale, is_causal,
+                             deterministic, stream=again[1], keep=(again,))
+    else:
+        _launch_backward(*(_bshd(t) for t in tensors), logsumexp.contiguous(),
+                         *(t.transpose(1, 2) for t in (dq, dk, dv)), workspace, scale, is_causal, deterministic)
     return dq, dk, dv
+
+
+def _launch_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, scale, causal, deterministic, stream=None,
+                     keep=()) -> None:
+    """The hook's backward launch on (b, s, h, d) views (launch_backward: every check)."""
+    launch_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale=scale, causal=bool(causal),
+                    deterministic=deterministic, q_tiles=None, window_size=(-1, -1), softcap=0.0,
+                    learnable_sink=None, dsink=None, stream=stream, keep=keep)
 
 
 def _call(fallback, keyset, *args, **kwargs):

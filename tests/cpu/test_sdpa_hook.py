@@ -203,5 +203,95 @@ def test_layouts_are_viewed_not_copied():
     odd = torch.randn(2, 8, 100, 72, dtype=torch.bfloat16)[..., 4:68]  # 8-byte offset, 144-byte rows
     assert torch_sdpa._kernel_ready(torch_sdpa._bshd(odd))
     assert torch_sdpa._bshd(odd).data_ptr() != odd.data_ptr()
-    out = torch_sdpa._empty_bhsd_like(odd)
+    out = torch_sdpa._empty_bhsd_like(odd, torch_sdpa._like_ready(odd))
     assert out.shape == odd.shape and torch_sdpa._kernel_ready(out.transpose(1, 2))
+    columns = torch.randn(2, 8, 64, 100, dtype=torch.bfloat16).transpose(2, 3)  # dense, d not the last axis
+    assert torch_sdpa._like_ready(q) and not torch_sdpa._like_ready(columns)
+    out = torch_sdpa._empty_bhsd_like(columns, torch_sdpa._like_ready(columns))
+    assert out.shape == columns.shape and torch_sdpa._kernel_ready(out.transpose(1, 2))
+
+
+# ---------------------------------------------------------------- the hook's repeats
+class _Library:
+    """A library's launch_again and the hook's launches, without a GPU: the keys asked
+    for, the launches with the keys they are kept under; ``repeat``: whether launch_again
+    finds a kept launch (the CPU's allocator reuses addresses less than the caching one)."""
+
+    def __init__(self):
+        self.asked, self.launches, self.repeat = [], [], False
+
+    def launch_again(self, key):
+        self.asked.append(key)
+        return self.repeat
+
+    def launch(self, q, keep):
+        self.launches.append((q.data_ptr(), keep))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """torch_sdpa._forward and _backward on CPU tensors: every call taken, launches recorded."""
+    library, reasons = _Library(), []
+    monkeypatch.setattr(torch_sdpa, "_PLANS", {})
+    monkeypatch.setattr(torch_sdpa, "default_library", lambda: library)
+    monkeypatch.setattr(torch_sdpa, "current_stream", lambda index: 7)
+    monkeypatch.setattr(torch_sdpa, "_reason", lambda *a, **kw: reasons.append(a) and None)
+    monkeypatch.setattr(torch_sdpa, "forward_workspace_size", lambda *a, **kw: 0)
+    monkeypatch.setattr(torch_sdpa, "backward_workspace_size", lambda *a, **kw: 256)
+    monkeypatch.setattr(torch_sdpa, "_launch_forward", lambda q, *rest, stream=None, keep=(): library.launch(q, keep))
+    monkeypatch.setattr(torch_sdpa, "_launch_backward", lambda q, *rest, stream=None, keep=(): library.launch(q, keep))
+    library.reasons = reasons
+    return library
+
+
+def _bhsd(b, h, s, d, offset=0):
+    """A (b, s, h, d)-contiguous tensor as (b, h, s, d), ``offset`` elements past an
+    allocation's start (4: 8 bytes, a pointer the kernels cannot take)."""
+    flat = torch.randn(b * s * h * d + offset, dtype=torch.bfloat16)[offset:]
+    return flat.view(b, s, h, d).transpose(1, 2)
+
+
+def test_aligned_views_are_kept_under_their_pointers_and_repeated(fake_gpu):
+    """A call whose tensors are kernel-ready views keeps its launch under the signature, the
+    stream and every pointer it launches with; a call whose key is kept only repeats."""
+    q, k = _bhsd(2, 8, 100, 64), _bhsd(2, 2, 300, 64)
+    out, lse, *_ = torch_sdpa._forward(None, None, q, k, k, 0.0, True)
+    asked = fake_gpu.asked[-1]
+    assert asked[1:] == (7, q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(), lse.data_ptr(), None)
+    assert fake_gpu.launches == [(q.data_ptr(), (asked,))]
+    fake_gpu.repeat = True
+    torch_sdpa._forward(None, None, q, k, k, 0.0, True)
+    assert len(fake_gpu.launches) == 1 and len(fake_gpu.asked) == 2
+    assert len(fake_gpu.reasons) == 1  # decided once for the signature
+    torch_sdpa._forward(None, None, q, k, k, 0.0, False)
+    assert len(fake_gpu.reasons) == 2 and fake_gpu.asked[-1][0] != asked[0]  # another signature
+
+
+def test_copied_inputs_are_never_kept(fake_gpu):
+    """A misaligned slice is copied: its launch reads the copy, so nothing is kept or asked
+    for under the caller's pointers and every call launches (a kept launch would read a
+    block the next call need not have written)."""
+    fake_gpu.repeat = True
+    k = _bhsd(2, 2, 300, 64)
+    shifted = _bhsd(2, 8, 100, 64, offset=4)  # strides the kernels take, 8 bytes past alignment
+    rows = torch.randn(2, 100, 8, 68, dtype=torch.bfloat16)[..., 4:].transpose(1, 2)  # 136-byte rows
+    for q in (shifted, rows):
+        for _ in range(2):
+            torch_sdpa._forward(None, None, q, k, k, 0.0, False)
+        assert all(ptr != q.data_ptr() for ptr, _ in fake_gpu.launches[-2:])  # the copy's
+    assert [keep for _, keep in fake_gpu.launches] == [()] * 4 and fake_gpu.asked == []
+
+
+def test_backward_is_kept_only_with_views_and_a_contiguous_lse(fake_gpu):
+    q, k = _bhsd(1, 4, 64, 64), _bhsd(1, 4, 64, 64)
+    out, dout = _bhsd(1, 4, 64, 64), _bhsd(1, 4, 64, 64)
+    args = (None, None, None, None, 0.0, False, None, None)
+    dq, dk, dv = torch_sdpa._backward(None, None, dout, q, k, k, out, torch.randn(1, 4, 64), *args)
+    key = fake_gpu.asked[-1]
+    assert key[1:7] == (7, q.data_ptr(), k.data_ptr(), k.data_ptr(), out.data_ptr(), dout.data_ptr())
+    assert key[8:11] == (dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    assert fake_gpu.launches == [(q.data_ptr(), (key,))]
+    fake_gpu.repeat = True
+    for _ in range(2):
+        torch_sdpa._backward(None, None, dout, q, k, k, out, torch.randn(1, 4, 128)[..., ::2], *args)
+    assert [keep for _, keep in fake_gpu.launches[1:]] == [(), ()] and len(fake_gpu.asked) == 1

@@ -33,18 +33,22 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, heads_q, heads_kv)
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Calls of fa4_aot's launches and of the fallback, by name."""
+    """Calls that fa4_aot's kernels take (the hook's plan: a first launch or a repeat of a
+    kept one), by kind, and calls of the fallback."""
     counts = {"fwd": 0, "bwd": 0, "fallback": 0}
+    plan, call = torch_sdpa._plan, torch_sdpa._call
 
-    def counting(name, fn):
-        def wrapper(*args, **kwargs):
-            counts[name] += 1
-            return fn(*args, **kwargs)
-        return wrapper
+    def planned(signature, *args):
+        taken = plan(signature, *args)
+        counts[signature[0]] += taken.reason is None
+        return taken
 
-    monkeypatch.setattr(torch_sdpa, "flash_attn_fwd", counting("fwd", torch_sdpa.flash_attn_fwd))
-    monkeypatch.setattr(torch_sdpa, "flash_attn_bwd", counting("bwd", torch_sdpa.flash_attn_bwd))
-    monkeypatch.setattr(torch_sdpa, "_call", counting("fallback", torch_sdpa._call))
+    def fallback(*args, **kwargs):
+        counts["fallback"] += 1
+        return call(*args, **kwargs)
+
+    monkeypatch.setattr(torch_sdpa, "_plan", planned)
+    monkeypatch.setattr(torch_sdpa, "_call", fallback)
     return counts
 
 
@@ -113,6 +117,30 @@ def test_a_given_scale_and_a_strided_grad(gen, hooked, counted):
     bq, bk, bv, bout = _bshd(q, k, v, out)
     check_out(bout, bq, bk, bv, True, scale=0.3)
     check_grads(_bshd(q.grad, k.grad, v.grad), bq, bk, bv, torch.ones_like(bout), bout, True, scale=0.3)
+
+
+@pytest.mark.parametrize("offset", [0, 4], ids=["views", "copied"])
+def test_repeated_calls_read_their_inputs_anew(offset, gen, hooked, counted):
+    """The hook keeps a call's launches under its signature and pointers and repeats them
+    (views of aligned tensors), or copies misaligned inputs and launches anew (``offset``: q,
+    k, v 8 bytes past their blocks): either way, the same tensors refilled in place give
+    the new values' attention and gradients, forward and backward, call after call."""
+    b, s, h, d = 2, 300, 4, 64
+
+    def make():
+        flat = torch.empty(b * s * h * d + offset, device="cuda", dtype=torch.bfloat16)
+        return flat[offset:].view(b, s, h, d).transpose(1, 2)
+
+    q, k, v, dout = make(), make(), make(), make()
+    for call in range(3):
+        for t in (q, k, v, dout):
+            t.copy_(torch.randn(t.shape, device="cuda", dtype=t.dtype, generator=gen))
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out, grads = _grads(*leaves, True, dout)
+        bq, bk, bv, bout, bdout = _bshd(q, k, v, out, dout)
+        check_out(bout, bq, bk, bv, True)
+        check_grads(_bshd(*grads), bq, bk, bv, bdout, bout, True)
+    assert counted == {"fwd": 3, "bwd": 3, "fallback": 0}
 
 
 @pytest.mark.parametrize("dtype, head_dim, flash_only, dropout_p", [
