@@ -15,8 +15,8 @@ import math
 import torch
 
 from ..launch import checks
-from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
-from .tensors import check_tensors
+from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, setup_context
+from .tensors import check_tensors, kernel_ready_dout
 
 
 class FlashAttention(torch.autograd.Function):

@@ -199,13 +199,6 @@ def _workspace_bytes(q_shape, k_shape, head_dim_v, dtype, causal, deterministic,
                                     library=library)
 
 
-def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
-    """dout as the backward takes it: last dim contiguous, 16-byte-aligned strides."""
-    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
-        return dout.contiguous()
-    return dout
-
-
 def setup_context(ctx, inputs, output):
     """The forward's inputs (q, k, v, causal, softmax_scale, deterministic, window_left,
     window_right, softcap, learnable_sink) kept for the backward."""

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from .kvcache import attend_with_cache
-from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, kernel_ready_dout, setup_context
-from .tensors import needs_grad
+from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, setup_context
+from .tensors import kernel_ready_dout, needs_grad
 
 
 @torch.library.custom_op("fa4_aot::fwd", mutates_args=(), device_types="cuda")

@@ -53,6 +53,17 @@ def repeat_key(kind: str, tensors, options) -> tuple:
     return tuple(key)
 
 
+def kernel_ready_dout(dout: torch.Tensor) -> torch.Tensor:
+    """dout as a backward takes it: last dim contiguous, the other strides and the pointer
+    16-byte aligned; else a copy in a fresh block (contiguous() would keep a contiguous
+    view's misaligned pointer, which the checks then refuse). Autograd hands the backward
+    whatever the graph made: an expanded gradient of sum(), a slice of a concatenation's."""
+    size = dout.element_size()
+    if dout.stride(-1) != 1 or any(s * size % 16 for s in dout.stride()[:-1]) or dout.data_ptr() % 16:
+        return dout.clone(memory_format=torch.contiguous_format)
+    return dout
+
+
 def needs_grad(ctx, index: int) -> bool:
     """Whether a custom op's input ``index`` needs a gradient (False for an input the call
     left to its default, which ctx.needs_input_grad may not list)."""

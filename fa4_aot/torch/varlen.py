@@ -18,7 +18,7 @@ from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
 from ..launch import checks
-from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, needs_grad, passed
+from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, kernel_ready_dout, needs_grad, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -110,9 +110,7 @@ def _bwd_varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch
                    softcap: float = 0.0, learnable_sink: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, dsink); dsink empty (0,) without sinks."""
-    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]):
-        dout = dout.contiguous()  # last dim contiguous, 16-byte-aligned strides
-    grads = flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+    grads = flash_attn_varlen_bwd(q, k, v, out, kernel_ready_dout(dout), lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
                                   softmax_scale=softmax_scale, deterministic=deterministic,
                                   window_size=(window_left, window_right), softcap=softcap,

@@ -121,3 +121,25 @@ def test_size_one_axes_get_a_valid_descriptor_stride():
     assert all(s * 2 % 16 == 0 and s > 0 for s in _descriptor_strides((1, 1, 1, 64), (0, 0, 0, 1), 2))
     # an axis of more than one keeps its stride
     assert _descriptor_strides((2, 1, 4, 64), (7 * 256, 3, 64, 1), 2) == [64, 64, 7 * 256]
+
+
+def test_a_backward_takes_whatever_dout_autograd_hands_it():
+    """The torch layers' backward inputs: a dout the kernels can read is passed as it is;
+    an expanded one, one with a stride that is no 16-byte multiple, and one 8 bytes past
+    alignment (a contiguous view: contiguous() would keep its pointer) become a fresh
+    contiguous copy, same values."""
+    torch = pytest.importorskip("torch")
+    from fa4_aot.torch.tensors import kernel_ready_dout
+
+    good = torch.randn(2, 64, 4, 64, dtype=torch.bfloat16)
+    assert kernel_ready_dout(good) is good
+    flat = torch.randn(2 * 64 * 4 * 64 + 4, dtype=torch.bfloat16)
+    cases = [torch.ones((), dtype=torch.bfloat16).expand(2, 64, 4, 64),
+             torch.randn(2, 64, 4, 68, dtype=torch.bfloat16)[..., :64],  # 136-byte head rows
+             flat[4:].view(2, 64, 4, 64)]  # 8 bytes past the block's start
+    for dout in cases:
+        ready = kernel_ready_dout(dout)
+        assert ready.is_contiguous() and ready.data_ptr() % 16 == 0 and ready.data_ptr() != dout.data_ptr()
+        assert torch.equal(ready, dout)
+    packed = flat[4:].view(128, 4, 64)  # varlen's (total, heads, head_dim)
+    assert kernel_ready_dout(packed).data_ptr() % 16 == 0

@@ -238,6 +238,28 @@ def test_torch_entry_point_gradients_and_compile():
         torch.testing.assert_close(x.grad, g, atol=2e-2, rtol=2e-2)
 
 
+def test_torch_entry_point_takes_a_misaligned_gradient():
+    """A graph whose output gradient reaches the backward as a contiguous view 8 bytes past
+    its block (out concatenated after 4 other values): the layer copies it (eager and
+    compiled), the gradients are the reference's."""
+    q, k, v = (torch.randn(2, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    weights = torch.randn(4 + q.numel(), device="cuda", dtype=torch.bfloat16)
+    pad = torch.zeros(4, device="cuda", dtype=torch.bfloat16)
+
+    def loss(attend):
+        return (torch.cat([pad, attend(q, k, v).flatten()]) * weights).float().sum()
+
+    loss(lambda a, b, c: flash_attn_func(a, b, c, causal=True)).backward()
+    out = flash_attn_fwd(q.detach(), k.detach(), v.detach(), causal=True)[0]
+    check_grads((q.grad, k.grad, v.grad), q, k, v, weights[4:].view(q.shape), out, True)
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    loss(torch.compile(lambda a, b, c: flash_attn_func(a, b, c, causal=True), fullgraph=True)).backward()
+    for g, x in zip(eager, (q, k, v)):
+        torch.testing.assert_close(x.grad, g, atol=2e-2, rtol=2e-2)
+
+
 def test_torch_entry_point_eager_path_and_lse():
     """Eager calls take the plain autograd.Function (not the custom ops, whose dispatch
     costs more host time than the kernels): lse carries no gradient, inputs without grad
