@@ -95,6 +95,28 @@ def per_call_us(fn, calls: int, repeats: int = 5) -> float:
     return min(best)
 
 
+def _varlen_call(fa4_aot, base):
+    """A serving prefill's varlen forward: 4 sequences, a new total of tokens each call, so
+    every call takes the checked path (sizes its workspace, checks, packs)."""
+    from fa4_aot import DeviceArray
+
+    calls = iter(range(1 << 62))
+
+    def packed(ptr, shape, dtype="bf16"):
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        return DeviceArray(base + (ptr << 30), tuple(shape), tuple(strides), dtype, 0)
+
+    def call():
+        total = 4096 + next(calls) % 512
+        q, k, v, out = (packed(i, (total, h, 128)) for i, h in enumerate((8, 2, 2, 8)))
+        lse, cu = packed(4, (8, total), "fp32"), packed(5, (5,), "i32")
+        workspace = packed(6, (fa4_aot.forward_varlen_workspace_bytes(4),), "u8")
+        fa4_aot.forward_varlen(q, k, v, out, lse, cu, cu, 2048, 2048, causal=True, workspace=workspace, stream=7)
+    return call
+
+
 def _hook_paths(torch, b, s, h, d) -> dict:
     """The SDPA hook's two ops called as SDPA calls them, on the CPU key (SDPA itself picks
     no flash op on a CPU): the hook's Python from the dispatcher down, every call taken as on
@@ -142,7 +164,8 @@ def main():
     base = 1 << 32
     q, k, v, out = (DeviceArray(base + i * (1 << 20), (b, s, h, d), stride, "bf16", 0) for i in range(4))
     lse = DeviceArray(base + (4 << 20), (b, h, s), (h * s, s, 1), "fp32", 0)
-    paths = {"raw fa4_aot.forward (DeviceArrays kept)": lambda: fa4_aot.forward(q, k, v, out, lse, stream=7)}
+    paths = {"raw fa4_aot.forward (DeviceArrays kept)": lambda: fa4_aot.forward(q, k, v, out, lse, stream=7),
+             "raw fa4_aot.forward_varlen, a new total each call (the checked path)": _varlen_call(fa4_aot, base)}
     try:
         import torch
     except ImportError:
@@ -164,11 +187,14 @@ def main():
         tlse = torch.empty(b, h, s)
         paths["fa4_aot.torch.flash_attn_fwd (outputs given)"] = (
             lambda: fa4_torch.flash_attn_fwd(tq, tk, tv, out=tout, lse=tlse))
-        # a training step's attention: autograd forward and backward, outputs and gradients
-        # new each step (here at new addresses, so every call takes the checked path)
+        # a training step's attention: autograd forward and backward, every call on the
+        # checked path (the kept launches dropped each step: the host's allocator reuses
+        # addresses by luck, so otherwise some steps repeat and the figure is bimodal)
         gq, gk, gv = (torch.randn(b, s, 8, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        library = fa4_aot.default_library()
 
         def step():
+            library._plans.clear()
             out = fa4_torch.flash_attn_func(gq, gk, gv, causal=True)
             out.backward(torch.ones_like(out))
         paths["fa4_aot.torch.flash_attn_func forward + backward (checked path)"] = step

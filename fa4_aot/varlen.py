@@ -91,10 +91,10 @@ def forward_varlen_workspace_bytes(batch: int, *, library: KernelLibrary | None 
     int32 in 256-byte units); no GPU needed."""
     checks.check_sizes(batch=batch)
     library = library or default_library()
-    rows = library.manifest.matching(kind="fwd", varlen=True)
-    if not rows:
+    rules = library.manifest.workspace_rules(kind="fwd", varlen=True)
+    if not rules:
         raise UnsupportedVariantError("no varlen forward kernel is built")
-    return max(_workspace_bytes(r["workspace"], ws.names(r["workspace"], {"batch": batch})) for r in rows)
+    return max(_workspace_bytes(rule, ws.names(rule, {"batch": batch})) for rule in rules)
 
 
 def default_forward_order(batch: int, *, library: KernelLibrary | None = None) -> str:

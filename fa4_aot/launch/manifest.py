@@ -200,6 +200,17 @@ class Manifest:
                                           if all(entry["variant"].get(axis) == value for axis, value in axes.items())]
         return rows
 
+    def workspace_rules(self, **axes) -> tuple:
+        """The distinct workspace rules of the rows ``matching(**axes)``, kept per question:
+        a size asked per call (the varlen forward's, by every call that sizes or checks its
+        workspace) evaluates each once, not once a row (the varlen forward rows share one)."""
+        key = ("workspace",) + tuple(sorted(axes.items()))
+        rules = self._matching.get(key)
+        if rules is None:
+            distinct = {json.dumps(r["workspace"], sort_keys=True): r["workspace"] for r in self.matching(**axes)}
+            rules = self._matching[key] = tuple(distinct.values())
+        return rules
+
     def kernel_head_dim(self, kind: str, head_dim: int) -> int:
         """The head dim of the ``kind`` kernels that serve tensors ``head_dim`` wide: the
         narrowest built one at least as wide (they read zeros past the tensors' columns and

@@ -122,6 +122,23 @@ def call_forward(library, a=None, **options):
 ORDER_WS = DeviceArray(BASE + 4096, (256,), (1,), "u8", 0)
 
 
+def test_the_forward_workspace_evaluates_each_distinct_rule_once(built):
+    """forward_varlen_workspace_bytes, asked on every call that sizes or checks a workspace,
+    evaluates the varlen forward rows' distinct rules (kept per manifest), not every row's:
+    the same size as the most any row's rule gives."""
+    from fa4_aot.launch import workspace as ws
+    from fa4_aot.launch.manifest import Manifest
+    from fa4_aot.varlen import _workspace_bytes
+
+    manifest = Manifest(built[0])
+    rows = manifest.matching(kind="fwd", varlen=True)
+    rules = manifest.workspace_rules(kind="fwd", varlen=True)
+    assert len(rows) >= 3 and len(rules) == 1 and manifest.workspace_rules(kind="fwd", varlen=True) is rules
+    for batch in (1, 3, 64, 65, 4096):
+        every_row = max(_workspace_bytes(r["workspace"], ws.names(r["workspace"], {"batch": batch})) for r in rows)
+        assert forward_varlen_workspace_bytes(batch, library=_FakeLibrary(manifest)) == every_row
+
+
 def test_the_order_flag_and_workspace(built, monkeypatch):
     from fa4_aot import policy
     from fa4_aot.launch.manifest import Manifest
