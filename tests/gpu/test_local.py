@@ -246,6 +246,9 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
         return
     chosen, span_row = [], decode.span_row  # the rows the calls take
     monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or chosen[-1])
+    # kept launches are keyed by the arrays and options, not by the policy forced here: the
+    # same call at the same addresses would repeat the last variant's kernel
+    monkeypatch.setattr(fa4_aot.default_library(), "launch_again", lambda *a, **kw: False)
     for variant in DECODE_LOCAL:  # each on its own kernel: the span-narrow ones where the policy is told to
         monkeypatch.setattr(policy, "decode_narrow", lambda *_, narrow=variant.span == "narrow": narrow)
         chosen.clear()
@@ -270,6 +273,7 @@ def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
     chosen, span_row = [], decode.span_row  # the rows the calls take
     monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or chosen[-1])
     monkeypatch.setattr(policy, "DECODE_LOCAL_PAIR_MIN_KEYS", 0)  # pairs on these short caches too
+    monkeypatch.setattr(fa4_aot.default_library(), "launch_again", lambda *a, **kw: False)  # as above
 
     def paired():  # each launch on the pairs' kernel
         assert [r["name"] for r in chosen] == [variant.name] and chosen[0]["config"]["pairs"]
