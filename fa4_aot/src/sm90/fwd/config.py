@@ -31,10 +31,9 @@ LOCAL_TILES = {**TILES, 64: (192, 64, 4), 256: (128, 64, 2)}
 # O fragments as at head_dim 128; Q 48 KB, two stages of K 48 KB and V 32 KB each: 208 KB).
 PAIR_TILES = {(192, 128): (128, 128, 2)}
 # Head dims whose O does not fit one warpgroup's registers (64 rows x 512 fp32 is 256 a
-# thread): two consumer warpgroups share a 64-row tile, each owning half the head dim
-# (head_split.py); 64-key tiles, one K and one V stage (Q 64 KB, K and V 64 KB each, S's
-# two halves 32 KB: 224 KB). Two stages (of 32-key tiles: 208 KB) take the overlap within a
-# warpgroup instead; which is faster is not measured yet (docs/design.md, "Head dims").
+# thread): two consumer warpgroups share a 64-row tile, each owning half of O's head dim,
+# warpgroup 0 alone computing S and the softmax (head_split.py); 64-key tiles, one K and
+# one V stage (Q 64 KB, K and V 64 KB each, P 8 KB: 204 KB) (docs/design.md, "Head dims").
 HEAD_SPLIT_TILES = {512: (64, 64, 1)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 REGISTERS = {2: (24, 240), 3: (32, 160)}  # consumers -> (producer, consumer)

@@ -3,20 +3,21 @@ consumer warpgroups that share one 64-row query tile (docs/design.md, "Head dims
 
 Why a kernel of its own: O for 64 rows x 512 columns is 256 fp32 registers a thread in one
 warpgroup, past the 255 a thread can hold, so no warpgroup can own a row's whole output.
-Here warpgroup w owns head dims [256 w, 256 w + 256):
-- S = Q K^T: each computes its half of the sum over the head dim (k = 256) and writes it
-  to shared memory; after a barrier each adds the other's half. IEEE addition commutes, so
-  both hold the same S bit for bit, take the same softmax steps and the same P;
+Here warpgroup w owns O's head dims [256 w, 256 w + 256), and warpgroup 0 alone scores:
+- S = Q K^T over the whole head dim (k = 512, Q and K from shared memory), the mask, cap
+  and softmax, by warpgroup 0; each key tile it hands warpgroup 1 P (16-bit, staged in
+  shared memory as a wgmma operand) and its rows' rescale factors;
 - O += P V: each with its own 256 columns of V (n = 256, the largest wgmma), into its own
-  128 registers a thread of O;
-- the epilogue: each stages its half of O over Q's buffer, one TMA store (dense) or the
-  rows written from shared memory (varlen) for the whole tile; warpgroup 0 writes LSE.
-Shared memory: Q 64 KB, one stage each of K and V (64 keys: 64 KB each) and the two S
-halves (16 KB each): 224 KB of the 227. With one stage the producer loads K and V of a
-key tile in turn (K(j) once S(j+1) has read K's buffer, V(j) once P(j+1) V(j+1) has read
-V's), so each load runs under the other GEMM and the softmax; with two (32-key tiles) the
-consumers overlap S of the next key tile and the softmax with P V of this one, as the
-forward does within a warpgroup (config.HEAD_SPLIT_TILES).
+  128 registers a thread of O (warpgroup 0's P from registers, warpgroup 1's from shared
+  memory);
+- the epilogue: warpgroup 0 hands over 1/rowsum; each stages its half of O over Q's
+  buffer, one TMA store (dense) or the rows written from shared memory (varlen) for the
+  whole tile; warpgroup 0 writes LSE.
+Shared memory: Q 64 KB, one stage each of K and V (64 keys: 64 KB each), P 8 KB and the
+factors 2 KB: 204 KB. The producer loads K and V of a key tile in turn, so each load runs
+under the other GEMM and the softmax. Measured against both warpgroups computing half of
+S's sum each and both the softmax (S's halves added through shared memory): 1.12-1.27x
+(docs/design.md, "Head dims").
 
 The producer, the masks, the key-tile bounds, the varlen walk and the heaviest-first sort
 are the forward's (kernel.py); windows, sinks and two query tiles are not built here.
@@ -26,19 +27,18 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 from cutlass import Float32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import cpasync
 
 from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..mask import TileMask
 from ..packed_rows import PackedRows, store_rows
-from ..primitives import WARPGROUP, stage, sum_halves, tiled_mma, wait_after, wgmma
+from ..primitives import WARPGROUP, smem_layout, stage, tiled_mma, wgmma
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, scale_rows
 from .config import FwdConfig
 from .kernel import EPILOGUE_BARRIER, FlashFwdSm90
 
-HALVES_WRITTEN = 2  # both warpgroups' S halves in shared memory
-HALVES_READ = 3  # both have read the other's half: the buffer may take the next tile's
-ORDER_BARRIER = 4  # .. 5, one per warpgroup: primitives.wait_after (two stages: the overlap)
+P_READY = 2  # P and the factors of a key tile (or the final 1/rowsum) in shared memory
+P_FREE = 3  # warpgroup 1's P V of a key tile done: sP and the factors may be rewritten
 
 
 class FlashFwdSm90HeadSplit(FlashFwdSm90):
@@ -51,12 +51,13 @@ class FlashFwdSm90HeadSplit(FlashFwdSm90):
         assert cfg.head_dim % 128 == 0 and cfg.head_dim_v % 128 == 0, "halves of whole 64-column swizzle atoms"
 
     def _views(self, storage, layouts):
-        """The forward's tiles and the S halves' buffer (warpgroup, fragment element,
-        thread): (sQ, sK, sV, sO, sS)."""
-        elements = self.cfg.tile_m * self.cfg.tile_n // WARPGROUP
-        sS = storage.sS.get_tensor(cute.make_layout((2, elements, WARPGROUP),
-                                                    stride=(elements * WARPGROUP, WARPGROUP, 1)))
-        return (*FlashFwdSm90._views(self, storage, layouts), sS)
+        """The forward's tiles, P's tile and the rows' factors (slot 0: a key tile's rescale,
+        1: the final 1/rowsum; row of the thread; thread): (sQ, sK, sV, sO, (sP, sRows))."""
+        cfg = self.cfg
+        p_layout = smem_layout(self.dtype, cfg.tile_m, cfg.tile_n)
+        sP = storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner)
+        sRows = storage.sRows.get_tensor(cute.make_layout((2, 2, WARPGROUP), stride=(2 * WARPGROUP, WARPGROUP, 1)))
+        return (*FlashFwdSm90._views(self, storage, layouts), (sP, sRows))
 
     @cute.jit
     def load(self, q, k, v, pipes, m_blocks, seqlen_q, seqlen_k, window=None):
@@ -90,102 +91,114 @@ class FlashFwdSm90HeadSplit(FlashFwdSm90):
     @cute.jit
     def attend(self, tidx, smem, pipes, m_blocks, seqlens, scale_log2: Float32, out, opts):
         """tidx: 0..255 over the two consumer warpgroups, warpgroup w owning head dims
-        [w d/2, (w + 1) d/2) of S's sum and of O; otherwise as the forward's."""
+        [w d/2, (w + 1) d/2) of O. Warpgroup 0 computes S over the whole head dim (k = d),
+        the mask, cap and softmax, and per key tile hands warpgroup 1 P (16-bit, in sP: a
+        wgmma operand from shared memory) and its rows' rescale factors (sRows, slot 0: the
+        same element of the same thread, both accumulators having one row layout); each
+        then rescales its half of O and adds P V over its own half of V's columns.
+        Barriers: P_READY (warpgroup 0 arrives, 1 waits) once a tile and once for the
+        final 1/rowsum (slot 1); P_FREE (1 arrives once its P V is done, 0 waits before the
+        next P, and before the final write). K's pipeline has warpgroup 0 as its one
+        consumer."""
         cfg = self.cfg
-        sQ, sK, sV, sO, sS = smem
+        sQ, sK, sV, sO, (sP, sRows) = smem
         seqlen_q, seqlen_k = seqlens
         pipe_q, pipe_k, pipe_v = pipes
-        half, half_v = cfg.head_dim // 2, cfg.head_dim_v // 2
+        half_v = cfg.head_dim_v // 2
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         local = tidx % WARPGROUP
-        mma_qk = tiled_mma(self.dtype, "K", "K", (1, 1, 1), cfg.tile_n)  # (queries, keys), k = own head dims
-        mma_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), half_v, a_in_registers=True)  # (queries, own dims)
-        wg_qk, thr_qk = mma_qk.get_slice(0), mma_qk.get_slice(local)
+        mma_pv = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), half_v, a_in_registers=True)  # P from registers
+        mma_pv_s = tiled_mma(self.dtype, "K", "MN", (1, 1, 1), half_v)  # P from shared memory
         wg_pv, thr_pv = mma_pv.get_slice(0), mma_pv.get_slice(local)
-        tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(cute.local_tile(sQ, (cfg.tile_m, half), (0, wg, 0))))
-        tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(cute.local_tile(sK, (cfg.tile_n, half), (0, wg, None))))
+        wg_pv_s = mma_pv_s.get_slice(0)
         tOrVt = wg_pv.make_fragment_B(wg_pv.partition_B(
             cute.local_tile(transpose_smem(sV), (half_v, cfg.tile_n), (wg, 0, None))))
-        tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
-        s_shape = thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
-        s_coords = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((cfg.tile_m, half_v)), Float32)
         acc_o.fill(0.0)
         rows = cute.size(acc_as_rows_cols(acc_o), mode=[0])
-        softmax = OnlineSoftmax(scale_log2, rows)
-        softmax.reset()
         row_scale = cute.make_rmem_tensor((rows,), Float32)
+        inv_sum = cute.make_rmem_tensor((rows,), Float32)
+        lse = cute.make_rmem_tensor((rows,), Float32)
         m_block = m_blocks[0]
         n_blocks = self._key_tiles(m_block, seqlen_q, seqlen_k)
-        first_masked = self._first_masked(m_block, seqlen_q, seqlen_k)
-        # bound methods (see the forward's _key_loop)
-        apply_mask, softmax_step = TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, False).apply, softmax.step
-        seqlens = (seqlen_q, seqlen_k)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_q.consumer_wait(q_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        if const_expr(cfg.stages == 1):
+        if wg == 0:
+            mma_qk = tiled_mma(self.dtype, "K", "K", (1, 1, 1), cfg.tile_n)  # (queries, keys), k = the head dim
+            wg_qk, thr_qk = mma_qk.get_slice(0), mma_qk.get_slice(local)
+            tSrQ = wg_qk.make_fragment_A(wg_qk.partition_A(cute.local_tile(sQ, (cfg.tile_m, cfg.head_dim), (0, 0, 0))))
+            tSrK = wg_qk.make_fragment_B(wg_qk.partition_B(cute.local_tile(sK, (cfg.tile_n, cfg.head_dim),
+                                                                           (0, 0, None))))
+            tOrP = wg_pv.make_fragment_A(wg_pv.partition_shape_A((cfg.tile_m, cfg.tile_n)))
+            s_shape = thr_qk.partition_shape_C((cfg.tile_m, cfg.tile_n))
+            s_coords = thr_qk.partition_C(cute.make_identity_tensor((cfg.tile_m, cfg.tile_n)))
+            softmax = OnlineSoftmax(scale_log2, rows)
+            softmax.reset()
+            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k)
+            apply_mask, softmax_step = TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, False).apply, softmax.step
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            hand = (local, sP, sRows, mma_qk)
             for i in cutlass.range(n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 pipe_k.consumer_wait(state)
                 wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
                 pipe_k.consumer_release(state)
-                self._scores(acc_s, sS, wg, local, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask)
+                self._masked(acc_s, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask)
                 softmax_step(acc_s, row_scale)
+                self._hand_over(acc_s, row_scale, hand, i > 0)
                 rescale_rows(acc_o, row_scale)
                 tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
                 pipe_v.consumer_wait(state)
                 wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
                 pipe_v.consumer_release(state)
                 state.advance()
-        elif n_blocks > 0:
-            # two stages or more: S of key tile j and P V of tile j+1 in flight together, the
-            # softmax of j under P V of j+1 (the forward's order within a warpgroup)
-            acc_s = cute.make_rmem_tensor(s_shape, Float32)
-            pipe_k.consumer_wait(state)
-            wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
-            pipe_k.consumer_release(state)
-            self._scores(acc_s, sS, wg, local, s_coords, m_block, n_blocks - 1, first_masked, seqlens, opts,
-                         apply_mask)
-            softmax_step(acc_s, row_scale)  # O is zero: nothing to rescale
-            tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            for i in cutlass.range(n_blocks - 1, unroll=1):
-                v_state = state.clone()
-                state.advance()
-                acc_s = cute.make_rmem_tensor(s_shape, Float32)
-                pipe_k.consumer_wait(state)
-                wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=False)
-                pipe_v.consumer_wait(v_state)
-                wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, v_state.index], True, wait=False)
-                warpgroup.wait_group(1)  # S done, P V in flight
-                pipe_k.consumer_release(state)
-                self._scores(acc_s, sS, wg, local, s_coords, m_block, n_blocks - 2 - i, first_masked, seqlens, opts,
-                             apply_mask)
-                softmax_step(acc_s, row_scale)
-                # P V of the tile before done before P of this one overwrites its registers
-                wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
-                pipe_v.consumer_release(v_state)
+            softmax.finalize(inv_sum, lse)
+            if n_blocks > 0:  # warpgroup 1 has read the last tile's factors
+                cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WARPGROUP)
+            for r in cutlass.range_constexpr(rows):
+                sRows[1, r, local] = inv_sum[r]
+            cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
+        else:
+            tOrPs = wg_pv_s.make_fragment_A(wg_pv_s.partition_A(sP))
+            for i in cutlass.range(n_blocks, unroll=1):
+                cute.arch.barrier(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
+                for r in cutlass.range_constexpr(rows):
+                    row_scale[r] = sRows[0, r, local]
                 rescale_rows(acc_o, row_scale)
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
-            pipe_v.consumer_wait(state)
-            wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
-            pipe_v.consumer_release(state)
-        inv_sum = cute.make_rmem_tensor((rows,), Float32)
-        lse = cute.make_rmem_tensor((rows,), Float32)
-        softmax.finalize(inv_sum, lse)
+                pipe_v.consumer_wait(state)
+                wgmma(mma_pv_s, acc_o, tOrPs, tOrVt[None, None, None, state.index], True, wait=True)
+                pipe_v.consumer_release(state)
+                cute.arch.barrier_arrive(barrier_id=P_FREE, number_of_threads=2 * WARPGROUP)
+                state.advance()
+            cute.arch.barrier(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
+            for r in cutlass.range_constexpr(rows):
+                inv_sum[r] = sRows[1, r, local]
         scale_rows(acc_o, inv_sum)
         self._write(tidx, wg, local, acc_o, lse, (mma_pv, thr_pv), sO, out, m_block, seqlen_q)
 
     @cute.jit
-    def _scores(self, acc_s, sS, wg, local, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask):
-        """Key tile n_block's S: the halves summed (primitives.sum_halves), capped where softcap,
-        masked where the tile needs it (from first_masked on: padding, the diagonal)."""
-        sum_halves(acc_s, sS, wg, local, (HALVES_READ, HALVES_WRITTEN))
+    def _masked(self, acc_s, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask):
+        """Key tile n_block's S capped where softcap, masked where the tile
+        needs it (from first_masked on: padding, the diagonal)."""
         if const_expr(self.cfg.softcap):
             cap_scores(acc_s, opts.softcap_scale)
         if n_block >= first_masked:
             apply_mask(acc_s, s_coords, m_block, n_block, seqlens[0], seqlens[1], None)
+
+    @cute.jit
+    def _hand_over(self, acc_s, row_scale, hand, wait_free):
+        """Warpgroup 0: P (acc_s after the softmax step, 16-bit) into sP and
+        the rows' factors into sRows' slot 0 for warpgroup 1, once its P V of the tile
+        before has read them (``wait_free``: every tile but the first)."""
+        local, sP, sRows, mma_qk = hand
+        if wait_free:
+            cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WARPGROUP)
+        stage(local, acc_s, self.dtype, mma_qk, sP)
+        for r in cutlass.range_constexpr(cute.size(row_scale)):
+            sRows[0, r, local] = row_scale[r]
+        cute.arch.fence_proxy("async.shared", space="cta")  # sP: read by warpgroup 1's wgmma (async proxy)
+        cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
 
     @cute.jit
     def _write(self, tidx, wg, local, acc_o, lse, mmas, sO, out, m_block, seqlen_q):

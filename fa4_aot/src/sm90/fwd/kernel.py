@@ -93,8 +93,9 @@ class FlashFwdSm90(KeyTiles):
             sQ: buf(sq)  # (tile_m, d, q_tiles); each also its tile's O staging buffer (tile_m, d_v)
             sK: buf(sk)
             sV: buf(sv)
-            if cfg.head_split:  # each warpgroup's S half, fp32 (head_split.py)
-                sS: cute.struct.Align[cute.struct.MemRange[Float32, 2 * cfg.tile_m * cfg.tile_n], 16]
+            if cfg.head_split:  # P and the rows' factors, for warpgroup 1 (head_split.py)
+                sP: buf(smem_layout(self.dtype, cfg.tile_m, cfg.tile_n))
+                sRows: cute.struct.Align[cute.struct.MemRange[Float32, 2 * 2 * WARPGROUP], 16]
 
         return Storage
 
@@ -297,8 +298,10 @@ class FlashFwdSm90(KeyTiles):
 
         storage = cutlass.utils.SmemAllocator().allocate(self.storage)
         pipe_q = tma_pipeline(storage.mbar_q, self.cfg.q_tiles, self.cfg.num_consumers, self.q_bytes)
-        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, self.cfg.num_consumers, tx)
-                          for bar, tx in ((storage.mbar_k, self.k_bytes), (storage.mbar_v, self.v_bytes))]
+        k_consumers = 1 if self.cfg.head_split else self.cfg.num_consumers  # K: the warpgroups computing S
+        pipe_k, pipe_v = [tma_pipeline(bar, self.cfg.stages, consumers, tx)
+                          for bar, tx, consumers in ((storage.mbar_k, self.k_bytes, k_consumers),
+                                                     (storage.mbar_v, self.v_bytes, self.cfg.num_consumers))]
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         return warp, tidx, (pipe_q, pipe_k, pipe_v), self._views(storage, layouts)
 
