@@ -180,16 +180,35 @@ def _signature(kind: str, tensors, options) -> tuple:
     return tuple(key)
 
 
-def _plan(signature: tuple, reason, views, like, workspace) -> _Plan:
-    """The plan of ``signature``, made by the four functions of nothing the first time."""
+def _plan(signature: tuple, make, *args) -> _Plan:
+    """The plan of ``signature``: kept, or ``make(*args)`` the first time (a function and
+    its arguments, not a closure: a repeated call builds nothing it does not use)."""
     plan = _PLANS.get(signature)
     if plan is None:
-        why = reason()
-        plan = _Plan(why) if why is not None else _Plan(None, views(), like(), workspace())
+        plan = make(*args)
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[signature] = plan
     return plan
+
+
+def _forward_plan(query, key, value, dropout_p, is_causal, return_debug_mask) -> _Plan:
+    why = _reason(query, key, value, dropout_p, is_causal, return_debug_mask)
+    if why is not None:
+        return _Plan(why)
+    views = [t.transpose(1, 2) for t in (query, key, value)]
+    return _Plan(None, _views_ready(query, key, value), (_like_ready(query),),
+                 forward_workspace_size(*views, bool(is_causal)))
+
+
+def _backward_plan(query, key, value, out, grad_out, logsumexp, dropout_p, is_causal, deterministic) -> _Plan:
+    why = _reason(query, key, value, dropout_p, is_causal)
+    if why is not None:
+        return _Plan(why)
+    views = [t.transpose(1, 2) for t in (query, key, value)]
+    return _Plan(None, _views_ready(query, key, value, out, grad_out) and logsumexp.is_contiguous(),
+                 tuple(_like_ready(t) for t in (query, key, value)),
+                 backward_workspace_size(*views, bool(is_causal), deterministic))
 
 
 def _views_ready(*tensors) -> bool:
@@ -216,9 +235,7 @@ def _forward(fallback, keyset, query, key, value, dropout_p=0.0, is_causal=False
     debug mask), as torch's own FA4 returns them for dense inputs."""
     library = default_library()
     signature = _signature("fwd", (query, key, value), (dropout_p, is_causal, return_debug_mask, scale, library))
-    plan = _plan(signature, lambda: _reason(query, key, value, dropout_p, is_causal, return_debug_mask),
-                 lambda: _views_ready(query, key, value), lambda: (_like_ready(query),),
-                 lambda: forward_workspace_size(*(t.transpose(1, 2) for t in (query, key, value)), bool(is_causal)))
+    plan = _plan(signature, _forward_plan, query, key, value, dropout_p, is_causal, return_debug_mask)
     if plan.reason is not None:
         return _call(fallback, keyset, query, key, value, dropout_p, is_causal, return_debug_mask, scale=scale)
     device = query.device
@@ -257,11 +274,7 @@ def _backward(fallback, keyset, grad_out, query, key, value, out, logsumexp, cum
     tensors = (query, key, value, out, grad_out)
     library = default_library()
     signature = _signature("bwd", (*tensors, logsumexp), (dropout_p, is_causal, scale, deterministic, library))
-    plan = _plan(signature, lambda: _reason(query, key, value, dropout_p, is_causal),
-                 lambda: _views_ready(*tensors) and logsumexp.is_contiguous(),
-                 lambda: tuple(_like_ready(t) for t in (query, key, value)),
-                 lambda: backward_workspace_size(*(t.transpose(1, 2) for t in (query, key, value)), bool(is_causal),
-                                                 deterministic))
+    plan = _plan(signature, _backward_plan, *tensors, logsumexp, dropout_p, is_causal, deterministic)
     if plan.reason is not None:
         return _call(fallback, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
                      max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=scale)
