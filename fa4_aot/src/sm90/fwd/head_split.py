@@ -137,18 +137,27 @@ class FlashFwdSm90HeadSplit(FlashFwdSm90):
             apply_mask, softmax_step = TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, False).apply, softmax.step
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
-            hand = (local, sP, sRows, mma_qk)
             for i in cutlass.range(n_blocks, unroll=1):
                 n_block = n_blocks - 1 - i
                 acc_s = cute.make_rmem_tensor(s_shape, Float32)
                 pipe_k.consumer_wait(state)
                 wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
                 pipe_k.consumer_release(state)
-                self._masked(acc_s, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask)
+                if const_expr(cfg.softcap):
+                    cap_scores(acc_s, opts.softcap_scale)
+                if n_block >= first_masked:  # padding, the diagonal
+                    apply_mask(acc_s, s_coords, m_block, n_block, seqlen_q, seqlen_k, None)
                 softmax_step(acc_s, row_scale)
-                self._hand_over(acc_s, row_scale, hand, i > 0)
+                # P and the factors for warpgroup 1, once its P V of the tile before has read them
+                if i > 0:
+                    cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WARPGROUP)
+                stage(local, acc_s, self.dtype, mma_qk, sP)
+                for r in cutlass.range_constexpr(rows):
+                    sRows[0, r, local] = row_scale[r]
+                cute.arch.fence_proxy("async.shared", space="cta")  # sP: read by warpgroup 1's wgmma (async proxy)
+                cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
                 rescale_rows(acc_o, row_scale)
-                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))
+                tOrP.store(acc_as_operand_a(acc_s).load().to(self.dtype))  # stage's conversion: ptxas keeps one
                 pipe_v.consumer_wait(state)
                 wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
                 pipe_v.consumer_release(state)
@@ -176,29 +185,6 @@ class FlashFwdSm90HeadSplit(FlashFwdSm90):
                 inv_sum[r] = sRows[1, r, local]
         scale_rows(acc_o, inv_sum)
         self._write(tidx, wg, local, acc_o, lse, (mma_pv, thr_pv), sO, out, m_block, seqlen_q)
-
-    @cute.jit
-    def _masked(self, acc_s, s_coords, m_block, n_block, first_masked, seqlens, opts, apply_mask):
-        """Key tile n_block's S capped where softcap, masked where the tile
-        needs it (from first_masked on: padding, the diagonal)."""
-        if const_expr(self.cfg.softcap):
-            cap_scores(acc_s, opts.softcap_scale)
-        if n_block >= first_masked:
-            apply_mask(acc_s, s_coords, m_block, n_block, seqlens[0], seqlens[1], None)
-
-    @cute.jit
-    def _hand_over(self, acc_s, row_scale, hand, wait_free):
-        """Warpgroup 0: P (acc_s after the softmax step, 16-bit) into sP and
-        the rows' factors into sRows' slot 0 for warpgroup 1, once its P V of the tile
-        before has read them (``wait_free``: every tile but the first)."""
-        local, sP, sRows, mma_qk = hand
-        if wait_free:
-            cute.arch.barrier(barrier_id=P_FREE, number_of_threads=2 * WARPGROUP)
-        stage(local, acc_s, self.dtype, mma_qk, sP)
-        for r in cutlass.range_constexpr(cute.size(row_scale)):
-            sRows[0, r, local] = row_scale[r]
-        cute.arch.fence_proxy("async.shared", space="cta")  # sP: read by warpgroup 1's wgmma (async proxy)
-        cute.arch.barrier_arrive(barrier_id=P_READY, number_of_threads=2 * WARPGROUP)
 
     @cute.jit
     def _write(self, tidx, wg, local, acc_o, lse, mmas, sO, out, m_block, seqlen_q):
