@@ -357,24 +357,38 @@ def read(arrays: dict, *written_names) -> dict:
 def check_no_overlap(outputs: dict, inputs: dict) -> None:
     """OverlapError unless each of ``outputs`` (arrays a launch writes) shares no byte with
     another output or with any of ``inputs`` (arrays it reads). Views of one packed tensor
-    (the q, k, v or dq, dk, dv of a (b, s, 3, h, d) buffer) share none and pass."""
-    names = list(outputs)
-    spans = {id(t): _span(t) for t in (*outputs.values(), *inputs.values())}  # each once: the host path's cost
-    for i, name in enumerate(names):
-        for other, t in [(n, outputs[n]) for n in names[i + 1:]] + list(inputs.items()):
-            if may_share(outputs[name], t, spans[id(outputs[name])], spans[id(t)]):
-                raise OverlapError(f"{name} shares memory with {other} ({name} at {outputs[name].ptr:#x}, "
-                                   f"{other} at {t.ptr:#x}): writing {name} would corrupt {other}; give it its "
-                                   "own memory")
+    (the q, k, v or dq, dk, dv of a (b, s, 3, h, d) buffer) share none and pass.
+
+    The arrays' byte ranges are swept in order of their starts, so that only ranges that
+    meet are compared (``may_share``): a call's dozen arrays mostly lie apart
+    (docs/design.md, "Run time: the host path"). The pair reported is the first met: the
+    output with the lower start, or the output where one of the two is an input."""
+    spans = sorted((span[0], span[1], written, name, t)
+                   for written, given in ((True, outputs), (False, inputs)) for name, t in given.items()
+                   for span in (_span(t),) if span is not None)
+    open_ = []  # the ranges swept whose ends are past the current start
+    for start, end, written, name, t in spans:
+        open_ = [x for x in open_ if x[1] > start]
+        for other in open_:
+            if (written or other[2]) and may_share(other[4], t, other[:2], (start, end)):
+                (out, o), (inp, i) = ((other[3], other[4]), (name, t)) if other[2] else ((name, t), (other[3], other[4]))
+                raise OverlapError(f"{out} shares memory with {inp} ({out} at {o.ptr:#x}, {inp} at {i.ptr:#x}): "
+                                   f"writing {out} would corrupt {inp}; give it its own memory")
+        open_.append((start, end, written, name, t))
 
 
 def _span(t: DeviceArray) -> tuple[int, int] | None:
     """The byte range [start, end) ``t``'s elements lie in; None if it has none."""
-    if any(n <= 0 for n in t.shape):
-        return None
-    low = sum(min(0, (n - 1) * s) for n, s in zip(t.shape, t.strides))
-    high = sum(max(0, (n - 1) * s) for n, s in zip(t.shape, t.strides)) + 1
-    return t.ptr + low * t.itemsize, t.ptr + high * t.itemsize
+    low = high = 0
+    for n, s in zip(t.shape, t.strides):  # one plain loop: a checked call takes a dozen spans
+        if n <= 0:
+            return None
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    size = t.itemsize
+    return t.ptr + low * size, t.ptr + (high + 1) * size
 
 
 def may_share(a: DeviceArray, b: DeviceArray, span_a=False, span_b=False) -> bool:

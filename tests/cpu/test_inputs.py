@@ -143,3 +143,73 @@ def test_a_backward_takes_whatever_dout_autograd_hands_it():
         assert torch.equal(ready, dout)
     packed = flat[4:].view(128, 4, 64)  # varlen's (total, heads, head_dim)
     assert kernel_ready_dout(packed).data_ptr() % 16 == 0
+
+
+def _pairwise_overlap(outputs: dict, inputs: dict) -> bool:
+    """The overlap rule pair by pair: an output that may share a byte (checks.may_share)
+    with another output or with an input."""
+    from fa4_aot.launch.checks import may_share
+
+    names = list(outputs)
+    return any(may_share(outputs[a], t) for i, a in enumerate(names)
+               for t in [outputs[b] for b in names[i + 1:]] + list(inputs.values()))
+
+
+def test_overlap_check_refuses_exactly_the_pairs_that_share_memory():
+    """check_no_overlap (a sweep over the arrays' byte ranges) against the rule pair by pair
+    on random calls: arrays of a dozen kinds at nearby addresses, views of one packed
+    (b, s, 3, h, d) buffer, the same array given twice, empty arrays; outputs that meet
+    only inputs, inputs that meet each other (allowed). Refused exactly where the pairwise
+    rule finds a shared byte."""
+    import random
+
+    from fa4_aot.errors import OverlapError
+    from fa4_aot.launch.checks import check_no_overlap
+
+    rng = random.Random(7)
+
+    def array(base):
+        kind = rng.randrange(4)
+        if kind == 0:  # a view of a packed (b, s, 3, h, d) buffer
+            b, s, h, d = rng.choice([(1, 8, 2, 16), (2, 4, 4, 8)])
+            part = rng.randrange(3)
+            return DeviceArray(base + part * h * d * 2, (b, s, h, d), (s * 3 * h * d, 3 * h * d, d, 1), "bf16", 0)
+        if kind == 1:  # contiguous (b, s, h, d)
+            shape = tuple(rng.choice([1, 2, 3, 4]) for _ in range(3)) + (8,)
+            strides = (shape[1] * shape[2] * 8, shape[2] * 8, 8, 1)
+            return DeviceArray(base, shape, strides, "bf16", 0)
+        if kind == 2:  # fp32 statistics
+            n = rng.choice([0, 1, 7, 64])
+            return DeviceArray(base, (1, 2, n), (2 * n, n, 1), "fp32", 0)
+        return DeviceArray(base, (rng.choice([0, 16, 256, 4096]),), (1,), "u8", 0)  # a workspace
+
+    refused = passed = 0
+    for _ in range(3000):
+        pool = [array(rng.randrange(0, 4096, 2)) for _ in range(rng.randrange(2, 10))]
+        if rng.random() < 0.2:
+            pool.append(pool[0])  # the same array under two names
+        rng.shuffle(pool)
+        cut = rng.randrange(1, len(pool))
+        outputs = {f"o{i}": t for i, t in enumerate(pool[:cut])}
+        inputs = {f"i{i}": t for i, t in enumerate(pool[cut:])}
+        if _pairwise_overlap(outputs, inputs):
+            with pytest.raises(OverlapError):
+                check_no_overlap(outputs, inputs)
+            refused += 1
+        else:
+            check_no_overlap(outputs, inputs)
+            passed += 1
+    assert refused > 300 and passed > 300, (refused, passed)
+
+
+@pytest.mark.parametrize("shape, strides, want", [
+    ((2, 3, 4), (12, 4, 1), (0, 48)), ((2, 3), (-3, 1), (-6, 6)), ((4,), (-2,), (-12, 2)),
+    ((3, 0, 2), (2, 2, 1), None), ((1, 1), (7, -5), (0, 2)), ((5, 2), (0, 1), (0, 4)),
+])
+def test_span_is_the_byte_range_of_the_elements(shape, strides, want):
+    """checks._span: [lowest, highest + itemsize) of the elements' bytes (bf16 here), with
+    negative and zero strides; None for an array with no element."""
+    from fa4_aot.launch.checks import _span
+
+    got = _span(DeviceArray(1 << 20, shape, strides, "bf16", 0))
+    assert got == (None if want is None else ((1 << 20) + want[0], (1 << 20) + want[1]))
