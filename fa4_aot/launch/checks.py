@@ -363,18 +363,18 @@ def check_no_overlap(outputs: dict, inputs: dict) -> None:
     meet are compared (``may_share``): a call's dozen arrays mostly lie apart
     (docs/design.md, "Run time: the host path"). The pair reported is the first met: the
     output with the lower start, or the output where one of the two is an input."""
-    spans = sorted((span[0], span[1], written, name, t)
-                   for written, given in ((True, outputs), (False, inputs)) for name, t in given.items()
-                   for span in (_span(t),) if span is not None)
+    spans = sorted(((span, written, name, t)
+                    for written, given in ((True, outputs), (False, inputs)) for name, t in given.items()
+                    for span in (_span(t),) if span is not None), key=lambda x: x[0][0])
     open_ = []  # the ranges swept whose ends are past the current start
-    for start, end, written, name, t in spans:
-        open_ = [x for x in open_ if x[1] > start]
-        for other in open_:
-            if (written or other[2]) and may_share(other[4], t, other[:2], (start, end)):
-                (out, o), (inp, i) = ((other[3], other[4]), (name, t)) if other[2] else ((name, t), (other[3], other[4]))
+    for span, written, name, t in spans:
+        open_ = [x for x in open_ if x[0][1] > span[0]]
+        for other_span, other_written, other, u in open_:
+            if (written or other_written) and may_share(u, t, other_span, span):
+                out, o, inp, i = (other, u, name, t) if other_written else (name, t, other, u)
                 raise OverlapError(f"{out} shares memory with {inp} ({out} at {o.ptr:#x}, {inp} at {i.ptr:#x}): "
                                    f"writing {out} would corrupt {inp}; give it its own memory")
-        open_.append((start, end, written, name, t))
+        open_.append((span, written, name, t))
 
 
 def _span(t: DeviceArray) -> tuple[int, int] | None:
