@@ -610,3 +610,26 @@ def test_dense_decode_shapes_with_a_narrow_window_take_the_span_narrow_kernel(wi
     row, values, tensors = library.launches[0]
     _every_slot_given(row, values, tensors)
     assert row["name"] == "decode.sm90a.bf16.d64.local.narrow"
+
+
+def test_windowed_decode_reads_its_window_in_pieces():
+    """The span-narrow local decode kernels (gpt-oss's windows) load K and V in TMA pieces
+    of LOCAL_PIECE_ROWS keys, so those wholly outside a window are not read (decode/config
+    ``piece_rows``, kernel._piece_place); every other decode kernel in pieces of its key
+    tile; a paged cache in pieces that divide the page."""
+    import math
+
+    from fa4_aot.launch.rules import evaluate
+    from fa4_aot.src.sm90.decode import config
+    from fa4_aot.variants import matrix
+
+    decodes = [v for v in matrix() if v.kind == "decode"]
+    assert any(v.span == "narrow" for v in decodes)
+    for v in decodes:
+        cfg = config.DecodeConfig.of(v)
+        rule = config.launch_values(cfg)["piece_rows"]
+        piece = config.LOCAL_PIECE_ROWS if v.span == "narrow" else cfg.tile_n
+        assert cfg.tile_n % piece == 0 and piece % 8 == 0, v.name  # whole 8-row swizzle atoms
+        assert evaluate(rule, {"paged": 0, "cache_rows": 0}) == piece, v.name
+        for page in (16, 48, 64, 256):
+            assert evaluate(rule, {"paged": 1, "cache_rows": page}) == math.gcd(page, piece), v.name

@@ -45,6 +45,13 @@ NARROW_SPAN = {64: (32, 4, 4, 24, 104)}
 # GB/s (0.72 -> 0.86 of the copy), paged +19%; the uncapped window 1-3% slower this way,
 # the H100 within 2% (docs/design.md, "Local attention, sinks, softcap": windowed decode).
 LOCAL_CAPPED_TILES = {128: (32, 4, 2, 40, 216)}
+# The span-narrow kernels load K and V in TMA pieces of this many keys, and not the pieces
+# wholly outside the keys a CTA's rows see (a window's edges fall mid-tile:
+# kernel._piece_place). H100, 5 rounds in one process: gpt-oss's window 128 +2.9% (paged
+# +0.4%), window 512 +1.5-2.3%, window 32 within 1%; pieces of 8 keys: the paged window -4%.
+# The other 16-bit local kernels gained too (Gemma d256 window 1024 +2.3-4%) but have not
+# run their tests so (docs/design.md, "Local attention, sinks, softcap": windowed decode).
+LOCAL_PIECE_ROWS = 16
 # An FP8 (e4m3) cache: TMA brings e4m3 tiles (half the bytes of a 16-bit one), a third
 # warpgroup widens each into one 16-bit K and one V buffer that the consumer's wgmmas read
 # (docs/design.md, "Decode": FP8 cache). (tile_n, e4m3 stages) per head dim: the stages
@@ -87,6 +94,7 @@ class DecodeConfig:
     widener_regs: int = 0
     head_split: bool = False  # two consumer warpgroups on the 64 rows, half the head dim each
     pairs: bool = False  # may read two adjacent KV heads as one (run-time pair_heads: 1 or 2)
+    piece_rows: int = 0  # keys per TMA piece of a contiguous cache (0: the tile): LOCAL_PIECE_ROWS
 
     @property
     def consumers(self) -> int:
@@ -120,7 +128,7 @@ class DecodeConfig:
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
                    pairs=variant.head_dim in PAIRED_HEAD_DIMS and not variant.softcap
-                   and not (variant.local and fp8))
+                   and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.span == "narrow" else 0)
 
     @property
     def fp8(self) -> bool:
@@ -169,4 +177,5 @@ def launch_values(cfg: DecodeConfig) -> dict:
     """Launch values the run time derives from a call (fa4_aot.launch.rules expressions): the keys
     of a TMA piece, the key tile, or for a paged cache the pages' and the tile's common
     rows (a tile that crosses pages is loaded in pieces; the K/V maps' box rows)."""
-    return {"piece_rows": ["if", "paged", ["gcd", "cache_rows", cfg.tile_n], cfg.tile_n]}
+    piece = cfg.piece_rows or cfg.tile_n
+    return {"piece_rows": ["if", "paged", ["gcd", "cache_rows", piece], piece]}

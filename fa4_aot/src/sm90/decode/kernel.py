@@ -219,7 +219,7 @@ class DecodeSm90:
             seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
             seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
         window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k) if const_expr(cfg.local) else None
-        n_begin, n_end = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
+        n_begin, n_end, keys = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
         # Where in its key range a CTA starts (it wraps around): every (sequence, split)
         # elsewhere, the KV heads of one together. CTAs that walk ranges a power of two
         # apart in step read addresses that the memory's channel hash maps alike and queue
@@ -234,7 +234,7 @@ class DecodeSm90:
                 table = cute.make_tensor(page_table_ptr, cute.make_layout(batch * max_pages))
                 pages = (table, b * max_pages, max_pages, page_rows, gK.shape[3], paged, piece_rows)
                 self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
-                          turn)
+                          turn, keys)
         else:
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
             consume = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
@@ -351,9 +351,10 @@ class DecodeSm90:
 
     @cute.jit
     def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k, window=None):
-        """[n_begin, n_end): the key tiles of split ``split`` of row tile ``m_block``.
-        Causal, the tile sees keys up to its last token's diagonal; local, from its first
-        token's window start to its last token's window end (the splits share those)."""
+        """[n_begin, n_end): the key tiles of split ``split`` of row tile ``m_block``, and
+        the keys [first, last) its rows see. Causal, the tile sees keys up to its last
+        token's diagonal; local, from its first token's window start to its last token's
+        window end (the splits share those)."""
         limit = seqlen_k
         if const_expr(self.cfg.causal or self.cfg.local):
             last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
@@ -362,34 +363,37 @@ class DecodeSm90:
                 last_key = cutlass.min(last_key + window.right, seqlen_k)
             limit = cutlass.max(last_key, Int32(0))
         n_tiles = cute.ceil_div(limit, self.cfg.tile_n)
+        first_key = Int32(0)
         if const_expr(self.cfg.local):
             first_token = (m_block * self.cfg.tile_m) // group
-            n_low = cutlass.min(cutlass.max(seqlen_k - seqlen_q + first_token - window.left, Int32(0))
-                                // self.cfg.tile_n, n_tiles)
+            first_key = cutlass.max(seqlen_k - seqlen_q + first_token - window.left, Int32(0))
+            n_low = cutlass.min(first_key // self.cfg.tile_n, n_tiles)
             per = cute.ceil_div(n_tiles - n_low, splits)
             n_begin = cutlass.min(n_low + split * per, n_tiles)
         else:
             per = cute.ceil_div(n_tiles, splits)
             n_begin = cutlass.min(split * per, n_tiles)
         n_end = cutlass.min(n_begin + per, n_tiles)
-        return n_begin, n_end
+        return n_begin, n_end, (first_key, limit)
 
     @cute.jit
-    def load(self, k, v, pipes, pages, head_kv, b, n_begin, n_end, turn):
+    def load(self, k, v, pipes, pages, head_kv, b, n_begin, n_end, turn, keys):
         """K and V of the CTA's key tiles in ``_key_tile`` order, K one tile ahead of V;
         each tile in pieces of ``piece_rows`` keys, each from its page. A tile's pieces
-        are looked up in the page table by one lane each, once for its K and its V."""
+        are looked up in the page table by one lane each, once for its K and its V.
+        ``keys``: [first, last) the CTA's rows see (cfg.piece_rows: the pieces wholly
+        outside are not read, ``_piece_place``)."""
         (tma_k, gK, sK), (tma_v, gV, sV) = k, v
         pipe_k, pipe_v = pipes
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         steps = n_end - n_begin
         if steps > 0:
-            place_next = self._piece_place(_key_tile(0, n_end, steps, turn), pages, b)
+            place_next = self._piece_place(_key_tile(0, n_end, steps, turn), pages, b, keys)
             pipe_k.producer_acquire(state)
             self._load_tile(tma_k, gK, sK, pipe_k, state, place_next, pages, head_kv)
             for i in cutlass.range(steps - 1, unroll=1):
                 place = place_next
-                place_next = self._piece_place(_key_tile(i + 1, n_end, steps, turn), pages, b)
+                place_next = self._piece_place(_key_tile(i + 1, n_end, steps, turn), pages, b, keys)
                 v_state = state.clone()
                 state.advance()
                 pipe_k.producer_acquire(state)
@@ -400,9 +404,12 @@ class DecodeSm90:
             self._load_tile(tma_v, gV, sV, pipe_v, state, place_next, pages, head_kv)
 
     @cute.jit
-    def _piece_place(self, n_block, pages, b):
+    def _piece_place(self, n_block, pages, b, keys):
         """(page, row in the page) of lane j's piece of key tile ``n_block`` (lanes past
-        the tile's pieces: of its first), as an Int32 pair per lane."""
+        the tile's pieces: of its first), as an Int32 pair per lane. cfg.piece_rows (a
+        window's edges mid-tile): a piece wholly outside ``keys`` [first, last) is placed
+        past its page's rows, so TMA fills it with zeros and reads nothing (the consumer
+        masks those keys; a zero V row adds nothing to O)."""
         table, first_entry, max_pages, page_rows, num_pages, paged, piece_rows = pages
         lane = cute.arch.lane_idx()
         j = cutlass.select_(lane * piece_rows < self.cfg.tile_n, lane, Int32(0))
@@ -412,6 +419,9 @@ class DecodeSm90:
             entry = cutlass.min(key // page_rows, max_pages - 1)
             page = cutlass.min(cutlass.max(table[first_entry + entry], Int32(0)), num_pages - 1)
             row = key % page_rows
+        if const_expr(self.cfg.piece_rows != 0):
+            first, last = keys
+            row = cutlass.select_((key + piece_rows <= first) | (key >= last), page_rows, row)
         return page, row
 
     @cute.jit
