@@ -12,8 +12,9 @@ its KV head and nothing else. So (docs/design.md, "Decode"):
 - Paging: K and V tiles are TMA loads from a cache viewed as (pages, page rows, heads, d):
   a contiguous cache is one page per sequence (page = batch entry), a paged one looks each
   piece of a key tile up in the page table. A piece is ``piece_rows`` keys (the host's box:
-  the key tile, or the largest power of two dividing both it and the page size), so a tile
-  that crosses pages is loaded in pieces from each.
+  the key tile or ``cfg.piece_rows``, or the largest power of two dividing both it and the
+  page size), so a tile that crosses pages is loaded in pieces from each; with
+  ``cfg.piece_rows`` the pieces wholly outside a window are not read (``_piece_place``).
 
 Warpgroups: warp 0 of warpgroup 0 loads K and V through `stages`-deep TMA pipelines, key
 tiles from the last (the one that may need masking) to the first; warpgroup 1 loads Q
