@@ -175,7 +175,8 @@ def limits() -> dict:
 
 def launch_values(cfg: DecodeConfig) -> dict:
     """Launch values the run time derives from a call (fa4_aot.launch.rules expressions): the keys
-    of a TMA piece, the key tile, or for a paged cache the pages' and the tile's common
-    rows (a tile that crosses pages is loaded in pieces; the K/V maps' box rows)."""
+    of a TMA piece, ``cfg.piece_rows`` or else the key tile, or for a paged cache the pages'
+    and that piece's common rows (a tile that crosses pages is loaded in pieces; the K/V
+    maps' box rows)."""
     piece = cfg.piece_rows or cfg.tile_n
     return {"piece_rows": ["if", "paged", ["gcd", "cache_rows", piece], piece]}
