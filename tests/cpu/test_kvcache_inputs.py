@@ -613,8 +613,8 @@ def test_dense_decode_shapes_with_a_narrow_window_take_the_span_narrow_kernel(wi
 
 
 def test_windowed_decode_reads_its_window_in_pieces():
-    """The span-narrow local decode kernels (gpt-oss's windows) load K and V in TMA pieces
-    of LOCAL_PIECE_ROWS keys, so those wholly outside a window are not read (decode/config
+    """The local decode kernels of a 16-bit cache load K and V in TMA pieces of
+    LOCAL_PIECE_ROWS keys, so those wholly outside a window are not read (decode/config
     ``piece_rows``, kernel._piece_place); every other decode kernel in pieces of its key
     tile; a paged cache in pieces that divide the page."""
     import math
@@ -624,11 +624,11 @@ def test_windowed_decode_reads_its_window_in_pieces():
     from fa4_aot.variants import matrix
 
     decodes = [v for v in matrix() if v.kind == "decode"]
-    assert any(v.span == "narrow" for v in decodes)
+    assert any(v.local and v.kv_dtype == "same" for v in decodes)
     for v in decodes:
         cfg = config.DecodeConfig.of(v)
         rule = config.launch_values(cfg)["piece_rows"]
-        piece = config.LOCAL_PIECE_ROWS if v.span == "narrow" else cfg.tile_n
+        piece = config.LOCAL_PIECE_ROWS if v.local and v.kv_dtype == "same" else cfg.tile_n
         assert cfg.tile_n % piece == 0 and piece % 8 == 0, v.name  # whole 8-row swizzle atoms
         assert evaluate(rule, {"paged": 0, "cache_rows": 0}) == piece, v.name
         for page in (16, 48, 64, 256):

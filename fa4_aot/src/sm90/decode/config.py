@@ -45,12 +45,11 @@ NARROW_SPAN = {64: (32, 4, 4, 24, 104)}
 # GB/s (0.72 -> 0.86 of the copy), paged +19%; the uncapped window 1-3% slower this way,
 # the H100 within 2% (docs/design.md, "Local attention, sinks, softcap": windowed decode).
 LOCAL_CAPPED_TILES = {128: (32, 4, 2, 40, 216)}
-# The span-narrow kernels load K and V in TMA pieces of this many keys, and not the pieces
+# The 16-bit local kernels load K and V in TMA pieces of this many keys, and not the pieces
 # wholly outside the keys a CTA's rows see (a window's edges fall mid-tile:
-# kernel._piece_place). H100, 5 rounds in one process: gpt-oss's window 128 +2.9% (paged
-# +0.4%), window 512 +1.5-2.3%, window 32 within 1%; pieces of 8 keys: the paged window -4%.
-# The other 16-bit local kernels gained too (Gemma d256 window 1024 +2.3-4%) but have not
-# run their tests so (docs/design.md, "Local attention, sinks, softcap": windowed decode).
+# kernel._piece_place). H100, in one process: gpt-oss's window 128 +2.9% (paged +0.4%),
+# window 512 +1.5-2.3%, window 32 within 1%, Gemma d256 window 1024 +3.7%; pieces of 8
+# keys: the paged window -4% (docs/design.md, "Local attention, sinks, softcap": windowed decode).
 LOCAL_PIECE_ROWS = 16
 # An FP8 (e4m3) cache: TMA brings e4m3 tiles (half the bytes of a 16-bit one), a third
 # warpgroup widens each into one 16-bit K and one V buffer that the consumer's wgmmas read
@@ -128,7 +127,7 @@ class DecodeConfig:
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
                    pairs=variant.head_dim in PAIRED_HEAD_DIMS and not variant.softcap
-                   and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.span == "narrow" else 0)
+                   and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.local and not fp8 else 0)
 
     @property
     def fp8(self) -> bool:
