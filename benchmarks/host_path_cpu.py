@@ -180,6 +180,8 @@ def main():
 
         torch_dense.current_stream = lambda device: 7
         torch_dense.stream_of = lambda t: 7
+        import fa4_aot.torch.autograd as torch_autograd
+        torch_autograd.current_stream = lambda device: 7
         # the host's allocator aligns less than CUDA's: the pointers are rounded up (never read)
         torch_dense.as_device_array = lambda t: DeviceArray((t.data_ptr() + 255) // 256 * 256, tuple(t.shape),
                                                             tuple(t.stride()), DTYPES[t.dtype], 0)

@@ -15,8 +15,10 @@ import math
 import torch
 
 from ..launch import checks
-from .dense import backward_options, flash_attn_bwd, flash_attn_fwd, setup_context
-from .tensors import check_tensors, kernel_ready_dout
+from ..launch.calls import default_library
+from .dense import (backward_options, backward_workspace_size, flash_attn_bwd, flash_attn_fwd, forward_workspace_size,
+                    launch_backward, launch_forward, setup_context)
+from .tensors import check_tensors, current_stream, kernel_ready_dout
 
 
 class FlashAttention(torch.autograd.Function):
@@ -24,14 +26,19 @@ class FlashAttention(torch.autograd.Function):
     but torch.library's per-call dispatch and aliasing checks cost about 100 us a forward
     and 400 a backward on the H200's host (benchmarks/launch_overhead.py), several times
     the launches themselves; eager calls take this path instead. Same kernels, same
-    results."""
+    results. A call without sinks takes the step's own repeat path (``_Step``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal: bool, softmax_scale: float, deterministic: bool, window_left: int = -1,
                 window_right: int = -1, softcap: float = 0.0, learnable_sink=None):
-        out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
-                                  window_size=(window_left, window_right), softcap=softcap,
-                                  learnable_sink=learnable_sink)
+        ctx.step = None
+        if learnable_sink is None and type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and q.is_cuda:
+            out, lse = _Step.forward(ctx, q, k, v, causal, softmax_scale, deterministic, window_left, window_right,
+                                     softcap)
+        else:
+            out, lse = flash_attn_fwd(q, k, v, softmax_scale=softmax_scale, causal=causal,
+                                      window_size=(window_left, window_right), softcap=softcap,
+                                      learnable_sink=learnable_sink)
         setup_context(ctx, (q, k, v, causal, softmax_scale, deterministic, window_left, window_right, softcap,
                             learnable_sink), (out, lse))
         ctx.mark_non_differentiable(lse)
@@ -43,12 +50,92 @@ class FlashAttention(torch.autograd.Function):
         if dout is None:
             return None, None, None, None, None, None, None, None, None, None
         q, k, v, out, lse, sink = ctx.saved_tensors
+        if ctx.step is not None and type(dout) is _Tensor:
+            return (*_Step.backward(ctx, q, k, v, out, lse, kernel_ready_dout(dout)),
+                    None, None, None, None, None, None, None)
         if not ctx.needs_input_grad[9]:
             sink = None  # no sinks' gradient asked for: none computed
         grads = flash_attn_bwd(q, k, v, out, kernel_ready_dout(dout), lse, softmax_scale=ctx.softmax_scale,
                                causal=ctx.causal, deterministic=ctx.deterministic, learnable_sink=sink,
                                **backward_options(ctx))
         return *grads[:3], None, None, None, None, None, None, grads[3] if sink is not None else None
+
+
+_Tensor = torch.Tensor
+
+
+class _Step:
+    """A training step's attention (no sinks) on its repeat path: flash_attn_fwd and
+    flash_attn_bwd keyed by the step's own signature. The outputs, gradients and
+    workspaces are made here, so their sizes, strides and dtypes follow from q's, k's and
+    v's and the options (the signature), and only their pointers join the keys: a step
+    whose launches were made before with the same signature and pointers (the caching
+    allocator gives a training loop's the same ones step after step) launches them again
+    with no check and no packing. A new key takes the checked path (launch_forward,
+    launch_backward: every check, then the launches kept under it); the workspace bytes
+    are reckoned once per signature. (docs/design.md, "Run time: the host path")"""
+
+    workspaces: dict = {}  # signature -> [forward workspace bytes, backward's or None until asked]
+    KEPT = 1024  # signatures; all dropped past it (a shape that changes every step)
+
+    @classmethod
+    def forward(cls, ctx, q, k, v, causal, scale, deterministic, left, right, softcap):
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # refused by the checks, typed
+            return flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+                                  softcap=softcap)
+        library = default_library()
+        signature = ("step", q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(),
+                     v.dtype, q.get_device(), causal, scale, deterministic, left, right, softcap, library)
+        try:
+            sizes = cls.workspaces.get(signature)
+        except TypeError:  # an unhashable option: the checked path says what it makes of it
+            return flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
+                                  softcap=softcap)
+        if sizes is None:
+            if len(cls.workspaces) >= cls.KEPT:
+                cls.workspaces.clear()
+            sizes = cls.workspaces[signature] = [forward_workspace_size(q, k, v, causal, None, (left, right), softcap),
+                                                 None]
+        b, s_q, h_q, _ = q.shape
+        out = q.new_empty((b, s_q, h_q, v.shape[3]))
+        lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
+        workspace = torch.empty(sizes[0], dtype=torch.uint8, device=q.device) if sizes[0] else None
+        stream = current_stream(q.get_device())
+        key = (signature, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+               workspace.data_ptr() if sizes[0] else 0, stream)
+        if not library.launch_again(key):
+            launch_forward(q, k, v, out, lse, workspace, softmax_scale=scale, causal=causal, q_tiles=None,
+                           window_size=(left, right), softcap=softcap, learnable_sink=None, stream=stream,
+                           keep=(key,))
+        ctx.step = signature
+        ctx.step_options = (library, causal, scale, deterministic, left, right, softcap)
+        return out, lse
+
+    @classmethod
+    def backward(cls, ctx, q, k, v, out, lse, dout) -> tuple:
+        """(dq, dk, dv) for the forward ``ctx`` keeps (its signature, ``ctx.step``)."""
+        signature = ctx.step
+        library, causal, scale, deterministic, left, right, softcap = ctx.step_options
+        sizes = cls.workspaces.get(signature)
+        if sizes is None or sizes[1] is None:  # a refusal raises here, typed, before anything is made
+            size = backward_workspace_size(q, k, v, causal, deterministic, (left, right), softcap)
+            if sizes is not None:
+                sizes[1] = size
+        else:
+            size = sizes[1]
+        dq = torch.empty_like(q, memory_format=torch.contiguous_format)
+        dk = torch.empty_like(k, memory_format=torch.contiguous_format)
+        dv = torch.empty_like(v, memory_format=torch.contiguous_format)
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+        stream = current_stream(q.get_device())
+        key = (signature, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
+               dout.shape, dout.stride(), dout.dtype, dq.data_ptr(), dk.data_ptr(), dv.data_ptr(),
+               workspace.data_ptr(), stream)
+        if not library.launch_again(key):
+            launch_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale=scale, causal=causal,
+                            deterministic=deterministic, q_tiles=None, window_size=(left, right), softcap=softcap,
+                            learnable_sink=None, dsink=None, stream=stream, keep=(key,))
+        return dq, dk, dv
 
 
 def flash_attn_func(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, softmax_scale: float | None = None,
