@@ -407,6 +407,22 @@ def buffer_size(slots: list[dict]) -> int:
     return -(-end // align) * align
 
 
+def param_layout(slots: list[dict]) -> tuple[int, tuple]:
+    """(buffer_size, each slot's offset) of a launch's parameter slots, reckoned once per
+    launch, not per call (host time of the checked path): kept by the list's id beside the
+    list itself, so that no other list takes the id while it is kept."""
+    kept = _LAYOUTS.get(id(slots))
+    if kept is None or kept[0] is not slots:
+        if len(_LAYOUTS) >= LAYOUTS_KEPT:  # libraries loaded again and again: the old rows' go
+            _LAYOUTS.clear()
+        kept = _LAYOUTS[id(slots)] = (slots, (buffer_size(slots), tuple(s["offset"] for s in slots)))
+    return kept[1]
+
+
+_LAYOUTS: dict[int, tuple] = {}  # id(a launch's "params") -> (the list, its layout)
+LAYOUTS_KEPT = 4096  # launches (the package's 388 rows have 960)
+
+
 def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     """The parameter buffer (a ctypes uint8 array over a bytearray) and the array of
     per-slot pointers (ctypes uint64) cuLaunchKernelEx takes. Each slot names what fills it
@@ -418,7 +434,8 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
     with struct.pack_into: a launch packs some 30 slots (host time per call,
     benchmarks/launch_overhead.py)."""
     slots = launch["params"]
-    raw = bytearray(buffer_size(slots))
+    size, offsets = param_layout(slots)
+    raw = bytearray(size)
     try:
         _fill(raw, row, slots, values, tensors)
     except KeyError:
@@ -427,7 +444,7 @@ def pack_params(row: dict, launch: dict, values: dict, tensors: dict):
             "this fa4_aot does not provide: the manifest is from another version; rebuild or reinstall") from None
     buffer = (ctypes.c_uint8 * len(raw)).from_buffer(raw)  # keeps `raw` alive, fixes its size
     base = ctypes.addressof(buffer)
-    pointers = (ctypes.c_uint64 * len(slots))(*[base + s["offset"] for s in slots])
+    pointers = (ctypes.c_uint64 * len(offsets))(*[base + offset for offset in offsets])
     return buffer, pointers
 
 
