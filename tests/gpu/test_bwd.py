@@ -264,24 +264,31 @@ def test_torch_entry_point_repeats_read_new_values(shape, layout, gen, monkeypat
         k, v = (torch.empty(b, s_k, h_kv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     leaves = [x.requires_grad_(True) for x in ((qkv,) if layout == "packed" else (q, k, v))]
     dout = torch.empty(b, s_q, h_q, d, device="cuda", dtype=torch.bfloat16)
+    split = (lambda t: t.split([h_q, h_kv, h_kv], dim=2)) if layout == "packed" else (lambda t: (t,))
     steps = 4
-    for _ in range(steps):
+    # each step's inputs, output and gradients, kept in blocks made before the loop: the
+    # steps then allocate alike, as a training loop's do
+    inputs = [[torch.empty_like(x) for x in (*leaves, dout)] for _ in range(steps)]
+    outs = [torch.empty_like(dout) for _ in range(steps)]
+    grads = [[torch.empty_like(x) for x in leaves] for _ in range(steps)]
+    for step in range(steps):
         with torch.no_grad():
-            for x in (*leaves, dout):
-                x.copy_(torch.randn(x.shape, device="cuda", dtype=x.dtype, generator=gen))
+            for x, kept in zip((*leaves, dout), inputs[step]):
+                kept.copy_(x.normal_(generator=gen))
         for x in leaves:
             x.grad = None
-        if layout == "packed":
-            q, k, v = leaves[0].split([h_q, h_kv, h_kv], dim=2)
-        out = flash_attn_func(q, k, v, causal=True)
+        out = flash_attn_func(*(x for leaf in leaves for x in split(leaf)), causal=True)
         out.backward(dout)
-        torch.cuda.synchronize()
-        check_out(out.detach(), q.detach(), k.detach(), v.detach(), True)
-        if layout == "packed":
-            grads = leaves[0].grad.split([h_q, h_kv, h_kv], dim=2)
-        else:
-            grads = [x.grad for x in leaves]
-        check_grads(grads, q.detach(), k.detach(), v.detach(), dout, out.detach(), True)
+        with torch.no_grad():
+            outs[step].copy_(out)
+            for kept, x in zip(grads[step], leaves):
+                kept.copy_(x.grad)
+        del out
+    torch.cuda.synchronize()
+    for step in range(steps):
+        qkv_step = [x for leaf in inputs[step][:-1] for x in split(leaf)]
+        check_out(outs[step], *qkv_step, True)
+        check_grads([g for leaf in grads[step] for g in split(leaf)], *qkv_step, inputs[step][-1], outs[step], True)
     assert len(launched) < 2 * steps  # some step repeated its kept launches
 
 
