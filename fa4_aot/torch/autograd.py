@@ -65,8 +65,8 @@ _Tensor = torch.Tensor
 
 
 class _Step:
-    """A training step's attention (no sinks) on its repeat path: flash_attn_fwd and
-    flash_attn_bwd keyed by the step's own signature. The outputs, gradients and
+    """A training step's attention (no sinks) on its repeat path: the launches of
+    flash_attn_fwd and flash_attn_bwd, kept under keys of the step's own. The outputs, gradients and
     workspaces are made here, so their sizes, strides and dtypes follow from q's, k's and
     v's and the options (the signature), and only their pointers join the keys: a step
     whose launches were made before with the same signature and pointers (the caching
