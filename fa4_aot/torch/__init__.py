@@ -22,6 +22,7 @@ from .tensors import as_device_array
 # name -> the module that defines it, imported on first use
 _LAZY = {"flash_attn_func": "autograd", "FlashAttention": "autograd", "fwd_op": "ops", "bwd_op": "ops",
          "flash_attn_varlen_func": "varlen", "flash_attn_varlen_fwd": "varlen", "flash_attn_varlen_bwd": "varlen",
+         "VarlenAttention": "varlen",
          "flash_attn_with_kvcache": "decode"}
 
 __all__ = ["as_device_array", "flash_attn_bwd", "flash_attn_fwd", *_LAZY]

@@ -5,7 +5,8 @@
     out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=True)
 
 Differentiable (the gradient flows to q, k and v through fa4_aot.backward_varlen) and
-traceable by torch.compile: both directions are custom ops.
+traceable by torch.compile: a trace takes custom ops for both directions, an eager call an
+autograd.Function over the same functions (``VarlenAttention``: no torch.library dispatch).
 """
 
 from __future__ import annotations
@@ -148,6 +149,40 @@ def _backward(ctx, dout, dlse):
 _fwd_varlen_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class VarlenAttention(torch.autograd.Function):
+    """Eager autograd over the varlen kernels: what ``fa4_aot::fwd_varlen`` and its
+    registered autograd do (the same functions, the same results), without torch.library's
+    per-call dispatch, which costs several times the launches' host time
+    (fa4_aot.torch.autograd.FlashAttention, the dense twin); torch.compile traces the ops."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
+                softmax_scale, deterministic, window_left, window_right, softcap, learnable_sink):
+        out, lse = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                                         softcap=softcap, learnable_sink=learnable_sink)
+        _setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
+                             causal, softmax_scale, deterministic, window_left, window_right, softcap,
+                             learnable_sink), (out, lse))
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        if dout is None:
+            return (None,) * 16
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
+        if not ctx.needs_input_grad[15]:
+            sink = None  # no sinks' gradient asked for: none computed
+        grads = flash_attn_varlen_bwd(q, k, v, out, kernel_ready_dout(dout), lse, cu_seqlens_q, cu_seqlens_k,
+                                      *ctx.max_seqlen, seqused_q=seqused_q, seqused_k=seqused_k, causal=ctx.causal,
+                                      softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic,
+                                      window_size=ctx.window, softcap=ctx.softcap, learnable_sink=sink)
+        return *grads[:3], *(None,) * 12, grads[3] if sink is not None else None
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                            seqused_q=None, seqused_k=None, softmax_scale: float | None = None, causal: bool = False,
                            deterministic: bool = False, return_lse: bool = False, window_size=(-1, -1),
@@ -155,9 +190,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     """flash-attn's varlen attention: q (total_q, h_q, d), k, v (total_k, h_kv, d),
     cu_seqlens int32 (batch + 1,) on the device, max_seqlen ints from the caller; see
     fa4_aot.forward_varlen. Differentiable (q, k, v; not through lse) and traceable by
-    torch.compile (custom ops). ``deterministic``: the backward's dq is summed in a fixed
-    order (the forward always is). ``window_size``, ``softcap``, ``learnable_sink``: as
-    fa4_aot.forward_varlen's; the gradient flows to learnable_sink too."""
+    torch.compile (custom ops; eager calls: ``VarlenAttention``). ``deterministic``: the
+    backward's dq is summed in a fixed order (the forward always is). ``window_size``,
+    ``softcap``, ``learnable_sink``: as fa4_aot.forward_varlen's; the gradient flows to
+    learnable_sink too."""
     extra = passed(seqused_q=seqused_q, seqused_k=seqused_k, learnable_sink=learnable_sink)
     check_packed({"q": q, "k": k, "v": v}, {"cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
     check_on_gpu({"q": q, "k": k, "v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k, **extra})
@@ -166,7 +202,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: in
     max_q, max_k = checks.positive_int("max_seqlen_q", max_seqlen_q), checks.positive_int("max_seqlen_k", max_seqlen_k)
     causal = checks.flag("causal", causal)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
-    out, lse = _fwd_varlen_op(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
-                              causal if mods.local else mods.causal, scale, checks.flag("deterministic", deterministic),
-                              mods.left, mods.right, mods.softcap, learnable_sink)
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_q, max_k, seqused_q, seqused_k,
+            causal if mods.local else mods.causal, scale, checks.flag("deterministic", deterministic), mods.left,
+            mods.right, mods.softcap, learnable_sink)
+    # traced: the custom ops; eager: the autograd.Function over the same functions
+    out, lse = _fwd_varlen_op(*args) if torch.compiler.is_compiling() else VarlenAttention.apply(*args)
     return (out, lse) if checks.flag("return_lse", return_lse) else out
