@@ -11,6 +11,7 @@ autograd.Function over the same functions (``VarlenAttention``: no torch.library
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,7 @@ from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
 )
 from ..launch import checks
+from ..launch.calls import default_library
 from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, kernel_ready_dout, needs_grad, passed
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -37,8 +39,10 @@ def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int
     if lse is None:
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.shape[0] - 1
-    if workspace is None and (order == "lpt" or (order is None and default_forward_order(batch) == "lpt")):
-        workspace = torch.empty(forward_varlen_workspace_bytes(max(batch, 1)), dtype=torch.uint8, device=q.device)
+    if workspace is None and order in ("lpt", None):
+        lpt, size = _forward_order(batch, default_library())
+        if order == "lpt" or lpt:
+            workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     extra = {n: as_device_array(t) for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k),
                                                 ("workspace", workspace), ("learnable_sink", learnable_sink))
              if t is not None}
@@ -85,11 +89,10 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
     dk = torch.zeros_like(k, memory_format=torch.contiguous_format) if dk is None else dk
     dv = torch.zeros_like(v, memory_format=torch.contiguous_format) if dv is None else dv
     if workspace is None:
-        size = backward_varlen_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
-                                               causal=causal, deterministic=deterministic, head_dim_v=v.shape[-1],
-                                               dtype=DTYPES.get(q.dtype),
-                                               local=checks.score_mods(causal, window_size, softcap,
-                                                                       learnable_sink is not None).local)
+        local = checks.score_mods(causal, window_size, softcap, learnable_sink is not None).local
+        size = _backward_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2],
+                                         v.shape[-1], DTYPES.get(q.dtype), bool(causal), bool(deterministic), local,
+                                         default_library())
         workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
     if learnable_sink is not None and dsink is None:
         dsink = torch.empty_like(learnable_sink, memory_format=torch.contiguous_format)
@@ -101,6 +104,24 @@ def flash_attn_varlen_bwd(q, k, v, out, dout, lse, cu_seqlens_q, cu_seqlens_k, m
                     stream=torch.cuda.current_stream(q.device).cuda_stream, order=order, window_size=window_size,
                     softcap=softcap, **used)
     return (dq, dk, dv) if learnable_sink is None else (dq, dk, dv, dsink)
+
+
+@functools.lru_cache(maxsize=256)
+def _forward_order(batch: int, library) -> tuple[bool, int]:
+    """(whether the policy orders ``batch`` sequences heaviest first, the workspace bytes
+    that order takes), for ``library``'s kernels: asked once per batch size."""
+    return default_forward_order(batch, library=library) == "lpt", forward_varlen_workspace_bytes(max(batch, 1),
+                                                                                                  library=library)
+
+
+@functools.lru_cache(maxsize=256)
+def _backward_workspace_bytes(total_q, batch, heads_q, head_dim, head_dim_v, dtype, causal, deterministic, local,
+                              library) -> int:
+    """backward_varlen_workspace_bytes of a problem, kept per problem (a refusal is
+    raised, not kept)."""
+    return backward_varlen_workspace_bytes(total_q, batch, heads_q, head_dim, causal=causal,
+                                           deterministic=deterministic, head_dim_v=head_dim_v, dtype=dtype,
+                                           local=local, library=library)
 
 
 @torch.library.custom_op("fa4_aot::bwd_varlen", mutates_args=(), device_types="cuda")
