@@ -31,13 +31,18 @@ import io
 import json
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from fa4_aot.torch import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import timing  # noqa: E402 (beside this file)
 
 SIZES = [(1, 128, 8), (4, 512, 12), (8, 1024, 12)]  # (batch, seqlen, heads), head_dim 64
 
@@ -68,18 +73,6 @@ def attention_step(attend, size):
         step()
     torch.cuda.synchronize()
     return step
-
-
-def host_us(step, steps) -> float:
-    """The median over ``steps`` of one step's host time (us), the GPU idle at each start."""
-    host = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        host.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(host) * 1e6
 
 
 def wall_per_call(fn, calls):
@@ -159,10 +152,7 @@ def main():
              "wall us/step |", "|---|---|---|---|---|"]
     for size in SIZES:
         steps = {name: attention_step(attend, size) for name, attend in LAYERS.items()}
-        blocks = {name: [] for name in LAYERS}
-        for block in range(args.blocks):
-            for name in (list(LAYERS) if block % 2 == 0 else list(reversed(LAYERS))):
-                blocks[name].append(host_us(steps[name], args.steps))
+        blocks = timing.host_blocks({name: steps[name] for name in LAYERS}, args.blocks, args.steps)
         for name, step in steps.items():
             ratios = [x / y for x, y in zip(blocks[name], blocks["sdpa_flash"])]
             wall = wall_per_call(step, 4 * args.steps) * 1e6

@@ -70,3 +70,30 @@ def bench(fn, warmup=50, rep=200, clear=None):
         e.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def host_us(fn, steps: int) -> float:
+    """The median over ``steps`` calls of one call's host time (us), the GPU idle at each
+    start (its synchronize untimed): what a call costs the issuing thread."""
+    import time
+
+    host = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(host) * 1e6
+
+
+def host_blocks(fns: dict, blocks: int, steps: int) -> dict:
+    """Host time in turns: ``blocks`` blocks, in each every fn of ``fns`` (name -> callable)
+    timed over ``steps`` calls (host_us), in alternating order from block to block (the
+    host's speed drifts between seconds, so fns compare within a block); name -> the
+    blocks' figures."""
+    figures = {name: [] for name in fns}
+    for block in range(blocks):
+        for name in (list(fns) if block % 2 == 0 else list(reversed(fns))):
+            figures[name].append(host_us(fns[name], steps))
+    return figures

@@ -14,11 +14,16 @@ import argparse
 import importlib.util
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from fa4_aot.torch import flash_attn_func
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402 (benchmarks/timing.py)
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--blocks", type=int, default=16)
@@ -69,17 +74,7 @@ for size in [(1, 128, 8), (4, 512, 12), (8, 1024, 12)]:
         for _ in range(20):
             f()
     torch.cuda.synchronize()
-    res = {n: [] for n in steps}
-    for block in range(args.blocks):
-        order = list(steps) if block % 2 == 0 else list(reversed(steps))
-        for n in order:
-            times = []
-            for _ in range(25):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                steps[n]()
-                times.append(time.perf_counter() - start)
-            res[n].append(statistics.median(times) * 1e6)
+    res = timing.host_blocks(steps, args.blocks, 25)
     line = " | ".join(f"{n} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})" for n, v in res.items())
     ratios = " ".join(f"{n} {statistics.median(a / b for a, b in zip(v, res['sdpa_flash'])):.3f}" for n, v in res.items())
     print(f"{size}: host us/step: {line} | x sdpa_flash (median of the blocks' ratios): {ratios}")

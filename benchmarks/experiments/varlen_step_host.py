@@ -9,11 +9,15 @@ and whether their outputs and gradients are bitwise equal.
 import itertools
 import math
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 from fa4_aot.torch import flash_attn_varlen_func
 from fa4_aot.torch import varlen as V
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import timing  # noqa: E402 (benchmarks/timing.py)
 
 def run(lengths, h=12, d=64, blocks=12):
     total = sum(lengths)
@@ -37,16 +41,7 @@ def run(lengths, h=12, d=64, blocks=12):
     for f in steps.values():
         for _ in range(10):
             f()
-    res = {n: [] for n in steps}
-    for block in range(blocks):
-        for n in (list(steps) if block % 2 == 0 else list(reversed(steps))):
-            times = []
-            for _ in range(20):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                steps[n]()
-                times.append(time.perf_counter() - start)
-            res[n].append(statistics.median(times) * 1e6)
+    res = timing.host_blocks(steps, blocks, 20)
     ratio = statistics.median(a / b for a, b in zip(res["eager"], res["ops"]))
     print(f"{len(lengths)} x {lengths[0]}.. tokens {total}: host us/step eager {statistics.median(res['eager']):.0f} "
           f"({min(res['eager']):.0f}-{max(res['eager']):.0f}) ops {statistics.median(res['ops']):.0f} "

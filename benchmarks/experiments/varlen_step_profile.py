@@ -13,21 +13,16 @@ import io
 import itertools
 import pstats
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from fa4_aot.torch import flash_attn_varlen_func
 
-
-def host_us(fn, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import host_us  # noqa: E402 (benchmarks/timing.py)
 
 
 def gpu_us(fn, steps: int) -> float:
