@@ -83,9 +83,9 @@ class _Step:
         if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:  # refused by the checks, typed
             return flash_attn_fwd(q, k, v, softmax_scale=scale, causal=causal, window_size=(left, right),
                                   softcap=softcap)
-        library = default_library()
+        library, device = default_library(), q.get_device()
         signature = ("step", q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(),
-                     v.dtype, q.get_device(), causal, scale, deterministic, left, right, softcap, library)
+                     v.dtype, device, causal, scale, deterministic, left, right, softcap, library)
         try:
             sizes = cls.workspaces.get(signature)
         except TypeError:  # an unhashable option: the checked path says what it makes of it
@@ -100,7 +100,7 @@ class _Step:
         out = q.new_empty((b, s_q, h_q, v.shape[3]))
         lse = torch.empty((b, h_q, s_q), dtype=torch.float32, device=q.device)
         workspace = torch.empty(sizes[0], dtype=torch.uint8, device=q.device) if sizes[0] else None
-        stream = current_stream(q.get_device())
+        stream = current_stream(device)
         key = (signature, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
                workspace.data_ptr() if sizes[0] else 0, stream)
         if not library.launch_again(key):
