@@ -151,6 +151,19 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     ``window_size``, ``softcap``, ``learnable_sink``: as ``fa4_aot.forward``'s, the window
     within each sequence. Asynchronous and allocation-free.
     """
+    run_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=seqused_q,
+                       seqused_k=seqused_k, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                       softcap=softcap, learnable_sink=learnable_sink, stream=stream, library=library,
+                       workspace=workspace, order=order)
+
+
+def run_forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
+                       seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
+                       window_size=(-1, -1), softcap: float = 0.0, learnable_sink=None, stream: int = 0,
+                       library: KernelLibrary | None = None, workspace=None, order: str | None = None,
+                       aliases=()) -> None:
+    """``forward_varlen``; its launches kept under ``aliases`` too ((key, pinned) pairs: an
+    adapter's own keys, as fa4_aot.dense.run_forward's)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     mods = checks.score_mods(causal, window_size, softcap, learnable_sink is not None)
     stream = checks.stream_handle(stream)
@@ -160,7 +173,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     arrays, waits = as_device_arrays({name: x for name, x in named if x is not None or name not in OPTIONAL}, stream)
     library = library or default_library()
     key = ("fwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, mods, scale, stream, order)
-    if library.launch_again(key, waits):
+    if library.launch_again(key, waits, aliases):
         return
     sizes = served_sizes(library.manifest, "fwd", check_forward_varlen(arrays, max_seqlen_q, max_seqlen_k))
     if mods.sink:
@@ -188,7 +201,7 @@ def forward_varlen(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
               "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
               "lpt": int(walk == "lpt")}
     mods.add_launch_values(values, tensors, scale, LOG2E)
-    library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)
 
 
 def _sequence_tensors(arrays: dict, packed: dict) -> dict:
@@ -281,6 +294,19 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     way. Asynchronous and allocation-free; bad arguments raise before any launch.
     ``window_size``, ``softcap``, ``learnable_sink``, ``dsink``: as ``fa4_aot.backward``'s.
     """
+    run_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        workspace, seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                        softmax_scale=softmax_scale, deterministic=deterministic, stream=stream, library=library,
+                        order=order, window_size=window_size, softcap=softcap, learnable_sink=learnable_sink,
+                        dsink=dsink)
+
+
+def run_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int,
+                        max_seqlen_k: int, workspace, *, seqused_q=None, seqused_k=None, causal: bool = False,
+                        softmax_scale: float | None = None, deterministic: bool = False, stream: int = 0,
+                        library: KernelLibrary | None = None, order: str | None = None, window_size=(-1, -1),
+                        softcap: float = 0.0, learnable_sink=None, dsink=None, aliases=()) -> None:
+    """``backward_varlen``; its launches kept under ``aliases`` too (as ``run_forward_varlen``)."""
     scale, causal = checks.softmax_scale(softmax_scale), checks.flag("causal", causal)
     deterministic = checks.flag("deterministic", deterministic)
     mods = checks.backward_mods(causal, window_size, softcap, learnable_sink, dsink)
@@ -292,7 +318,7 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
     library = library or default_library()
     key = ("bwd_varlen", *arrays.items(), max_seqlen_q, max_seqlen_k, causal, mods, scale, deterministic, stream,
            order)
-    if library.launch_again(key, waits):
+    if library.launch_again(key, waits, aliases):
         return
     sizes = served_sizes(library.manifest, "bwd", check_backward_varlen(arrays, max_seqlen_q, max_seqlen_k))
     for name in ("sink", "dsink"):
@@ -330,4 +356,4 @@ def backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
                    "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
                    "lpt": int(walk == "lpt")})
     checks.add_backward_values(mods, values, tensors, values["ws_tiles"], scale, LOG2E)
-    library.launch(row, device, stream, values, tensors, key=key, waits=waits)
+    library.launch(row, device, stream, values, tensors, key=key, waits=waits, aliases=aliases)

@@ -18,10 +18,13 @@ import torch
 
 from ..varlen import (
     backward_varlen, backward_varlen_workspace_bytes, default_forward_order, forward_varlen, forward_varlen_workspace_bytes,
+    run_backward_varlen, run_forward_varlen,
 )
 from ..launch import checks
 from ..launch.calls import default_library
-from .tensors import DTYPES, as_device_array, check_on_gpu, check_packed, kernel_ready_dout, needs_grad, passed
+from .tensors import (
+    DTYPES, as_device_array, check_on_gpu, check_packed, current_stream, kernel_ready_dout, needs_grad, passed,
+)
 
 def flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,
                           seqused_q=None, seqused_k=None, causal: bool = False, softmax_scale: float | None = None,
@@ -174,15 +177,23 @@ class VarlenAttention(torch.autograd.Function):
     """Eager autograd over the varlen kernels: what ``fa4_aot::fwd_varlen`` and its
     registered autograd do (the same functions, the same results), without torch.library's
     per-call dispatch, which costs several times the launches' host time
-    (fa4_aot.torch.autograd.FlashAttention, the dense twin); torch.compile traces the ops."""
+    (fa4_aot.torch.autograd.FlashAttention, the dense twin); torch.compile traces the ops.
+    A call without sinks or seqused takes the step's own repeat path (``_VarlenStep``)."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, causal,
                 softmax_scale, deterministic, window_left, window_right, softcap, learnable_sink):
-        out, lse = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
-                                         softmax_scale=softmax_scale, window_size=(window_left, window_right),
-                                         softcap=softcap, learnable_sink=learnable_sink)
+        ctx.step = None
+        options = (causal, softmax_scale, deterministic, window_left, window_right, softcap)
+        if learnable_sink is None and seqused_q is None and seqused_k is None and \
+                _VarlenStep.takes(q, k, v, cu_seqlens_q, cu_seqlens_k):
+            out, lse = _VarlenStep.forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                           options)
+        else:
+            out, lse = flash_attn_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                             seqused_q=seqused_q, seqused_k=seqused_k, causal=causal,
+                                             softmax_scale=softmax_scale, window_size=(window_left, window_right),
+                                             softcap=softcap, learnable_sink=learnable_sink)
         _setup_context(ctx, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k,
                              causal, softmax_scale, deterministic, window_left, window_right, softcap,
                              learnable_sink), (out, lse))
@@ -195,6 +206,9 @@ class VarlenAttention(torch.autograd.Function):
         if dout is None:
             return (None,) * 16
         q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sink = ctx.saved_tensors
+        if ctx.step is not None and type(dout) is _Tensor:
+            return (*_VarlenStep.backward(ctx, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, kernel_ready_dout(dout)),
+                    *(None,) * 13)
         if not ctx.needs_input_grad[15]:
             sink = None  # no sinks' gradient asked for: none computed
         grads = flash_attn_varlen_bwd(q, k, v, out, kernel_ready_dout(dout), lse, cu_seqlens_q, cu_seqlens_k,
@@ -202,6 +216,81 @@ class VarlenAttention(torch.autograd.Function):
                                       softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic,
                                       window_size=ctx.window, softcap=ctx.softcap, learnable_sink=sink)
         return *grads[:3], *(None,) * 12, grads[3] if sink is not None else None
+
+
+_Tensor = torch.Tensor
+
+
+class _VarlenStep:
+    """A training step's varlen attention (no sinks, no seqused) on its repeat path, as
+    fa4_aot.torch.autograd._Step is the dense step's: the outputs, gradients and workspaces
+    are made here, their sizes, strides and dtypes following from q's, k's, v's and the
+    cu_seqlens' layouts, the max lengths and the options (the signature), so only their
+    pointers join the keys beside the inputs'. A step whose launches were made before with
+    the same signature and pointers (the caching allocator gives a training loop's the same
+    ones step after step) launches them again with no check and no packing; a new key takes
+    the checked path (run_forward_varlen, run_backward_varlen: every check, then the
+    launches kept under it too). The kernels read cu_seqlens' values on the device, so a
+    batch of other lengths in the same buffers repeats the same launches.
+    (docs/design.md, "Run time: the host path")"""
+
+    @staticmethod
+    def takes(q, k, v, cu_seqlens_q, cu_seqlens_k) -> bool:
+        """Plain CUDA tensors of the packed ranks (others take the checked path, whose
+        checks say what is wrong with them)."""
+        return (type(q) is _Tensor and type(k) is _Tensor and type(v) is _Tensor and type(cu_seqlens_q) is _Tensor
+                and type(cu_seqlens_k) is _Tensor and q.is_cuda and q.dim() == 3 and k.dim() == 3 and v.dim() == 3
+                and cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1)
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, options):
+        causal, scale, deterministic, left, right, softcap = options
+        library, device = default_library(), q.get_device()
+        signature = ("varlen step", q.shape, q.stride(), q.dtype, k.shape, k.stride(), k.dtype, v.shape, v.stride(),
+                     v.dtype, cu_seqlens_q.shape, cu_seqlens_q.stride(), cu_seqlens_q.dtype, cu_seqlens_k.shape,
+                     cu_seqlens_k.stride(), cu_seqlens_k.dtype, max_seqlen_q, max_seqlen_k, device, *options, library)
+        lpt, size = _forward_order(cu_seqlens_q.shape[0] - 1, library)
+        out = q.new_empty((*q.shape[:2], v.shape[-1]))
+        lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device) if lpt else None
+        stream = current_stream(device)
+        key = (signature, q.data_ptr(), k.data_ptr(), v.data_ptr(), cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+               out.data_ptr(), lse.data_ptr(), workspace.data_ptr() if lpt else 0, stream)
+        if not library.launch_again(key):
+            extra = {} if workspace is None else {"workspace": as_device_array(workspace)}
+            run_forward_varlen(*(as_device_array(t) for t in (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k)),
+                               max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=scale,
+                               window_size=(left, right), softcap=softcap, stream=stream, library=library,
+                               aliases=((key, ()),), **extra)
+        ctx.step = (signature, library)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dout) -> tuple:
+        """(dq, dk, dv) for the forward ``ctx`` keeps (its signature and library, ``ctx.step``):
+        zeros where no sequence's rows are, as the checked path's."""
+        signature, library = ctx.step
+        left, right = ctx.window
+        local = checks.score_mods(ctx.causal, ctx.window, ctx.softcap, False).local
+        size = _backward_workspace_bytes(q.shape[0], cu_seqlens_q.shape[0] - 1, q.shape[1], q.shape[2], v.shape[-1],
+                                         DTYPES.get(q.dtype), bool(ctx.causal), bool(ctx.deterministic), local,
+                                         library)
+        dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
+        dk = torch.zeros_like(k, memory_format=torch.contiguous_format)
+        dv = torch.zeros_like(v, memory_format=torch.contiguous_format)
+        workspace = torch.empty(size, dtype=torch.uint8, device=q.device)
+        stream = current_stream(q.get_device())
+        key = (signature, q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), dout.data_ptr(),
+               dout.shape, dout.stride(), dout.dtype, cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(),
+               dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), workspace.data_ptr(), stream)
+        if not library.launch_again(key):
+            run_backward_varlen(*(as_device_array(t) for t in (q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q,
+                                                                cu_seqlens_k)),
+                                *ctx.max_seqlen, as_device_array(workspace), causal=ctx.causal,
+                                softmax_scale=ctx.softmax_scale, deterministic=ctx.deterministic, stream=stream,
+                                library=library, window_size=(left, right), softcap=ctx.softcap,
+                                aliases=((key, ()),))
+        return dq, dk, dv
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, *,

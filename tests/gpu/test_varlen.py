@@ -518,3 +518,60 @@ def test_varlen_forward_strided_packed_qkv(variant, gen):
     qkv = torch.randn(sum(lengths), 3, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
     q, k, v = qkv.unbind(dim=1)
     _forward_and_check(q, k, v, lengths, lengths, variant.causal)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["", "deterministic"])
+def test_varlen_func_repeats_read_new_values(deterministic, gen, monkeypatch):
+    """flash_attn_varlen_func's steps keep their launches and repeat them when the caching
+    allocator gives a step the same addresses (torch.varlen._VarlenStep): the same leaves
+    and cu_seqlens buffers refilled in place with new values and other lengths (an empty
+    sequence, rows of no sequence) give each step's attention and gradients, and zero
+    gradients on the rows of no sequence, step after step (and some step repeats)."""
+    from fa4_aot.torch import varlen
+
+    launched = []
+    for name in ("run_forward_varlen", "run_backward_varlen"):
+        real = getattr(varlen, name)
+        monkeypatch.setattr(varlen, name, lambda *a, real=real, **kw: launched.append(real) or real(*a, **kw))
+    total, hq, hkv, d, max_len = 900, 4, 2, 64, 512
+    mixes = [[300, 100, 500], [512, 0, 388], [7, 512, 200], [512, 300, 1]]  # the last two leave rows of no sequence
+    q, dout = (torch.empty(total, hq, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.empty(total, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    leaves = [x.requires_grad_(True) for x in (q, k, v)]
+    cu = torch.empty(len(mixes[0]) + 1, dtype=torch.int32, device="cuda")
+    # each step's inputs, output and gradients, kept in blocks made before the loop: the
+    # steps then allocate alike, as a training loop's do
+    inputs = [[torch.empty_like(x) for x in (*leaves, dout)] for _ in mixes]
+    outs = [torch.empty_like(dout) for _ in mixes]
+    lses = [torch.empty(hq, total, device="cuda") for _ in mixes]
+    grads = [[torch.empty_like(x) for x in leaves] for _ in mixes]
+    for step, lengths in enumerate(mixes):
+        with torch.no_grad():
+            for x, kept in zip((*leaves, dout), inputs[step]):
+                kept.copy_(x.normal_(generator=gen))
+            cu.copy_(_lengths_to_cu(lengths))
+        for x in leaves:
+            x.grad = None
+        out, lse = flash_attn_varlen_func(*leaves, cu, cu, max_len, max_len, causal=True, deterministic=deterministic,
+                                          return_lse=True)
+        out.backward(dout)
+        with torch.no_grad():
+            outs[step].copy_(out)
+            lses[step].copy_(lse)
+            for kept, x in zip(grads[step], leaves):
+                kept.copy_(x.grad)
+        del out, lse
+    torch.cuda.synchronize()
+    for step, lengths in enumerate(mixes):
+        qs, ks, vs, douts = inputs[step]
+        at = 0
+        for n in lengths:
+            rows = slice(at, at + n)
+            if n:
+                check_attention(outs[step][rows][None], lses[step][:, rows][None], qs[rows][None], ks[rows][None],
+                                vs[rows][None], True, what=f"step {step}, sequence of {n}: ")
+                check_grads([g[rows][None] for g in grads[step]], qs[rows][None], ks[rows][None], vs[rows][None],
+                            douts[rows][None], outs[step][rows][None], True)
+            at += n
+        assert all((g[at:] == 0).all() for g in grads[step]), f"step {step}: gradients of rows of no sequence"
+    assert len(launched) < 2 * len(mixes)  # some step repeated its kept launches
