@@ -33,11 +33,16 @@ HEAD_SPLIT_REGS = (24, 240)  # producer, each consumer: three warpgroups within 
 # "Local attention, sinks, softcap": windowed decode).
 LOCAL_TILES = {64: (64, 2, 3, 40, 120)}
 # The span-narrow kernels (a bounded window, policy.decode_narrow): 32-key tiles, 4 stages,
-# four CTAs per SM ((24 + 104) x 128 = 64 registers a thread of 256): gpt-oss's window 128
-# at batch 256 1493 -> 1702-1734 GB/s, windows 256-8192 +2.5-7%; its full layers (8 x 32k,
-# sinks) 2748 -> 2680, and windows at batch 8-16 (split) -4 to -27%, hence a kernel of its
-# own (docs/design.md, "Local attention, sinks, softcap").
-NARROW_SPAN = {64: (32, 4, 4, 24, 104)}
+# four CTAs per SM: gpt-oss's window 128 at batch 256 1493 -> 1702-1734 GB/s, windows
+# 256-8192 +2.5-7%; its full layers (8 x 32k, sinks) 2748 -> 2680, and windows at batch
+# 8-16 (split) -4 to -27%, hence a kernel of its own. A CTA is one consumer warpgroup and
+# one producer warp (160 threads, ``producer_warp``: 85 registers a thread, no spills), not
+# two warpgroups of which the producer's used one warp (256 threads at 24 + 104 registers):
+# H100, window 32 +7-8%, batch 64 +6-9%, window 128 +0.5-2% (five CTAs an SM: 72
+# registers with spills, half the speed) (docs/design.md, "Local attention, sinks,
+# softcap": windowed decode).
+# (tile_n, stages, CTAs per SM)
+NARROW_SPAN = {64: (32, 4, 4)}
 # Local with a cap at head_dim 128 (Gemma 2's d128 window): the consumer's tanh over a KV
 # head's rows bounds it on the H200 (one warp holds both rows of a head at GQA 16:8), so two
 # CTAs an SM, each at 32-key tiles and 4 stages ((40 + 216) x 128 = 128 registers a thread
@@ -94,6 +99,9 @@ class DecodeConfig:
     head_split: bool = False  # two consumer warpgroups on the 64 rows, half the head dim each
     pairs: bool = False  # may read two adjacent KV heads as one (run-time pair_heads: 1 or 2)
     piece_rows: int = 0  # keys per TMA piece of a contiguous cache (0: the tile): LOCAL_PIECE_ROWS
+    # warps 0-3 the consumer warpgroup, warp 4 the producer (160 threads); no setmaxnreg
+    # (producer_regs, consumer_regs 0): every thread at the launch's register cap
+    producer_warp: bool = False
 
     @property
     def consumers(self) -> int:
@@ -117,17 +125,21 @@ class DecodeConfig:
         if fp8:
             tile_n, stages = TILES_E4M3[variant.head_dim]
         elif variant.span == "narrow":
-            tile_n, stages, ctas, producer_regs, consumer_regs = NARROW_SPAN[variant.head_dim]
+            (tile_n, stages, ctas), producer_regs, consumer_regs = NARROW_SPAN[variant.head_dim], 0, 0
         elif variant.local and variant.softcap and variant.head_dim in LOCAL_CAPPED_TILES:
             tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_CAPPED_TILES[variant.head_dim]
         elif variant.local and variant.head_dim in LOCAL_TILES:
             tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_TILES[variant.head_dim]
+        producer_warp = variant.span == "narrow" and not fp8
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
-                   tile_n=tile_n, stages=stages, threads=(3 if fp8 else 2) * WARPGROUP, producer_regs=producer_regs,
+                   tile_n=tile_n, stages=stages,
+                   threads=WARPGROUP + 32 if producer_warp else (3 if fp8 else 2) * WARPGROUP,
+                   producer_regs=producer_regs,
                    consumer_regs=consumer_regs, local=variant.local, softcap=variant.softcap, ctas_per_sm=ctas,
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
                    pairs=variant.head_dim in PAIRED_HEAD_DIMS and not variant.softcap
-                   and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.local and not fp8 else 0)
+                   and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.local and not fp8 else 0,
+                   producer_warp=producer_warp)
 
     @property
     def fp8(self) -> bool:

@@ -20,6 +20,8 @@ Warpgroups: warp 0 of warpgroup 0 loads K and V through `stages`-deep TMA pipeli
 tiles from the last (the one that may need masking) to the first; warpgroup 1 loads Q
 (plain loads: packed rows are not a TMA box), then per key tile S = Q K^T (SS-wgmma),
 masking, online softmax (conditional rescaling, exp2), O += P V (RS-wgmma), and writes.
+With ``cfg.producer_warp`` (the span-narrow kernels, several CTAs an SM) the consumer
+warpgroup is warps 0-3 and the loads are warp 4's, the CTA's last.
 
 Local (a sliding window and sinks, run-time values) and softcap: as the forward's
 (docs/design.md, "Local attention, sinks, softcap"): a row tile's key tiles start at its
@@ -228,7 +230,19 @@ class DecodeSm90:
         turn = ((b * splits + split) * turn_stride) % cutlass.max(n_end - n_begin, Int32(1))
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        if warp < 4:
+        if const_expr(cfg.producer_warp):
+            # ------- warps 0-3 the consumer warpgroup, warp 4 the producer: TMA loads of K and V -------
+            # (no setmaxnreg, which a partial warpgroup cannot take: every thread at the launch's cap)
+            if warp == 4:
+                table = cute.make_tensor(page_table_ptr, cute.make_layout(batch * max_pages))
+                pages = (table, b * max_pages, max_pages, page_rows, gK.shape[3], paged, piece_rows)
+                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
+                          turn, keys)
+            else:
+                place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
+                self.consume(tidx, sQ, (sK, sV), (pipe_k, pipe_v), (p, place, split, seqlen_k, n_begin, n_end, turn,
+                                                                     window))
+        elif warp < 4:
             # ---------------- producer warpgroup: TMA loads of K and V ----------------
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp == 0:
@@ -263,7 +277,8 @@ class DecodeSm90:
         cfg = self.cfg
         p, place, split, seqlen_k, n_begin, n_end, turn, window = consume
         (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
-        cute.arch.setmaxregister_increase(cfg.consumer_regs)
+        if const_expr(not cfg.producer_warp):
+            cute.arch.setmaxregister_increase(cfg.consumer_regs)
         b, head_kv = place[0], place[1]
         halves = None
         if const_expr(cfg.head_split):
