@@ -27,11 +27,14 @@ TILES_HEAD_SPLIT = {512: (32, 2)}
 HEAD_SPLIT_REGS = (24, 240)  # producer, each consumer: three warpgroups within 64K
 # Local at head_dim 64, span any (gpt-oss's full layers: sinks over the whole cache;
 # windows wider than policy.DECODE_NARROW_MAX_SPAN): 64-key tiles, 2 stages, three CTAs per
-# SM (tile_n, stages, CTAs per SM, producer and consumer registers: (40 + 120) x 128 = 80 a
-# thread of 256). The full layers, 8 x 32k: 2748 GB/s; 32-key tiles at four CTAs 2680; the
-# plain decode's 128-key tiles at one CTA 2661 (128k: 2779, 2769, 2830) (docs/design.md,
-# "Local attention, sinks, softcap": windowed decode).
-LOCAL_TILES = {64: (64, 2, 3, 40, 120)}
+# SM. The full layers, 8 x 32k: 2748 GB/s; 32-key tiles at four CTAs 2680; the plain
+# decode's 128-key tiles at one CTA 2661 (128k: 2779, 2769, 2830). A CTA is one consumer
+# warpgroup and one producer warp (``producer_warp``, as the span-narrow kernels below:
+# 113 registers, 128 capped, no spills), not two warpgroups at 40 + 120: H100, gpt-oss's
+# window at batch 16 +3-13% (paged +5-8%), its full layers within 0.4%; at four CTAs (96
+# registers) no gain (docs/design.md, "Local attention, sinks, softcap": windowed decode).
+# (tile_n, stages, CTAs per SM)
+LOCAL_TILES = {64: (64, 2, 3)}
 # The span-narrow kernels (a bounded window, policy.decode_narrow): 32-key tiles, 4 stages,
 # four CTAs per SM: gpt-oss's window 128 at batch 256 1493 -> 1702-1734 GB/s, windows
 # 256-8192 +2.5-7%; its full layers (8 x 32k, sinks) 2748 -> 2680, and windows at batch
@@ -129,8 +132,8 @@ class DecodeConfig:
         elif variant.local and variant.softcap and variant.head_dim in LOCAL_CAPPED_TILES:
             tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_CAPPED_TILES[variant.head_dim]
         elif variant.local and variant.head_dim in LOCAL_TILES:
-            tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_TILES[variant.head_dim]
-        producer_warp = variant.span == "narrow" and not fp8
+            (tile_n, stages, ctas), producer_regs, consumer_regs = LOCAL_TILES[variant.head_dim], 0, 0
+        producer_warp = not fp8 and (variant.span == "narrow" or (variant.local and variant.head_dim in LOCAL_TILES))
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
                    tile_n=tile_n, stages=stages,
                    threads=WARPGROUP + 32 if producer_warp else (3 if fp8 else 2) * WARPGROUP,
