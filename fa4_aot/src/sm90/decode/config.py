@@ -124,16 +124,18 @@ class DecodeConfig:
                        consumer_regs=consumer_regs, head_split=True)
         tile_n, stages = TILES[variant.head_dim]
         ctas, producer_regs, consumer_regs = 1, PRODUCER_REGS, CONSUMER_REGS
+        producer_warp = False  # the kernels of several CTAs an SM with an idle producer warpgroup: a warp
         fp8 = variant.kv_dtype == "e4m3"
         if fp8:
             tile_n, stages = TILES_E4M3[variant.head_dim]
         elif variant.span == "narrow":
-            (tile_n, stages, ctas), producer_regs, consumer_regs = NARROW_SPAN[variant.head_dim], 0, 0
+            (tile_n, stages, ctas), producer_warp = NARROW_SPAN[variant.head_dim], True
         elif variant.local and variant.softcap and variant.head_dim in LOCAL_CAPPED_TILES:
             tile_n, stages, ctas, producer_regs, consumer_regs = LOCAL_CAPPED_TILES[variant.head_dim]
         elif variant.local and variant.head_dim in LOCAL_TILES:
-            (tile_n, stages, ctas), producer_regs, consumer_regs = LOCAL_TILES[variant.head_dim], 0, 0
-        producer_warp = not fp8 and (variant.span == "narrow" or (variant.local and variant.head_dim in LOCAL_TILES))
+            (tile_n, stages, ctas), producer_warp = LOCAL_TILES[variant.head_dim], True
+        if producer_warp:  # no setmaxnreg
+            producer_regs = consumer_regs = 0
         return cls(dtype=variant.dtype, head_dim=variant.head_dim, causal=variant.causal, tile_m=ROWS,
                    tile_n=tile_n, stages=stages,
                    threads=WARPGROUP + 32 if producer_warp else (3 if fp8 else 2) * WARPGROUP,
