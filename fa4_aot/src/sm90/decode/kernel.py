@@ -183,9 +183,9 @@ class DecodeSm90:
         strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
         (splits, b, h_q, s_q) fp32, contiguous; cache_seqlens (b,), page_table (b, max_pages)."""
         (tma_k, gK), (tma_v, gV) = p.k_cache, p.v_cache
-        seqlens_ptr, page_table_ptr = p.cache_seqlens, p.page_table
+        seqlens_ptr = p.cache_seqlens
         batch, seqlen_q, heads_q, splits = p.batch, p.seqlen_q, p.heads_q, p.splits
-        max_pages, piece_rows, paged, turn_stride = p.max_pages, p.piece_rows, p.paged, p.turn_stride
+        max_pages, paged, turn_stride = p.max_pages, p.paged, p.turn_stride
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -234,10 +234,8 @@ class DecodeSm90:
             # ------- warps 0-3 the consumer warpgroup, warp 4 the producer: TMA loads of K and V -------
             # (no setmaxnreg, which a partial warpgroup cannot take: every thread at the launch's cap)
             if warp == 4:
-                table = cute.make_tensor(page_table_ptr, cute.make_layout(batch * max_pages))
-                pages = (table, b * max_pages, max_pages, page_rows, gK.shape[3], paged, piece_rows)
-                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
-                          turn, keys)
+                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end, turn,
+                          keys)
             else:
                 place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
                 self.consume(tidx, sQ, (sK, sV), (pipe_k, pipe_v), (p, place, split, seqlen_k, n_begin, n_end, turn,
@@ -246,10 +244,8 @@ class DecodeSm90:
             # ---------------- producer warpgroup: TMA loads of K and V ----------------
             cute.arch.setmaxregister_decrease(cfg.producer_regs)
             if warp == 0:
-                table = cute.make_tensor(page_table_ptr, cute.make_layout(batch * max_pages))
-                pages = (table, b * max_pages, max_pages, page_rows, gK.shape[3], paged, piece_rows)
-                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), pages, head_kv, b, n_begin, n_end,
-                          turn, keys)
+                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end, turn,
+                          keys)
         else:
             place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
             consume = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
@@ -393,13 +389,15 @@ class DecodeSm90:
         return n_begin, n_end, (first_key, limit)
 
     @cute.jit
-    def load(self, k, v, pipes, pages, head_kv, b, n_begin, n_end, turn, keys):
+    def load(self, k, v, pipes, p, head_kv, b, n_begin, n_end, turn, keys):
         """K and V of the CTA's key tiles in ``_key_tile`` order, K one tile ahead of V;
         each tile in pieces of ``piece_rows`` keys, each from its page. A tile's pieces
         are looked up in the page table by one lane each, once for its K and its V.
         ``keys``: [first, last) the CTA's rows see (cfg.piece_rows: the pieces wholly
         outside are not read, ``_piece_place``)."""
         (tma_k, gK, sK), (tma_v, gV, sV) = k, v
+        table = cute.make_tensor(p.page_table, cute.make_layout(p.batch * p.max_pages))
+        pages = (table, b * p.max_pages, p.max_pages, gK.shape[0], gK.shape[3], p.paged, p.piece_rows)
         pipe_k, pipe_v = pipes
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
         steps = n_end - n_begin
