@@ -10,35 +10,13 @@ torch = pytest.importorskip("torch")
 
 from fa4_aot.torch import autograd  # noqa: E402
 from fa4_aot.torch import flash_attn_func  # noqa: E402
-
-
-class _Library:
-    """launch_again and the step's launches, recorded: ``repeat`` says whether a kept
-    launch is found. The tensors a launch is given that the step made (outputs, gradients,
-    workspaces) are kept alive, so that no input of a later call takes their addresses."""
-
-    def __init__(self):
-        self.asked, self.launches, self.made, self.repeat = [], [], [], False
-
-    def launch_again(self, key):
-        self.asked.append(key)
-        return self.repeat
-
-    def launch(self, kind, made, keep):
-        self.launches.append((kind, keep))
-        self.made += [t for t in made if t is not None]
-
-    def masked(self, key):
-        """``key`` without the addresses of what the steps made: what a call's own arguments
-        and options put in it."""
-        made = {t.data_ptr() for t in self.made}
-        return tuple(x for x in key if not (type(x) is int and x in made))
+from .step_library import RecordingLibrary  # noqa: E402
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """The step's forward and backward on CPU tensors taken as a GPU's: launches recorded."""
-    library = _Library()
+    library = RecordingLibrary()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(autograd._Step, "workspaces", {})
     monkeypatch.setattr(autograd, "default_library", lambda: library)

@@ -10,36 +10,14 @@ torch = pytest.importorskip("torch")
 
 from fa4_aot.torch import flash_attn_varlen_func  # noqa: E402
 from fa4_aot.torch import varlen  # noqa: E402
-
-
-class _Library:
-    """launch_again and the step's launches, recorded: ``repeat`` says whether a kept
-    launch is found. The tensors a launch is given that the step made (outputs, gradients,
-    workspaces) are kept alive, so that no input of a later call takes their addresses."""
-
-    def __init__(self):
-        self.asked, self.launches, self.made, self.repeat = [], [], [], False
-
-    def launch_again(self, key):
-        self.asked.append(key)
-        return self.repeat
-
-    def launch(self, kind, made, aliases):
-        self.launches.append((kind, tuple(key for key, _ in aliases)))
-        self.made += [t for t in made if t is not None]
-
-    def masked(self, key):
-        """``key`` without the addresses of what the steps made: what a call's own arguments
-        and options put in it."""
-        made = {t.data_ptr() for t in self.made}
-        return tuple(x for x in key if not (type(x) is int and x in made))
+from .step_library import RecordingLibrary  # noqa: E402
 
 
 @pytest.fixture(params=[False, True], ids=["plain order", "heaviest first"])
 def fake_gpu(request, monkeypatch):
     """The step's forward and backward on CPU tensors taken as a GPU's: launches recorded;
     the forward's order with a workspace or without."""
-    library = _Library()
+    library = RecordingLibrary()
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(varlen, "default_library", lambda: library)
     monkeypatch.setattr(varlen, "check_on_gpu", lambda named: None)
@@ -48,10 +26,11 @@ def fake_gpu(request, monkeypatch):
     monkeypatch.setattr(varlen, "_forward_order", lambda batch, lib: (request.param, 64))
     monkeypatch.setattr(varlen, "_backward_workspace_bytes", lambda *a: 256)
     monkeypatch.setattr(varlen, "run_forward_varlen",
-                        lambda *a, aliases=(), workspace=None, **kw: library.launch("fwd", (*a[3:5], workspace),
-                                                                                    aliases))
+                        lambda *a, aliases=(), workspace=None, **kw: library.launch(
+                            "fwd", (*a[3:5], workspace), (key for key, _ in aliases)))
     monkeypatch.setattr(varlen, "run_backward_varlen",
-                        lambda *a, aliases=(), **kw: library.launch("bwd", (*a[6:9], a[13]), aliases))
+                        lambda *a, aliases=(), **kw: library.launch("bwd", (*a[6:9], a[13]),
+                                                                    (key for key, _ in aliases)))
     return library
 
 
