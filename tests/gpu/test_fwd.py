@@ -192,7 +192,8 @@ def test_concurrent_launches_from_threads():
 @pytest.mark.parametrize("variant", [v for v in FWD if v.q_tiles == 1], ids=lambda v: v.name)
 def test_the_rules_catch_planted_errors(variant, gen):
     """The check fails for a correct forward's results spoilt by an LSE off by 1e-3, or by
-    a 1% error in the rows of one query tile (the last, ragged one), on every shape."""
+    a 1% error in the rows of one query tile (the last, ragged one; 2% where it is one
+    row), on every shape."""
     tile = fa4_aot.default_library().manifest.row(variant)["config"]["tile_m"]  # the forward's query tile
     for shape in SHAPES:
         q, k, v = _inputs(shape, variant.head_dim, DTYPES[variant.dtype], gen)
@@ -203,9 +204,12 @@ def test_the_rules_catch_planted_errors(variant, gen):
         with pytest.raises(AssertionError, match="lse"):
             _check(out, lse + 1e-3, q, k, v, variant.causal)
         last = (shape[1] - 1) // tile * tile
-        spoilt = out.clone()
-        spoilt[:, last:] = (spoilt[:, last:].float() * 1.01).to(out.dtype)
-        if torch.equal(spoilt, out):  # rows that see no key: 0 either way
+        # kept in float32, so the error is what is planted; a tile of one row is held by the
+        # row rule alone, whose allowance in bf16 (twice the twin plus two roundings, 0.78%)
+        # passes 1%: there 2% (docs/design.md, Tolerances)
+        spoilt = out.float()
+        spoilt[:, last:] *= 1.01 if shape[1] - last > 1 else 1.02
+        if torch.equal(spoilt, out.float()):  # rows that see no key: 0 either way
             continue
         with pytest.raises(AssertionError, match="out"):
             _check(spoilt, lse, q, k, v, variant.causal)
