@@ -7,7 +7,7 @@ takes two for short key sequences (fa4_aot.policy.TWO_TILES_MAX_SEQLEN_K). Warpg
 - warpgroup 0, warp 0: the producer. TMA loads Q once and K, V tile by tile into
   `stages`-deep mbarrier pipelines, walking key tiles from the last (the one that may need
   masking) to the first, K one tile ahead of V.
-- warpgroups 1 and 2 (and 3 for 192-row tiles): consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
+- warpgroups 1 and 2 (and 3, 4 for 192- and 256-row tiles): consumers, 64 query rows each. S = Q K^T by SS-wgmma, masking,
   online softmax in the exp2 domain with conditional rescaling of O, P converted in registers and fed to O += P V as the
   A operand of an RS-wgmma. Within a warpgroup, S(j+1) and P(j) V(j) are in flight
   together and the softmax of S(j+1) overlaps P(j) V(j); across the warpgroups, named
@@ -52,7 +52,12 @@ from .key_tiles import KeyRange, KeyTiles
 
 EPILOGUE_BARRIER = 1
 SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
-ORDER_BARRIER = 5  # .. 5 + consumers - 1: see primitives.wait_after
+
+
+def order_barrier(consumers: int) -> int:
+    """The first of the consumers' order barriers (primitives.wait_after), one per warpgroup,
+    after the scheduler barriers: 5 with two or three consumers, 6 with four."""
+    return SCHEDULER_BARRIER + max(consumers, 3)
 
 
 class FlashFwdSm90(KeyTiles):
@@ -72,7 +77,7 @@ class FlashFwdSm90(KeyTiles):
     @staticmethod
     def check(cfg: FwdConfig):
         """What this kernel's code assumes of its variant (asserted at build time)."""
-        assert cfg.tile_m in (128, 192), "two or three consumer warpgroups of 64 rows"
+        assert cfg.tile_m in (128, 192, 256), "two to four consumer warpgroups of 64 rows"
         # causal: a warpgroup's rows see at most one key tile fewer than its tile's last row
         # (attend's _skip_key_tile passes over one)
         # (local: a warpgroup passes over any number, _pass_key_tile)
@@ -534,7 +539,7 @@ class FlashFwdSm90(KeyTiles):
                     apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                 softmax_step(acc_s, row_scale)
                 # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
-                wait_after([softmax.row_sum[r] for r in range(rows)], ORDER_BARRIER + wg, WARPGROUP)
+                wait_after([softmax.row_sum[r] for r in range(rows)], order_barrier(self.cfg.num_consumers) + wg, WARPGROUP)
                 pipe_v.consumer_release(v_state)
                 # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
                 self._to_operand(acc_s, f.tOrP, acc_o, row_scale)
