@@ -195,10 +195,10 @@ def check_attention(out, lse, q, k, v, causal, scale=None, what="", **mods):
     each query row's RMS over the head dim within twice the twin's plus two roundings of
     the dtype (P and the output are rounded to 16 bits: a row that one key dominates has
     that error where the twin has almost none); each block of BLOCK_ROWS rows within twice
-    the twin's RMS, so that an error confined to one tile shows. lse: the kernel's is
-    float32 math on the 16-bit inputs, so its own rule: within twice the error of
-    PyTorch's float32 LSE against float64 (over the tensor) plus 8 float32 ulps of its
-    magnitude; -inf exactly where a row sees no key."""
+    the twin's RMS, so that an error confined to one tile shows (a block of one row is
+    held by the row rule alone). lse: the kernel's is float32 math on the 16-bit inputs,
+    so its own rule: within twice the error of PyTorch's float32 LSE against float64 (over
+    the tensor) plus 8 float32 ulps of its magnitude; -inf exactly where a row sees no key."""
     # the float32 reference stays float32: rounded to 16 bits, a correct row and the
     # twin's would both often round to it exactly, and the per-row ratio would compare
     # one-ulp flips (docs/design.md, Tolerances)

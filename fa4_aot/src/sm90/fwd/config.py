@@ -40,8 +40,8 @@ PAIR_TILES = {(192, 128): (128, 128, 2)}
 HEAD_SPLIT_TILES = {512: (64, 64, 1)}
 # setmaxnreg per role, by number of consumer warpgroups: all warps together fit 64K registers.
 # setmaxnreg only moves registers within what the launch gave the CTA: 640 threads get 96 a
-# thread (the whole kernel is compiled to that), so the producer's 72 freed cover 112 for
-# the consumers, not 120 (the consumers would wait for registers forever).
+# thread, so the 72 the producer frees cover an increase to 112 for the four consumer
+# warpgroups, not to 120 (the consumers would wait for registers forever).
 REGISTERS = {2: (24, 240), 3: (32, 160), 4: (24, 112)}  # consumers -> (producer, consumer)
 
 

@@ -539,7 +539,8 @@ class FlashFwdSm90(KeyTiles):
                     apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                 softmax_step(acc_s, row_scale)
                 # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
-                wait_after([softmax.row_sum[r] for r in range(rows)], order_barrier(self.cfg.num_consumers) + wg, WARPGROUP)
+                wait_after([softmax.row_sum[r] for r in range(rows)], order_barrier(self.cfg.num_consumers) + wg,
+                           WARPGROUP)
                 pipe_v.consumer_release(v_state)
                 # P(j+1) as the next A operand; O to the scale of P(j+1), with no wgmma in flight.
                 self._to_operand(acc_s, f.tOrP, acc_o, row_scale)
