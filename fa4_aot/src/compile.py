@@ -21,6 +21,7 @@ from .cubin_info import kernel_info
 from ..variants import Variant
 from .common import lpt
 from .common.params import Input, check_against_ptx
+from .common.registers import check_roles
 from .sm90.bwd.config import PERSISTENT_MAX_KEYS, BwdConfig, workspace_rule
 from .sm90.bwd.kernel import FlashBwdSm90
 from .sm90.decode import config as decode_config
@@ -174,6 +175,12 @@ def _symbols(variant: Variant, symbols: list, roles: list[str]) -> None:
         raise RuntimeError(f"{variant.name}: expected kernels {roles} in order, got {symbols}")
 
 
+def _check_registers(variant: Variant, cfg, launch: dict) -> None:
+    """The roles' registers after setmaxnreg against those ptxas gave the kernel, which can
+    be fewer than the most a launch allows (common/registers.py)."""
+    check_roles(variant.name, cfg.register_roles, cfg.threads, launch["registers"])
+
+
 def compile_fwd(variant: Variant) -> dict:
     """Build one forward variant (interfaces.FWD): dense, the attention kernel, one CTA
     per (query tile(s), head, batch); varlen, the heaviest-first sort (launched only where
@@ -195,6 +202,7 @@ def compile_fwd(variant: Variant) -> dict:
         _symbols(variant, symbols, ["kernel"])
         grid = [["ceil_div", "seqlen_q", cfg.tile_m * cfg.q_tiles], "heads_q", "batch"]
         launches = [_launch(cubin, ptx, symbols[0], FWD.plan(cfg), block, grid, kernel.smem_bytes)]
+    _check_registers(variant, cfg, launches[-1])
     tiling = {"tile_m": cfg.tile_m, "tile_n": cfg.tile_n, "stages": cfg.stages}
     out = {"cubin": cubin, "ptx": ptx, "tiling": tiling, "launches": launches,
            "tensormaps": _recipes(kernel, variant), "config": cfg.to_dict(), "limits": {}}
@@ -252,6 +260,8 @@ def _bwd_result(variant: Variant, cfg: BwdConfig, kernel: FlashBwdSm90, cubin: b
         launches.append(_launch(cubin, ptx, sym, params.plan(cfg), *plan))
         if when:
             launches[-1]["when"] = when[0]
+        if role.startswith("kernel"):
+            _check_registers(variant, cfg, launches[-1])
     recipes = _recipes(kernel, variant)
     if "dq_accum" in recipes:
         # the kernel's second accumulator map (stores) is encoded from the reduce's recipe
@@ -289,6 +299,7 @@ def compile_decode(variant: Variant) -> dict:
     rows = ["mul", ["div", "heads_q", "heads_kv"], "seqlen_q"]  # packed rows of a KV head
     grid = [["mul", ["ceil_div", rows, cfg.tile_m], "splits"], "heads_kv", "batch"]
     launch = _launch(cubin, ptx, symbols[0], DECODE.plan(cfg), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
+    _check_registers(variant, cfg, launch)
     recipes = _recipes(kernel, variant)
     for recipe in recipes.values():  # the cache is loaded in pieces of piece_rows keys
         assert recipe["box"][1] == cfg.tile_n, recipe

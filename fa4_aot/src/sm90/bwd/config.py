@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...common.registers import check_roles, launch_registers
+
 WARPGROUP = 128
 
 # (tile_m query rows per step, tile_n keys per CTA, Q/dO stages) per head dim, and the
@@ -96,6 +98,14 @@ class BwdConfig:
     # scores capped as cap * tanh(s / cap) (local only; the cap at run time): P from the
     # capped scores, dS times tanh's derivative (scores.py)
     softcap: bool = False
+
+    @property
+    def register_roles(self) -> list[tuple[int, int]]:
+        """(threads, registers after setmaxnreg) of the producer warpgroup and the consumers."""
+        return [(WARPGROUP, PRODUCER_REGS), (WARPGROUP * self.num_consumers, self.consumer_regs)]
+
+    def __post_init__(self):
+        check_roles(f"bwd {self.head_dim}", self.register_roles, self.threads, launch_registers(self.threads))
 
     @property
     def masked(self) -> bool:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...common.registers import check_roles, launch_registers
+
 WARPGROUP = 128
 ROWS = 64  # packed (query token, query head) rows per CTA: one consumer warpgroup
 # (tile_n keys per step, K/V stages) per head dim: 2 x stages x tile_n x head_dim x 2 bytes
@@ -110,6 +112,19 @@ class DecodeConfig:
     def consumers(self) -> int:
         """Consumer warpgroups: two where the head dim is split, else one."""
         return 2 if self.head_split else 1
+
+    @property
+    def register_roles(self) -> list[tuple[int, int]]:
+        """(threads, registers after setmaxnreg) of each role: the producer warpgroup, the
+        widener's (FP8), the consumers; none with a producer warp (no setmaxnreg)."""
+        if self.producer_warp:
+            return []
+        widener = [(WARPGROUP, self.widener_regs)] if self.fp8 else []
+        return [(WARPGROUP, self.producer_regs), *widener, (WARPGROUP * self.consumers, self.consumer_regs)]
+
+    def __post_init__(self):
+        check_roles(f"decode {self.head_dim}", self.register_roles, self.threads,
+                    launch_registers(self.threads, self.ctas_per_sm))
 
     @classmethod
     def of(cls, variant) -> "DecodeConfig":

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ...common.registers import check_roles, launch_registers
+
 WARPGROUP = 128
 
 # (tile_m query rows per CTA, tile_n keys per step, K/V stages) per head dim: three
@@ -65,6 +67,15 @@ class FwdConfig:
     local: bool = False  # a sliding window (left, right at run time) and sinks
     softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
     head_split: bool = False  # two consumer warpgroups on one 64-row tile, half the head dim each
+
+    @property
+    def register_roles(self) -> list[tuple[int, int]]:
+        """(threads, registers after setmaxnreg) of the producer warpgroup and the consumers."""
+        return [(WARPGROUP, self.producer_regs), (WARPGROUP * self.num_consumers, self.consumer_regs)]
+
+    def __post_init__(self):
+        check_roles(f"fwd {self.head_dim} x {self.tile_m}", self.register_roles, self.threads,
+                    launch_registers(self.threads))
 
     @property
     def masks_right(self) -> bool:
