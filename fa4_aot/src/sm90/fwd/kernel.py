@@ -57,7 +57,9 @@ SCHEDULER_BARRIER = 2  # .. 2 + consumers - 1: one per consumer warpgroup
 def order_barrier(consumers: int) -> int:
     """The first of the consumers' order barriers (primitives.wait_after), one per warpgroup,
     after the scheduler barriers: 5 with two or three consumers, 6 with four."""
-    return SCHEDULER_BARRIER + max(consumers, 3)
+    first = SCHEDULER_BARRIER + max(consumers, 3)
+    assert first + consumers <= 16, "named barrier ids overlap"  # bar.sync takes ids 0..15
+    return first
 
 
 class FlashFwdSm90(KeyTiles):
