@@ -16,6 +16,10 @@ Cases (the figure measured last, the bar, the benchmark whose setup it takes):
                     bench_decode_local)
   fwd-gpt-oss       16 x 8k, d64, GQA 64:8, window 128, sinks: 1.14-1.16x FA4, bar 1.3x (issue 42)
   fwd-d512          1 x 8192, 8:8 heads, d512, causal and not: 0.63-0.68 of matmul, bar 0.70 (issue 39)
+  bwd-gpt-oss       8 x 16k, d64, GQA 64:8, window 128, sinks and their gradient: 1.20x FA4 at 16k
+                    (133 TFLOP/s at 4k a sequence, 121 at 16k), bar 1.3x (issue 42; same_run_local_bwd)
+  bwd-d192v128      4 x 4096, 16 heads, q/k 192 and v 128, not causal: 0.96x FA4, bar 1.0 (issue 39;
+                    same_run_dv)
 """
 import argparse
 import sys
@@ -65,6 +69,26 @@ def _fwd(b, s, hq, hkv, d, causal, window=None, sinks=False):
     return lambda: flash_attn_fwd(q, k, v, causal=causal, out=out, lse=lse, **mods)
 
 
+def _bwd(b, s, hq, hkv, d, causal, window=None, sinks=False, head_dim_v=None):
+    """The backward's launches on its forward's out and lse, gradients and workspace given."""
+    from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd
+    mk = lambda h, width=d: torch.randn(b, s, h, width, device="cuda", dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, dout = mk(hq), mk(hkv), mk(hkv, head_dim_v or d), mk(hq, head_dim_v or d)
+    mods = {}
+    if window is not None:
+        mods["window_size"] = (window, 0)
+    if sinks:
+        mods["learnable_sink"] = torch.randn(hq, device="cuda")
+    out, lse = flash_attn_fwd(q, k, v, causal=causal, **mods)
+    dq, dk, dv = (torch.empty_like(t) for t in (q, k, v))
+    size = fa4_aot.backward_workspace_bytes(b, s, hq, d, causal=causal, heads_kv=hkv, local=bool(mods),
+                                            head_dim_v=head_dim_v)
+    ws = torch.empty(size, dtype=torch.uint8, device="cuda")
+    if sinks:
+        mods["dsink"] = torch.empty(hq, device="cuda")
+    return lambda: flash_attn_bwd(q, k, v, out, dout, lse, causal=causal, dq=dq, dk=dk, dv=dv, workspace=ws, **mods)
+
+
 CASES = {
     "decode-d64-split": lambda: _decode((32, 1, 16, 2, 64, 16384, None), splits=2),
     "decode-d64-split-policy": lambda: _decode((32, 1, 16, 2, 64, 16384, None)),
@@ -75,6 +99,8 @@ CASES = {
     "fwd-gpt-oss": lambda: _fwd(16, 8192, 64, 8, 64, False, window=128, sinks=True),
     "fwd-d512": lambda: _fwd(1, 8192, 8, 8, 512, False),
     "fwd-d512-causal": lambda: _fwd(1, 8192, 8, 8, 512, True),
+    "bwd-gpt-oss": lambda: _bwd(8, 16384, 64, 8, 64, False, window=128, sinks=True),
+    "bwd-d192v128": lambda: _bwd(4, 4096, 16, 16, 192, False, head_dim_v=128),
 }
 
 
