@@ -24,3 +24,16 @@ class RecordingLibrary:
         and options put in it."""
         made = {t.data_ptr() for t in self.made}
         return tuple(x for x in key if not (type(x) is int and x in made))
+
+
+def assert_keys_apart(keys: dict, same_forward: set) -> None:
+    """``keys``: name -> (forward key, backward key) of calls that differ in one thing each.
+    Every backward key is its own; so is every forward key but those of ``same_forward``
+    (calls that differ only in what the backward alone reads), which are one; no forward key
+    is a backward's."""
+    forward = {name: fwd for name, (fwd, _) in keys.items()}
+    backward = {name: bwd for name, (_, bwd) in keys.items()}
+    assert len(set(forward.values())) == len(forward) - len(same_forward) + 1
+    assert len({forward[name] for name in same_forward}) == 1
+    assert len(set(backward.values())) == len(backward)
+    assert not set(forward.values()) & set(backward.values())
