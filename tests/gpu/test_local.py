@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 
 import fa4_aot  # noqa: E402
 from fa4_aot import decode, policy  # noqa: E402
+from fa4_aot.src.sm90.fwd.config import FwdConfig  # noqa: E402
 from fa4_aot.errors import OptionError, ShapeError, DTypeError, UnsupportedVariantError  # noqa: E402
 from fa4_aot.torch import flash_attn_fwd  # noqa: E402
 from fa4_aot.variants import MATRIX  # noqa: E402
@@ -105,6 +106,33 @@ def test_the_local_kernel_is_the_one_launched(gen, monkeypatch):
         flash_attn_fwd(q, k, v, q_tiles=1, **options)
         assert launched == [name], (options, launched)
     torch.cuda.synchronize()
+
+
+def _kv_head_order_keys(variant) -> int:
+    return FwdConfig.of(variant).kv_head_order_keys
+
+
+@pytest.mark.parametrize("variant", [v for v in LOCAL if _kv_head_order_keys(v)], ids=lambda v: v.name)
+def test_local_long_sequences_launched_by_kv_head_groups(variant, gen):
+    """Past the keys where a KV head's query heads launch together (the row's
+    config.kv_head_order_keys; GQA 8, a partial last tile): every output row and LSE
+    written, and row chunks at the start, middle and end against the reference of the keys
+    their windows see: rows [a, b) with keys [a - left, b + right), where the bottom-right
+    alignment puts row i's diagonal ``right`` keys further on, so the chunk's window is
+    (left + right, 0) (at the sequence's end the keys stop at seqlen: the shift is less)."""
+    seqlen = _kv_head_order_keys(variant) + 300
+    cap = _cap(variant, 1)
+    for case in ((128, 0, False, True), (100, 37, False, False)):
+        q, k, v, sinks, out, lse = _run_dense(variant, case, cap, (1, seqlen, seqlen, 16, 2), gen)
+        assert not out.isnan().any() and not lse.isnan().any(), "unwritten output rows"
+        left, right = case[:2]
+        for a in (0, 40960, seqlen - 300):
+            b = min(a + 300, seqlen)
+            start, end = max(a - left, 0), min(b + right, seqlen)
+            mods = {**_mods(case, cap, sinks), "window": (left + end - b, right - (end - b))}
+            rows, keys = (slice(None), slice(a, b)), (slice(None), slice(start, end))
+            check_attention(out[rows], lse[:, :, a:b], q[rows], k[keys], v[keys], False, what=f"rows {a}-{b}: ",
+                            **mods)
 
 
 @pytest.mark.parametrize("variant", [v for v in LOCAL if v.dtype == "bf16" and not v.softcap], ids=lambda v: v.name)

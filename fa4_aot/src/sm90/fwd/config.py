@@ -32,6 +32,14 @@ TILES = {64: (192, 128, 2), 96: (128, 128, 2), 128: (128, 128, 2), 192: (128, 11
 # a few key tiles a query tile, so a fourth hides more of the others' waits (gpt-oss, H100:
 # 145 -> 155 TFLOP/s at 16k tokens a sequence, 138 -> 144 at 128k).
 LOCAL_TILES = {**TILES, 64: (256, 64, 4), 256: (128, 64, 2)}
+# Head dims whose dense local forward launches the query heads of a KV head next to each
+# other, tile by tile, where one query head's K and V (16-bit) pass LOCAL_KV_HEAD_BYTES, so
+# that each window's K and V are read from DRAM once for the group, not once a head after
+# L2 has lost them: at 128k tokens a sequence, d64 windows 128-512 +3-6% (gpt-oss +4%), 16k
+# (4 MB a head) as before; Gemma d256 -2 to +2% and d128 -3 to +2%, not taken
+# (docs/design.md, "Local attention, sinks, softcap").
+LOCAL_KV_HEAD_ORDER = (64,)
+LOCAL_KV_HEAD_BYTES = 20 * 1024 * 1024
 # (head_dim, head_dim_v) pairs with a kernel of their own: 192/128 holds 128-key tiles (S and
 # O fragments as at head_dim 128; Q 48 KB, two stages of K 48 KB and V 32 KB each: 208 KB).
 PAIR_TILES = {(192, 128): (128, 128, 2)}
@@ -67,6 +75,9 @@ class FwdConfig:
     local: bool = False  # a sliding window (left, right at run time) and sinks
     softcap: bool = False  # scores cap * tanh(s / cap), the cap at run time
     head_split: bool = False  # two consumer warpgroups on one 64-row tile, half the head dim each
+    # dense local: past this many keys a KV head's query heads are launched together, tile
+    # by tile (0: never)
+    kv_head_order_keys: int = 0
 
     @property
     def register_roles(self) -> list[tuple[int, int]]:
@@ -108,7 +119,9 @@ class FwdConfig:
                    num_consumers=consumers,
                    producer_regs=producer_regs, consumer_regs=consumer_regs, threads=WARPGROUP * (1 + consumers),
                    paired_convert=variant.dtype == "bf16" and tile_n % 128 != 0, local=variant.local,
-                   softcap=variant.softcap)
+                   softcap=variant.softcap,
+                   kv_head_order_keys=LOCAL_KV_HEAD_BYTES // (4 * variant.head_dim)
+                   if variant.local and not variant.varlen and variant.head_dim in LOCAL_KV_HEAD_ORDER else 0)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

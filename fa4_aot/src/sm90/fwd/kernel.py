@@ -183,6 +183,15 @@ class FlashFwdSm90(KeyTiles):
         sQ, sK, sV = smem[:3]
         bidx, head, batch = cute.arch.block_idx()
         seqlen_q, seqlen_k = gQ.shape[0], gK.shape[0]
+        if const_expr(self.cfg.kv_head_order_keys > 0):
+            # long sequences: a KV head's query heads side by side in launch order, each
+            # tile's window of K and V read once for all of them (docs/design.md, "Local
+            # attention, sinks, softcap"); the remap's divisions, which every warp runs
+            # before the roles split, only where it is taken (unconditional, they cost
+            # short-lived grids 1-5%)
+            if seqlen_k > self.cfg.kv_head_order_keys:
+                bidx, head = launch_in_head_groups(bidx, head, cute.arch.grid_dim()[0], cute.arch.grid_dim()[1],
+                                                   gQ.shape[2] // gK.shape[2])
         if const_expr(self.cfg.q_tiles == 1):
             launch = bidx
             if const_expr(self.cfg.causal):
