@@ -83,8 +83,21 @@ def _writes_lse(tidx, wg):
 
 def _key_tile(i, n_end, steps, turn):
     """The ``i``-th key tile a CTA takes of its ``steps`` ending at ``n_end``: from the
-    last, downwards, starting ``turn`` tiles in and wrapping around."""
-    return n_end - 1 - (i + turn) % steps
+    last, downwards, starting ``turn`` tiles in and wrapping around. i and turn are both
+    below steps, so the wrap is one compare, not a division (each tile, in the producer's
+    and the consumer's loops)."""
+    j = i + turn
+    return n_end - 1 - cutlass.select_(j >= steps, j - steps, j)
+
+
+@cute.jit
+def _token(p, group, seqlen_q):
+    """The token of packed row ``p`` (p // group). With one token every packed row in use
+    is below group: 0, with no division (rows past them are neither read nor written)."""
+    token = Int32(0)
+    if seqlen_q > 1:
+        token = p // group
+    return token
 
 
 def _pair_offset(p, group, pair, columns):
@@ -213,7 +226,10 @@ class DecodeSm90:
         group = heads_q // heads_kv
         rows = group * seqlen_q  # packed rows of this KV head
         m_tiles = cute.ceil_div(rows, cfg.tile_m)
-        m_block, split = bidx % m_tiles, bidx // m_tiles
+        # one row tile (seqlen_q x group up to tile_m: every one-token decode): no division
+        m_block, split = Int32(0), bidx
+        if m_tiles > 1:
+            m_block, split = bidx % m_tiles, bidx // m_tiles
         # keys of the sequence: clamped to the cache (or the page table's reach)
         page_rows = gK.shape[0]
         reach = cutlass.select_(paged != 0, max_pages * page_rows, page_rows)
@@ -369,7 +385,10 @@ class DecodeSm90:
         window end (the splits share those)."""
         limit = seqlen_k
         if const_expr(self.cfg.causal or self.cfg.local):
-            last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
+            # one token: its rows' token is 0 (no division by group)
+            last_token = Int32(0)
+            if seqlen_q > 1:
+                last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
             last_key = seqlen_k - seqlen_q + last_token + 1  # exclusive
             if const_expr(self.cfg.local):
                 last_key = cutlass.min(last_key + window.right, seqlen_k)
@@ -377,13 +396,19 @@ class DecodeSm90:
         n_tiles = cute.ceil_div(limit, self.cfg.tile_n)
         first_key = Int32(0)
         if const_expr(self.cfg.local):
-            first_token = (m_block * self.cfg.tile_m) // group
+            first_token = Int32(0)
+            if m_block > 0:
+                first_token = (m_block * self.cfg.tile_m) // group
             first_key = cutlass.max(seqlen_k - seqlen_q + first_token - window.left, Int32(0))
             n_low = cutlass.min(first_key // self.cfg.tile_n, n_tiles)
-            per = cute.ceil_div(n_tiles - n_low, splits)
+            per = n_tiles - n_low  # one split: no division
+            if splits > 1:
+                per = cute.ceil_div(n_tiles - n_low, splits)
             n_begin = cutlass.min(n_low + split * per, n_tiles)
         else:
-            per = cute.ceil_div(n_tiles, splits)
+            per = n_tiles
+            if splits > 1:
+                per = cute.ceil_div(n_tiles, splits)
             n_begin = cutlass.min(split * per, n_tiles)
         n_end = cutlass.min(n_begin + per, n_tiles)
         return n_begin, n_end, (first_key, limit)
@@ -473,14 +498,16 @@ class DecodeSm90:
             values.fill(0.0)
             if const_expr(pair is None):
                 if (p < rows) & (part * vec < columns):
-                    token, head = p // group, head_kv * group + p % group
+                    token = _token(p, group, seqlen_q)
+                    head = head_kv * group + p - token * group
                     at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
                     src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
             else:
                 col = part * vec - _pair_offset(p, group, pair, columns)  # q's column of this chunk
                 if (p < rows) & (col >= 0) & (col < columns):
-                    token, head = p // group, head_kv * group + p % group
+                    token = _token(p, group, seqlen_q)
+                    head = head_kv * group + p - token * group
                     at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + col) * (self.dtype.width // 8)
                     src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
@@ -536,10 +563,10 @@ class DecodeSm90:
         for r in cutlass.range_constexpr(nrows):
             limits[r] = seqlen_k
             if const_expr(cfg.causal):
-                token = (first_row + coords[r, 0][0]) // group
+                token = _token(first_row + coords[r, 0][0], group, seqlen_q)
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1)
             if const_expr(cfg.local):
-                token = (first_row + coords[r, 0][0]) // group
+                token = _token(first_row + coords[r, 0][0], group, seqlen_q)
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1 + window.right)
                 lows[r] = seqlen_k - seqlen_q + token - window.left
         # rows in use: a warp none of whose rows is one of the KV head's packed rows (their Q
