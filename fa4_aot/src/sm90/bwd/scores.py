@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
 
 from ..fragments import acc_as_rows_cols
 from ..primitives import select_f32
@@ -86,26 +86,64 @@ class ScoreMath:
             last_tile = m_block if const_expr(m_upper is None) else cutlass.max(m_block, m_upper)
             crosses = crosses | (n_block * tn < (last_tile + 1) * tm - 1 + seqlen_k - seqlen_q - window.left)
         if crosses:
-            # what depends on the row alone (its key, or its query's bounds) computed once a row
-            for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            if const_expr(not queries_on_rows and m_upper is None):
+                self._mask_keys_on_rows(s, s_coords, n_block, m_block, prob, fill)
+            else:
+                self._mask_by_bounds(s, s_coords, at, prob, fill, queries_on_rows)
+
+    @cute.jit
+    def _mask_keys_on_rows(self, s, s_coords, n_block, m_block, prob, fill):
+        """mask_scores on S^T (keys on rows) of a step's query tiles (consecutive ones), as
+        the forward's mask (sm90/mask.py): the bounds taken relative to this thread's first
+        query column, so that an element compares its constant column offset with two
+        thresholds of its row, instead of its column's key bounds, held or recomputed for
+        every column (docs/design.md, "Backward: masks")."""
+        tm, tn = self.cfg.tile_m, self.cfg.tile_n
+        q0 = s_coords[0, 0][1]
+        # key - query - (seqlen_k - seqlen_q) at row 0 and the first column, less its key
+        diag = n_block * tn - m_block * tm - q0 - (prob.seqlen_k - prob.seqlen_q)
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            # element (r, j) at column offset c lies rel - c keys right of its query's diagonal
+            rel = diag + s_coords[r, 0][0]
+            # columns c < past_right are hidden: keys right of the diagonal (local: past
+            # its right edge), or every column of a padding row (c < step_rows always)
+            past_right = rel if const_expr(self.cfg.masked) else Int32(-1)
+            if const_expr(self.cfg.local and not self.cfg.causal):
+                past_right = rel - prob.window.right
+            past_right = cutlass.select_(n_block * tn + s_coords[r, 0][0] >= prob.seqlen_k,
+                                         Int32(self.cfg.step_rows), past_right)
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                c = s_coords[r, j][1] - q0
+                s[r, j] = select_f32(c < past_right, fill, s[r, j])
+                if const_expr(self.cfg.local):
+                    s[r, j] = select_f32(c > rel + prob.window.left, fill, s[r, j])  # left of the window
+
+    @cute.jit
+    def _mask_by_bounds(self, s, s_coords, at: TileAt, prob, fill, queries_on_rows: cutlass.Constexpr[bool]):
+        """mask_scores by each element's key bounds: queries on rows, or a step of two
+        query tiles (``at.m_upper``), whose columns' tiles differ."""
+        tm, tn = self.cfg.tile_m, self.cfg.tile_n
+        n_block, m_block, m_upper = at
+        # what depends on the row alone (its key, or its query's bounds) computed once a row
+        for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
+            if const_expr(queries_on_rows):
+                row_low, row_limit = self.key_bounds(s_coords[r, 0][0], m_block, prob)
+            else:
+                row_key = n_block * tn + s_coords[r, 0][0]
+            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                 if const_expr(queries_on_rows):
-                    row_low, row_limit = self.key_bounds(s_coords[r, 0][0], m_block, prob)
+                    key, low, limit = n_block * tn + s_coords[r, j][1], row_low, row_limit
                 else:
-                    row_key = n_block * tn + s_coords[r, 0][0]
-                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                    if const_expr(queries_on_rows):
-                        key, low, limit = n_block * tn + s_coords[r, j][1], row_low, row_limit
-                    else:
-                        query, tile = s_coords[r, j][1], m_block
-                        if const_expr(m_upper is not None):
-                            # queries tile_m.. of the upper tile: row m_upper * tile_m + (query - tile_m)
-                            tile = cutlass.select_(query < tm, m_block, m_upper - 1)
-                        low, limit = self.key_bounds(query, tile, prob)
-                        key = row_key
-                    if const_expr(self.cfg.local):
-                        s[r, j] = select_f32(key < low, fill, select_f32(key >= limit, fill, s[r, j]))
-                    else:
-                        s[r, j] = select_f32(key >= limit, fill, s[r, j])
+                    query, tile = s_coords[r, j][1], m_block
+                    if const_expr(m_upper is not None):
+                        # queries tile_m.. of the upper tile: row m_upper * tile_m + (query - tile_m)
+                        tile = cutlass.select_(query < tm, m_block, m_upper - 1)
+                    low, limit = self.key_bounds(query, tile, prob)
+                    key = row_key
+                if const_expr(self.cfg.local):
+                    s[r, j] = select_f32(key < low, fill, select_f32(key >= limit, fill, s[r, j]))
+                else:
+                    s[r, j] = select_f32(key >= limit, fill, s[r, j])
 
     def key_bounds(self, query, m_block, prob):
         """[low, limit): the keys query ``query`` of tile m_block may see (low: local only,
