@@ -97,7 +97,7 @@ class ScoreMath:
         the forward's mask (sm90/mask.py): the bounds taken relative to this thread's first
         query column, so that an element compares its constant column offset with two
         thresholds of its row, instead of its column's key bounds, held or recomputed for
-        every column (docs/design.md, "Backward: masks")."""
+        every column (docs/design.md, "Backward: keys on M (d64/96/128)")."""
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
         q0 = s_coords[0, 0][1]
         # key - query - (seqlen_k - seqlen_q) at row 0 and the first column, less its key
