@@ -38,11 +38,15 @@ class Window(NamedTuple):
 class TileMask:
     """Compile-time shape of the masking; run-time sizes are passed to ``apply``."""
 
-    def __init__(self, tile_m: int, tile_n: int, causal: bool, local: bool = False):
+    def __init__(self, tile_m: int, tile_n: int, causal: bool, local: bool = False, right: bool = True):
+        """``right`` False: local tiles wholly below the padding and every row's right
+        edge (the forward's left-edge loop), masked at the window's left edge only."""
+        assert right or local
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
         self.local = local
+        self.right = right
 
     @cute.jit
     def apply(
@@ -71,7 +75,10 @@ class TileMask:
                 low = diag + c[r, 0][0] - window.left  # columns below it are left of the window
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     col = c[r, j][1] - col0
-                    s[r, j] = select_f32(col < low, -Float32.inf, select_f32(col >= limit, -Float32.inf, s[r, j]))
+                    kept = s[r, j]
+                    if cutlass.const_expr(self.right):
+                        kept = select_f32(col >= limit, -Float32.inf, kept)
+                    s[r, j] = select_f32(col < low, -Float32.inf, kept)
             else:
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     s[r, j] = select_f32(c[r, j][1] - col0 >= limit, -Float32.inf, s[r, j])

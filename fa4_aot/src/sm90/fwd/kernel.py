@@ -488,7 +488,10 @@ class FlashFwdSm90(KeyTiles):
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
         apply_mask, softmax_step = mask.apply, softmax.step
+        left_mask = None
         if const_expr(self.cfg.local):
+            # the third loop's tiles lie below first_masked: the left edge alone
+            left_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, right=False).apply
             for _ in cutlass.range(n_blocks - n_own, unroll=1):
                 self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
                 kv_state.advance()
@@ -546,8 +549,10 @@ class FlashFwdSm90(KeyTiles):
                 pipe_k.consumer_release(kv_state)
                 if const_expr(self.cfg.softcap):
                     cap_scores(acc_s, opts.softcap_scale)
-                if const_expr(phase != 1):
+                if const_expr(phase == 0):
                     apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                elif const_expr(phase == 2):
+                    left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                 softmax_step(acc_s, row_scale)
                 # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
                 wait_after([softmax.row_sum[r] for r in range(rows)], order_barrier(self.cfg.num_consumers) + wg,
