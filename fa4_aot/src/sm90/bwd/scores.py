@@ -80,24 +80,32 @@ class ScoreMath:
             first_tile = m_block if const_expr(m_upper is None) else cutlass.min(m_block, m_upper)
             reach = 0 if const_expr(not self.cfg.local) else window.right
             visible = cutlass.min(visible, first_tile * tm + 1 + seqlen_k - seqlen_q + reach)
-        crosses = (n_block + 1) * tn > visible
-        if const_expr(self.cfg.local):
-            # the first key the tile's last query may see
-            last_tile = m_block if const_expr(m_upper is None) else cutlass.max(m_block, m_upper)
-            crosses = crosses | (n_block * tn < (last_tile + 1) * tm - 1 + seqlen_k - seqlen_q - window.left)
-        if crosses:
-            if const_expr(not queries_on_rows and m_upper is None):
-                self._mask_keys_on_rows(s, s_coords, n_block, m_block, prob, fill)
-            else:
+        crosses = (n_block + 1) * tn > visible  # padding, the diagonal or the window's right edge
+        if const_expr(not queries_on_rows and m_upper is None):
+            # each edge behind its own branch: a narrow window's step mostly crosses one
+            if crosses:
+                self._mask_keys_on_rows(s, s_coords, n_block, m_block, prob, fill, True)
+            if const_expr(self.cfg.local):
+                # the first key the step's last query may see
+                if n_block * tn < m_block * tm + self.cfg.step_rows - 1 + seqlen_k - seqlen_q - window.left:
+                    self._mask_keys_on_rows(s, s_coords, n_block, m_block, prob, fill, False)
+        else:
+            if const_expr(self.cfg.local):
+                # the first key the tile's last query may see
+                last_tile = m_block if const_expr(m_upper is None) else cutlass.max(m_block, m_upper)
+                crosses = crosses | (n_block * tn < (last_tile + 1) * tm - 1 + seqlen_k - seqlen_q - window.left)
+            if crosses:
                 self._mask_by_bounds(s, s_coords, at, prob, fill, queries_on_rows)
 
     @cute.jit
-    def _mask_keys_on_rows(self, s, s_coords, n_block, m_block, prob, fill):
-        """mask_scores on S^T (keys on rows) of a step's query tiles (consecutive ones), as
-        the forward's mask (sm90/mask.py): the bounds taken relative to this thread's first
-        query column, so that an element compares its constant column offset with two
-        thresholds of its row, instead of its column's key bounds, held or recomputed for
-        every column (docs/design.md, "Backward: keys on M (d64/96/128)")."""
+    def _mask_keys_on_rows(self, s, s_coords, n_block, m_block, prob, fill, right: cutlass.Constexpr[bool]):
+        """mask_scores on S^T (keys on rows) of a step's query tiles (consecutive ones) at
+        one edge: ``right``, padding and the diagonal (local: the window's right edge), else
+        the window's left edge. As the forward's mask (sm90/mask.py), the bounds are taken
+        relative to this thread's first query column, so that an element compares its
+        constant column offset with a threshold of its row, instead of its column's key
+        bounds, held or recomputed for every column (docs/design.md, "Backward: keys on M
+        (d64/96/128)")."""
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
         q0 = s_coords[0, 0][1]
         # key - query - (seqlen_k - seqlen_q) at row 0 and the first column, less its key
@@ -105,18 +113,20 @@ class ScoreMath:
         for r in cutlass.range_constexpr(cute.size(s, mode=[0])):
             # element (r, j) at column offset c lies rel - c keys right of its query's diagonal
             rel = diag + s_coords[r, 0][0]
-            # columns c < past_right are hidden: keys right of the diagonal (local: past
-            # its right edge), or every column of a padding row (c < step_rows always)
-            past_right = rel if const_expr(self.cfg.masked) else Int32(-1)
-            if const_expr(self.cfg.local and not self.cfg.causal):
-                past_right = rel - prob.window.right
-            past_right = cutlass.select_(n_block * tn + s_coords[r, 0][0] >= prob.seqlen_k,
-                                         Int32(self.cfg.step_rows), past_right)
-            for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
-                c = s_coords[r, j][1] - q0
-                s[r, j] = select_f32(c < past_right, fill, s[r, j])
-                if const_expr(self.cfg.local):
-                    s[r, j] = select_f32(c > rel + prob.window.left, fill, s[r, j])  # left of the window
+            if const_expr(right):
+                # columns c < past_right are hidden: keys right of the diagonal (local: past
+                # its right edge), or every column of a padding row (c < step_rows always)
+                past_right = rel if const_expr(self.cfg.masked) else Int32(-1)
+                if const_expr(self.cfg.local and not self.cfg.causal):
+                    past_right = rel - prob.window.right
+                past_right = cutlass.select_(n_block * tn + s_coords[r, 0][0] >= prob.seqlen_k,
+                                             Int32(self.cfg.step_rows), past_right)
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, j] = select_f32(s_coords[r, j][1] - q0 < past_right, fill, s[r, j])
+            else:
+                past_left = rel + prob.window.left  # columns c > past_left: keys left of the window
+                for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
+                    s[r, j] = select_f32(s_coords[r, j][1] - q0 > past_left, fill, s[r, j])
 
     @cute.jit
     def _mask_by_bounds(self, s, s_coords, at: TileAt, prob, fill, queries_on_rows: cutlass.Constexpr[bool]):
