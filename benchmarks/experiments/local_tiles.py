@@ -5,6 +5,8 @@ upstream's, on same_run_local.py's gpt-oss and Gemma head_dim 256 cells, plus th
 
     PYTHONPATH=$PWD python benchmarks/experiments/local_tiles.py FA4_DIR ROUNDS OUT_JSON NAME=DIR[:q1|:q2] ...
 
+FA4_DIR "-": no FA4 column.
+
 ``:q1``, ``:q2``: that library's kernels launched with q_tiles 1 or 2. Round 0 prints each library's largest difference from the first's out.
 ``LAYERS`` (environment, comma-separated names): only those layers.
 """
@@ -36,7 +38,8 @@ def main(argv):
         name, path = arg.split("=")
         path, _, flag = path.partition(":")
         libs[name] = (KernelLibrary(path), int(flag[1:]) if flag else None)
-    ffi.open_dir(fa4_dir)
+    if fa4_dir != "-":  # "-": no FA4 column
+        ffi.open_dir(fa4_dir)
     bench = lambda fn: triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")  # noqa: E731
     res = {"flops_per_s": {}, "errors": {}, "libraries": argv[3:], "gpu": torch.cuda.get_device_name()}
     layers = [*srl.LAYERS, NO_CAP, *WINDOWS]
@@ -65,7 +68,7 @@ def main(argv):
                         diff = (t["out_ours"].float() - first.float()).abs().max().item()
                         res.setdefault("diffs", {})[f"{key}|{name}"] = diff
                         print(f"{key} {name}: max|out - first's| {diff:.3e}", flush=True)
-                if layer in srl.LAYERS:
+                if layer in srl.LAYERS and fa4_dir != "-":
                     try:
                         peers["fa4"] = srl.fa4_launch(layer, t)
                     except Exception as e:  # noqa: BLE001
