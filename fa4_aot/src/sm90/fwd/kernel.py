@@ -465,6 +465,14 @@ class FlashFwdSm90(KeyTiles):
             self._finish_tile(tidx, (acc_o, softmax), f, sO[None, None, t], out, m_block, seqlen_q,
                               t == self.cfg.q_tiles - 1, opts.sink_log2)
 
+    def _tile_masks(self):
+        """(the mask of the first tile and the right-edge loop, local the left-edge loop's:
+        its tiles lie below first_masked, so the left edge alone; else None), as bound
+        methods."""
+        cfg = self.cfg
+        left = TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, right=False).apply if cfg.local else None
+        return TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local).apply, left
+
     @cute.jit
     def _key_loop(self, f, tSrQ, pipes, kv_state, keys, seqlens, opts, acc):
         """One query tile's key tiles for a warpgroup that computes: S, mask, online
@@ -484,14 +492,10 @@ class FlashFwdSm90(KeyTiles):
         seqlen_q, seqlen_k = seqlens
         acc_o, softmax, row_scale = acc
         window, wg, rows = opts.window, f.wg, cute.size(row_scale)
-        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, self.cfg.local)
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
-        apply_mask, softmax_step = mask.apply, softmax.step
-        left_mask = None
+        (apply_mask, left_mask), softmax_step = self._tile_masks(), softmax.step
         if const_expr(self.cfg.local):
-            # the third loop's tiles lie below first_masked: the left edge alone
-            left_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, right=False).apply
             for _ in cutlass.range(n_blocks - n_own, unroll=1):
                 self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
                 kv_state.advance()
