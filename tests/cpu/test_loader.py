@@ -330,6 +330,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     assert values["first_write"] == 1
     assert [policy.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
     assert policy.first_write_dq(True, 16384)
+    assert policy.first_write_dq(False, 65536, local=True)  # the window: every length
 
     # not causal: the accumulator's copies are the dQ reduce's batch axis. That variant is
     # not built here; its plan is the same, so the causal row stands in for it, with the

@@ -118,6 +118,16 @@ def test_local_backward_with_more_items_than_multiprocessors(variant, case, gen)
     _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks, cap))
 
 
+@pytest.mark.parametrize("variant", [v for v in BWD_LOCAL if v.head_dim == 64 and not v.deterministic],
+                         ids=lambda v: v.name)
+def test_local_backward_past_4096_keys(variant, gen):
+    """Past 4096 keys the local backward still stores each query tile's first dQ share
+    (policy.first_write_dq's local rule) where the plain kernels have the preprocess clear
+    the accumulator: gpt-oss's window and sinks, GQA 4, 4200 keys."""
+    q, k, v, dout, out, sinks, got = _run(variant, CASES[5], (1, 4200, 4200, 8, 2), gen, _cap(variant, 5))
+    _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[5]), sinks, _cap(variant, 5)))
+
+
 @pytest.mark.parametrize("variant", [v for v in BWD_LOCAL + BWD_LOCAL_VARLEN if v.deterministic],
                          ids=lambda v: v.name)
 def test_local_deterministic_backward_is_bitwise_repeatable(variant, gen):
