@@ -68,9 +68,9 @@ class ScoreMath:
     @cute.jit
     def mask_scores(self, s, s_coords, at: TileAt, prob, fill, queries_on_rows: cutlass.Constexpr[bool]):
         """``fill`` where a key lies past its query's limit, or local before its window's
-        first key (``_probs``'s tiles, as rows and columns); a branch around it all, taken
-        only by the last key tile (padding) and, causal or local, tiles that cross the
-        diagonal or a window's edge."""
+        first key (``_probs``'s tiles, as rows and columns); a branch around the mask,
+        taken only by the last key tile (padding) and, causal or local, tiles that cross
+        the diagonal or a window's edge (keys on rows, one tile: a branch per edge)."""
         tm, tn = self.cfg.tile_m, self.cfg.tile_n
         n_block, m_block, m_upper = at
         seqlen_q, seqlen_k, window = prob.seqlen_q, prob.seqlen_k, prob.window

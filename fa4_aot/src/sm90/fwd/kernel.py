@@ -441,7 +441,7 @@ class FlashFwdSm90(KeyTiles):
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
-            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window)
+            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window, wg if self.cfg.local else None)
             pipe_q.consumer_wait(q_state)
             q_state.advance()
             # A warpgroup whose 64 rows all lie past seqlen_q (the last tile of a sequence
@@ -488,10 +488,13 @@ class FlashFwdSm90(KeyTiles):
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
         apply_mask, softmax_step = mask.apply, softmax.step
-        left_mask = None
+        left_mask, right_mask, left_end = None, None, None
         if const_expr(self.cfg.local):
-            # the third loop's tiles lie below first_masked: the left edge alone
+            # each edge apart: the third loop's tiles lie below first_masked (the left edge
+            # alone); the right-edge tiles take the left edge only where it crosses them
             left_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, right=False).apply
+            right_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, left=False).apply
+            left_end = self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window)
             for _ in cutlass.range(n_blocks - n_own, unroll=1):
                 self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
                 kv_state.advance()
@@ -505,7 +508,12 @@ class FlashFwdSm90(KeyTiles):
         pipe_k.consumer_release(kv_state)
         if const_expr(self.cfg.softcap):
             cap_scores(acc_s, opts.softcap_scale)
-        apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        if const_expr(self.cfg.local):
+            right_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+            if n_own - 1 < left_end:
+                left_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        else:
+            apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
         softmax_step(acc_s, row_scale)
         self._to_operand(acc_s, f.tOrP)
         # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
@@ -517,8 +525,7 @@ class FlashFwdSm90(KeyTiles):
         if const_expr(self.cfg.local):
             total = n_own - 1 - n_low
             masked_steps = cutlass.min(masked_steps, total)
-            left_steps = cutlass.min(cutlass.max(
-                self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0), total - masked_steps)
+            left_steps = cutlass.min(cutlass.max(left_end - n_low, 0), total - masked_steps)
             phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
         for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
             if const_expr(self.cfg.local):
@@ -549,7 +556,11 @@ class FlashFwdSm90(KeyTiles):
                 pipe_k.consumer_release(kv_state)
                 if const_expr(self.cfg.softcap):
                     cap_scores(acc_s, opts.softcap_scale)
-                if const_expr(phase == 0):
+                if const_expr(phase == 0 and self.cfg.local):
+                    right_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                    if n_block < left_end:
+                        left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                elif const_expr(phase == 0):
                     apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                 elif const_expr(phase == 2):
                     left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
