@@ -90,6 +90,12 @@ def _key_tile(i, n_end, steps, turn):
     return n_end - 1 - cutlass.select_(j >= steps, j - steps, j)
 
 
+def _token_head(p, group, seqlen_q, head_kv):
+    """(token, query head) of packed row ``p`` of KV head ``head_kv``."""
+    token = _token(p, group, seqlen_q)
+    return token, head_kv * group + p - token * group
+
+
 @cute.jit
 def _token(p, group, seqlen_q):
     """The token of packed row ``p`` (p // group). With one token every packed row in use
@@ -498,16 +504,14 @@ class DecodeSm90:
             values.fill(0.0)
             if const_expr(pair is None):
                 if (p < rows) & (part * vec < columns):
-                    token = _token(p, group, seqlen_q)
-                    head = head_kv * group + p - token * group
+                    token, head = _token_head(p, group, seqlen_q, head_kv)
                     at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
                     src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
             else:
                 col = part * vec - _pair_offset(p, group, pair, columns)  # q's column of this chunk
                 if (p < rows) & (col >= 0) & (col < columns):
-                    token = _token(p, group, seqlen_q)
-                    head = head_kv * group + p - token * group
+                    token, head = _token_head(p, group, seqlen_q, head_kv)
                     at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + col) * (self.dtype.width // 8)
                     src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
                     cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)

@@ -465,6 +465,17 @@ class FlashFwdSm90(KeyTiles):
             self._finish_tile(tidx, (acc_o, softmax), f, sO[None, None, t], out, m_block, seqlen_q,
                               t == self.cfg.q_tiles - 1, opts.sink_log2)
 
+    def _tile_masks(self):
+        """(the whole mask, the left edge's, the right edge's) as bound methods: not local,
+        only the first; local, only the other two. Local masks each edge apart: the third
+        loop's tiles lie below first_masked (the left edge alone); the right-edge tiles take
+        the left edge only where it crosses them (_left_masked_end)."""
+        cfg = self.cfg
+        if not cfg.local:
+            return TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, False).apply, None, None
+        return (None, TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, right=False).apply,
+                TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, left=False).apply)
+
     @cute.jit
     def _key_loop(self, f, tSrQ, pipes, kv_state, keys, seqlens, opts, acc):
         """One query tile's key tiles for a warpgroup that computes: S, mask, online
@@ -484,16 +495,11 @@ class FlashFwdSm90(KeyTiles):
         seqlen_q, seqlen_k = seqlens
         acc_o, softmax, row_scale = acc
         window, wg, rows = opts.window, f.wg, cute.size(row_scale)
-        mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, self.cfg.local)
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
-        apply_mask, softmax_step = mask.apply, softmax.step
-        left_mask, right_mask, left_end = None, None, None
+        (apply_mask, left_mask, right_mask), softmax_step = self._tile_masks(), softmax.step
+        left_end = None
         if const_expr(self.cfg.local):
-            # each edge apart: the third loop's tiles lie below first_masked (the left edge
-            # alone); the right-edge tiles take the left edge only where it crosses them
-            left_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, right=False).apply
-            right_mask = TileMask(self.cfg.tile_m, self.cfg.tile_n, self.cfg.causal, True, left=False).apply
             left_end = self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window)
             for _ in cutlass.range(n_blocks - n_own, unroll=1):
                 self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
