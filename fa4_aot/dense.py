@@ -322,7 +322,7 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     tensors.update(launch_tensors(arrays))
     scale = default_scale(problem.columns) if scale is None else scale
     turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
-    first_write = policy.first_write_dq(deterministic, problem.seqlen_k, mods.local)
+    first_write = policy.first_write_dq(deterministic, mods.keys_seen(problem.seqlen_k))
     tail_tiles, tail_pieces = policy.backward_tail_split(sizes, config, rule["constants"]["tail_max_tiles"],
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,

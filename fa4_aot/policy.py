@@ -48,20 +48,19 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
 
 
-def first_write_dq(deterministic: bool, seqlen_k: int, local: bool = False) -> bool:
+def first_write_dq(deterministic: bool, keys_seen: int) -> bool:
     """Whether the backward skips clearing its fp32 dQ accumulator, each query tile's first
     share being stored instead of added. It halves the preprocess's bytes. Deterministic,
     the first turn at a tile stores, and the turns order the rest anyway: +4% at 4k keys,
     +7-10% at 1k, 0 to +1.5% at 16k. Not deterministic, the first CTA to take a tile's
     ticket stores and the others wait for that store: +2-5% at 1k keys, +1-1.5% at 4k, but
     at 16k keys 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the
-    one above it through the query tiles and waits for its stores. ``local`` (the dense
-    kernels): a query tile's dQ comes from the few key tiles its window touches, taken
-    together by neighbouring CTAs, so at every length (gpt-oss's backward at 16k: the
-    clear is 1536 - 815 us of the preprocess in a 6.3 ms call; first shares there are
-    not timed yet). Speed only: the results are the same sums (bitwise so,
-    deterministic)."""
-    return deterministic or local or seqlen_k <= 4096
+    one above it through the query tiles and waits for its stores. So the rule counts the
+    keys a query row sees (``keys_seen``: seqlen_k, or a window bounded on both sides,
+    ScoreMods.keys_seen): a narrow window's query tile takes its dQ from a few key tiles at
+    any length (gpt-oss's backward at 16k: the clear is 1536 - 815 us of the preprocess in
+    a 6.3 ms call). Speed only: the results are the same sums (bitwise so, deterministic)."""
+    return deterministic or keys_seen <= 4096
 
 
 # The backward's split last wave (variants whose config has ``tail_split``: not causal, not

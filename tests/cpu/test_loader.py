@@ -302,6 +302,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     import fa4_aot.policy as policy
 
     from fa4_aot.launch.arrays import DeviceArray
+    from fa4_aot.launch.checks import ScoreMods
 
     from .test_inputs import bshd, fresh
 
@@ -330,7 +331,10 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     assert values["first_write"] == 1
     assert [policy.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
     assert policy.first_write_dq(True, 16384)
-    assert policy.first_write_dq(False, 65536, local=True)  # the window: every length
+    # a window bounded on both sides counts its span (gpt-oss: 129 keys); sinks alone or a
+    # window open on one side count the sequence
+    assert [ScoreMods(*m).keys_seen(65536) for m in ((128, 0, 0.0, True), (-1, 0, 0.0, True), (4096, -1, 0.0, False),
+                                                       (5000, 5000, 0.0, False))] == [129, 65536, 65536, 10001]
 
     # not causal: the accumulator's copies are the dQ reduce's batch axis. That variant is
     # not built here; its plan is the same, so the causal row stands in for it, with the
