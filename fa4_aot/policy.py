@@ -19,17 +19,15 @@ import functools
 # measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k.
 TWO_TILES_MAX_SEQLEN_K = 4096
 
-def forward_two_tiles(seqlen_k: int, window=(-1, -1)) -> bool:
-    """Whether the forward takes its two-query-tile kernel, where built: where a query
-    tile's keys, seqlen_k or (local) at most its window's left + right + 1, are up to
-    TWO_TILES_MAX_SEQLEN_K. A narrow window's tile is a few key tiles long, so the start
+def forward_two_tiles(keys_seen: int) -> bool:
+    """Whether the forward takes its two-query-tile kernel, where built: where the keys a
+    query row sees (``keys_seen``: seqlen_k, or a window bounded on both sides,
+    ScoreMods.keys_seen) are up to TWO_TILES_MAX_SEQLEN_K. A narrow window's tile is a few key tiles long, so the start
     and end that the second tile hides weigh most there (built for the local kernels at
     head_dim 64 only): window 128 (gpt-oss) 119-120 -> 143-145 TFLOP/s at 16k and 128k,
     256 189-192 -> 209-222, 512 271-277 -> 287-295 (docs/design.md, "Local attention,
     sinks, softcap")."""
-    left, right = window
-    keys = seqlen_k if left < 0 or right < 0 else min(seqlen_k, left + right + 1)
-    return keys <= TWO_TILES_MAX_SEQLEN_K
+    return keys_seen <= TWO_TILES_MAX_SEQLEN_K
 
 
 def backward_two_tiles(seqlen_k: int, one_tile_persistent_keys: int) -> bool:

@@ -728,6 +728,7 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     import fa4_aot.policy as policy
 
     from fa4_aot.launch.arrays import DeviceArray
+    from fa4_aot.launch.checks import ScoreMods
 
     from .test_inputs import bshd, fresh
 
@@ -764,9 +765,10 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     with pytest.raises(UnsupportedVariantError, match=r"q2\.local\.softcap"):  # not in this build
         api.forward(q, k, v, out, lse, softcap=30.0, q_tiles=2, library=library)
     # two query tiles per CTA where a tile's keys (local: at most its window's) are few
-    assert [policy.forward_two_tiles(131072, w) for w in ((128, 0), (1024, 0), (4096, 0), (-1, 0), (5, -1))] == [
-        True, True, False, False, False]
-    assert policy.forward_two_tiles(4096) and policy.forward_two_tiles(1000, (5000, 5000))
+    assert [policy.forward_two_tiles(ScoreMods(*w, 0.0, False).keys_seen(131072))
+            for w in ((128, 0), (1024, 0), (4096, 0), (-1, 0), (5, -1))] == [True, True, False, False, False]
+    assert policy.forward_two_tiles(4096)
+    assert policy.forward_two_tiles(ScoreMods(5000, 5000, 0.0, False).keys_seen(1000))
     with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d64\.causal is not built"):
         api.forward(q, k, v, out, lse, window_size=(-1, 0), library=library)  # the plain causal kernel's
     api.forward(q, k, v, out, lse, window_size=(None, None), library=library)
