@@ -27,12 +27,12 @@ from .launch.loader import KernelLibrary
 WRITTEN_BACKWARD = ("dq", "dk", "dv", "workspace", "dsink")
 
 
-def forward_row(manifest, axes: dict, seqlen_k: int, q_tiles: int | None = None, window=(-1, -1)) -> dict:
+def forward_row(manifest, axes: dict, keys_seen: int, q_tiles: int | None = None) -> dict:
     """The forward's manifest row for ``axes`` (kind, arch, dtype, head_dim, causal[, local,
     softcap]): with ``q_tiles`` query tiles per CTA, or when None two where
-    policy.forward_two_tiles (of seqlen_k and the local ``window``) and they are built,
-    else one."""
-    return _row(manifest, axes, q_tiles, policy.forward_two_tiles(seqlen_k, window))
+    policy.forward_two_tiles (of the keys a row sees: ScoreMods.keys_seen) and they are
+    built, else one."""
+    return _row(manifest, axes, q_tiles, policy.forward_two_tiles(keys_seen))
 
 
 def _row(manifest, axes: dict, q_tiles: int | None, two_tiles: bool) -> dict:
@@ -67,8 +67,8 @@ def forward(q, k, v, out, lse, *, softmax_scale: float | None = None, causal: bo
     Each is a DeviceArray or an object with __dlpack__ / __cuda_array_interface__.
     Causal masking is aligned to the bottom-right corner (query i sees keys
     j <= i + seqlen_k - seqlen_q); a query row that sees no key gets out = 0, lse = -inf.
-    ``q_tiles``: query tiles per CTA, 1 or 2; None picks by seqlen_k
-    (policy.TWO_TILES_MAX_SEQLEN_K).
+    ``q_tiles``: query tiles per CTA, 1 or 2; None picks by the keys a row sees
+    (policy.forward_two_tiles).
     ``window_size`` (left, right): query i sees only keys j with i + seqlen_k - seqlen_q -
     left <= j <= i + seqlen_k - seqlen_q + right (-1 or None: unbounded; causal makes right
     0). ``softcap`` > 0: the scaled scores s become softcap * tanh(s / softcap).
@@ -135,8 +135,7 @@ def run_forward(q, k, v, out, lse, softmax_scale, causal, q_tiles, stream, libra
                  "lse": arrays["lse"], **{n: arrays[n] for n in ("sink", "workspace") if n in arrays}}
         prepare_checked(cache, mods, scale, splits, stream, library).issue(key, waits, aliases)
         return
-    row = forward_row(library.manifest, {**axes, "arch": arch}, problem.seqlen_k, q_tiles,
-                      (mods.left, mods.right) if mods.local else (-1, -1))
+    row = forward_row(library.manifest, {**axes, "arch": arch}, mods.keys_seen(problem.seqlen_k), q_tiles)
     scale = default_scale(problem.columns) if scale is None else scale
     values = {**problem.sizes, "scale_log2": scale * LOG2E}
     tensors = launch_tensors(arrays)
@@ -322,7 +321,7 @@ def run_backward(q, k, v, out, dout, lse, dq, dk, dv, workspace, softmax_scale, 
     tensors.update(launch_tensors(arrays))
     scale = default_scale(problem.columns) if scale is None else scale
     turn_tiles = policy.deterministic_turn_tiles(causal, problem.head_dim, problem.seqlen_k) if deterministic else 1
-    first_write = policy.first_write_dq(deterministic, problem.seqlen_k)
+    first_write = policy.first_write_dq(deterministic, mods.keys_seen(problem.seqlen_k))
     tail_tiles, tail_pieces = policy.backward_tail_split(sizes, config, rule["constants"]["tail_max_tiles"],
                                                          library.sm_count(device))
     values = {**sizes, "scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,

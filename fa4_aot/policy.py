@@ -19,17 +19,15 @@ import functools
 # measured 1-13% faster at 1k and 4k keys, 2-3% slower at 16k.
 TWO_TILES_MAX_SEQLEN_K = 4096
 
-def forward_two_tiles(seqlen_k: int, window=(-1, -1)) -> bool:
-    """Whether the forward takes its two-query-tile kernel, where built: where a query
-    tile's keys, seqlen_k or (local) at most its window's left + right + 1, are up to
-    TWO_TILES_MAX_SEQLEN_K. A narrow window's tile is a few key tiles long, so the start
+def forward_two_tiles(keys_seen: int) -> bool:
+    """Whether the forward takes its two-query-tile kernel, where built: where the keys a
+    query row sees (``keys_seen``: seqlen_k, or a window bounded on both sides,
+    ScoreMods.keys_seen) are up to TWO_TILES_MAX_SEQLEN_K. A narrow window's tile is a few key tiles long, so the start
     and end that the second tile hides weigh most there (built for the local kernels at
     head_dim 64 only): window 128 (gpt-oss) 119-120 -> 143-145 TFLOP/s at 16k and 128k,
     256 189-192 -> 209-222, 512 271-277 -> 287-295 (docs/design.md, "Local attention,
     sinks, softcap")."""
-    left, right = window
-    keys = seqlen_k if left < 0 or right < 0 else min(seqlen_k, left + right + 1)
-    return keys <= TWO_TILES_MAX_SEQLEN_K
+    return keys_seen <= TWO_TILES_MAX_SEQLEN_K
 
 
 def backward_two_tiles(seqlen_k: int, one_tile_persistent_keys: int) -> bool:
@@ -48,16 +46,19 @@ def deterministic_turn_tiles(causal: bool, head_dim: int, seqlen_k: int) -> int:
     return 2 if head_dim <= 192 or not causal or seqlen_k >= 16384 else 1
 
 
-def first_write_dq(deterministic: bool, seqlen_k: int) -> bool:
+def first_write_dq(deterministic: bool, keys_seen: int) -> bool:
     """Whether the backward skips clearing its fp32 dQ accumulator, each query tile's first
     share being stored instead of added. It halves the preprocess's bytes. Deterministic,
     the first turn at a tile stores, and the turns order the rest anyway: +4% at 4k keys,
     +7-10% at 1k, 0 to +1.5% at 16k. Not deterministic, the first CTA to take a tile's
     ticket stores and the others wait for that store: +2-5% at 1k keys, +1-1.5% at 4k, but
     at 16k keys 0 to -0.5% not causal and 3-12% slower causal, where each CTA follows the
-    one above it through the query tiles and waits for its stores. Speed
-    only: the results are the same sums (bitwise so, deterministic)."""
-    return deterministic or seqlen_k <= 4096
+    one above it through the query tiles and waits for its stores. So the rule counts the
+    keys a query row sees (``keys_seen``: seqlen_k, or a window bounded on both sides,
+    ScoreMods.keys_seen): a narrow window's query tile takes its dQ from a few key tiles at
+    any length (gpt-oss's backward at 16k: the clear is 1536 - 815 us of the preprocess in
+    a 6.3 ms call). Speed only: the results are the same sums (bitwise so, deterministic)."""
+    return deterministic or keys_seen <= 4096
 
 
 # The backward's split last wave (variants whose config has ``tail_split``: not causal, not

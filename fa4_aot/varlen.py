@@ -352,7 +352,7 @@ def run_backward_varlen(q, k, v, out, dout, lse, dq, dk, dv, cu_seqlens_q, cu_se
     tensors.update(_sequence_tensors(arrays, packed))
     turn_tiles = policy.deterministic_turn_tiles(causal, sizes["head_dim"], sizes["max_seqlen_k"]) if deterministic else 1
     values.update({"scale": scale, "scale_log2": scale * LOG2E, "turn_tiles": turn_tiles,
-                   "first_write": int(policy.first_write_dq(deterministic, sizes["max_seqlen_k"])),
+                   "first_write": int(policy.first_write_dq(deterministic, mods.keys_seen(sizes["max_seqlen_k"]))),
                    "use_seqused_q": int("seqused_q" in arrays), "use_seqused_k": int("seqused_k" in arrays),
                    "lpt": int(walk == "lpt")})
     checks.add_backward_values(mods, values, tensors, values["ws_tiles"], scale, LOG2E)

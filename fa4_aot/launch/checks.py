@@ -185,6 +185,13 @@ class ScoreMods(NamedTuple):
     def local(self) -> bool:
         return self.sink or self.softcap > 0 or self.left >= 0 or self.right > 0
 
+    def keys_seen(self, seqlen_k: int) -> int:
+        """The most keys one query row sees: ``seqlen_k``, or a window's span where it is
+        bounded on both sides and narrower."""
+        if self.left >= 0 and self.right >= 0:
+            return min(seqlen_k, self.left + self.right + 1)
+        return seqlen_k
+
     @property
     def causal(self) -> bool:
         """Where not local: whether the plain kernel is the causal one."""

@@ -1,7 +1,8 @@
 """The local forward's walk (fwd/key_tiles.py, and the three key loops of
 fwd/kernel.py's _key_loop) against every (row, key) pair: each consumer warpgroup's key
 tiles cover every key its rows see, the unmasked loop's tiles need no mask, and the
-left-edge loop's tiles need none at the right edge (it masks the left edge alone:
+left-edge loop's tiles need none at the right edge (it masks the left edge alone), and
+the right-edge tiles need the left edge only below _left_masked_end (its branch:
 docs/design.md, "Local attention, sinks, softcap"). The key-tile functions run on Python
 ints (the kernels run them on Int32); the loops' split is modelled as _key_loop computes it."""
 import random
@@ -32,7 +33,7 @@ def _loops(walk, m_block, wg, seqlen_q, seqlen_k, window):
     n_own, idle = KeyTiles._own_key_tiles.__wrapped__(walk, m_block, wg, n_blocks, seqlen_q, seqlen_k, window, n_low)
     if n_blocks <= n_min or idle:
         return None
-    first_masked = KeyTiles._first_masked.__wrapped__(walk, m_block, seqlen_q, seqlen_k, window)
+    first_masked = KeyTiles._first_masked.__wrapped__(walk, m_block, seqlen_q, seqlen_k, window, wg)
     total = n_own - 1 - n_low
     right = min(max(n_own - 1 - first_masked, 0), total)
     left = min(max(walk._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0), total - right)
@@ -75,3 +76,8 @@ def test_local_forward_walk_masks_what_each_loop_needs(tiles):
                     for t in at_left:
                         assert not any(_needs(r, t, tile_n, seqlen_q, seqlen_k, window)[1] for r in rows), \
                             f"{where}: tile {t} in the left-edge loop needs the right edge"
+                    # the right-edge tiles take the left edge only below _left_masked_end
+                    end = walk._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window)
+                    for t in first + at_right:
+                        assert t < end or not any(_needs(r, t, tile_n, seqlen_q, seqlen_k, window)[0] for r in rows), \
+                            f"{where}: right-edge tile {t} at or above the left-edge end {end} needs the left edge"

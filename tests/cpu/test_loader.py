@@ -302,6 +302,7 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     import fa4_aot.policy as policy
 
     from fa4_aot.launch.arrays import DeviceArray
+    from fa4_aot.launch.checks import ScoreMods
 
     from .test_inputs import bshd, fresh
 
@@ -330,6 +331,10 @@ def test_backward_gives_every_kernel_all_the_values_its_plan_names(built, monkey
     assert values["first_write"] == 1
     assert [policy.first_write_dq(False, sk) for sk in (1024, 4096, 4097)] == [True, True, False]
     assert policy.first_write_dq(True, 16384)
+    # a window bounded on both sides counts its span (gpt-oss: 129 keys); sinks alone or a
+    # window open on one side count the sequence
+    assert [ScoreMods(*m).keys_seen(65536) for m in ((128, 0, 0.0, True), (-1, 0, 0.0, True), (4096, -1, 0.0, False),
+                                                       (5000, 5000, 0.0, False))] == [129, 65536, 65536, 10001]
 
     # not causal: the accumulator's copies are the dQ reduce's batch axis. That variant is
     # not built here; its plan is the same, so the causal row stands in for it, with the
@@ -723,6 +728,7 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     import fa4_aot.policy as policy
 
     from fa4_aot.launch.arrays import DeviceArray
+    from fa4_aot.launch.checks import ScoreMods
 
     from .test_inputs import bshd, fresh
 
@@ -759,9 +765,10 @@ def test_local_forward_gives_its_kernel_the_window_sinks_and_cap(built, monkeypa
     with pytest.raises(UnsupportedVariantError, match=r"q2\.local\.softcap"):  # not in this build
         api.forward(q, k, v, out, lse, softcap=30.0, q_tiles=2, library=library)
     # two query tiles per CTA where a tile's keys (local: at most its window's) are few
-    assert [policy.forward_two_tiles(131072, w) for w in ((128, 0), (1024, 0), (4096, 0), (-1, 0), (5, -1))] == [
-        True, True, False, False, False]
-    assert policy.forward_two_tiles(4096) and policy.forward_two_tiles(1000, (5000, 5000))
+    assert [policy.forward_two_tiles(ScoreMods(*w, 0.0, False).keys_seen(131072))
+            for w in ((128, 0), (1024, 0), (4096, 0), (-1, 0), (5, -1))] == [True, True, False, False, False]
+    assert policy.forward_two_tiles(4096)
+    assert policy.forward_two_tiles(ScoreMods(5000, 5000, 0.0, False).keys_seen(1000))
     with pytest.raises(UnsupportedVariantError, match=r"fwd\.sm90a\.bf16\.d64\.causal is not built"):
         api.forward(q, k, v, out, lse, window_size=(-1, 0), library=library)  # the plain causal kernel's
     api.forward(q, k, v, out, lse, window_size=(None, None), library=library)

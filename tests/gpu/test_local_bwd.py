@@ -118,6 +118,16 @@ def test_local_backward_with_more_items_than_multiprocessors(variant, case, gen)
     _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[case]), sinks, cap))
 
 
+@pytest.mark.parametrize("variant", [v for v in BWD_LOCAL if v.head_dim == 64 and not v.deterministic],
+                         ids=lambda v: v.name)
+def test_local_backward_past_4096_keys(variant, gen):
+    """Past 4096 keys the local backward still stores each query tile's first dQ share
+    (policy.first_write_dq's local rule) where the plain kernels have the preprocess clear
+    the accumulator: gpt-oss's window and sinks, GQA 4, 4200 keys."""
+    q, k, v, dout, out, sinks, got = _run(variant, CASES[5], (1, 4200, 4200, 8, 2), gen, _cap(variant, 5))
+    _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[5]), sinks, _cap(variant, 5)))
+
+
 @pytest.mark.parametrize("variant", [v for v in BWD_LOCAL + BWD_LOCAL_VARLEN if v.deterministic],
                          ids=lambda v: v.name)
 def test_local_deterministic_backward_is_bitwise_repeatable(variant, gen):
@@ -148,12 +158,26 @@ def test_local_deterministic_backward_is_bitwise_repeatable(variant, gen):
 def test_local_varlen_backward_matches_reference(variant, case, gen):
     """Each sequence's window within it; a sequence of no keys gets dq 0, one of no
     queries dk, dv 0; dsink sums every sequence's rows."""
+    _check_varlen_backward(variant, case, MIXES, gen)
+
+
+@pytest.mark.parametrize("variant", [v for v in BWD_LOCAL_VARLEN if v.head_dim == 64 and not v.deterministic],
+                         ids=lambda v: v.name)
+def test_local_varlen_backward_past_4096_keys(variant, gen):
+    """As the dense test past 4096 keys: the first dQ shares stored (the window's span
+    counted, policy.first_write_dq) beside an empty sequence and rows that see no key."""
+    _check_varlen_backward(variant, 5, [([4200, 0, 130], [4300, 7, 100], 8, 2)], gen)
+
+
+def _check_varlen_backward(variant, case, mixes, gen):
+    """The varlen backward of CASES[case] on each of ``mixes`` ((lengths_q, lengths_k,
+    heads_q, heads_kv)) against the reference, sequence by sequence."""
     from fa4_aot.torch import flash_attn_varlen_bwd, flash_attn_varlen_fwd
 
     left, right, causal, sink = CASES[case]
     cap = _cap(variant, case)
     dtype, d = DTYPES[variant.dtype], variant.head_dim
-    for lq, lk, hq, hkv in MIXES:
+    for lq, lk, hq, hkv in mixes:
         q, k, v = _packed(lq, hq, d, dtype, gen), _packed(lk, hkv, d, dtype, gen), _packed(lk, hkv, d, dtype, gen)
         dout = torch.randn_like(q)
         sinks = _sinks(hq, gen) if sink else None

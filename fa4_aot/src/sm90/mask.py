@@ -38,15 +38,19 @@ class Window(NamedTuple):
 class TileMask:
     """Compile-time shape of the masking; run-time sizes are passed to ``apply``."""
 
-    def __init__(self, tile_m: int, tile_n: int, causal: bool, local: bool = False, right: bool = True):
-        """``right`` False: local tiles wholly below the padding and every row's right
-        edge (the forward's left-edge loop), masked at the window's left edge only."""
-        assert right or local
+    def __init__(self, tile_m: int, tile_n: int, causal: bool, local: bool = False, right: bool = True,
+                 left: bool = True):
+        """Local, one edge: ``right`` False for tiles wholly below the padding and every
+        row's right edge (the forward's left-edge loop), masked at the window's left edge
+        only; ``left`` False for tiles the caller masks at the left edge apart, where it
+        crosses them."""
+        assert local or (right and left)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal
         self.local = local
         self.right = right
+        self.left = left
 
     @cute.jit
     def apply(
@@ -78,7 +82,9 @@ class TileMask:
                     kept = s[r, j]
                     if cutlass.const_expr(self.right):
                         kept = select_f32(col >= limit, -Float32.inf, kept)
-                    s[r, j] = select_f32(col < low, -Float32.inf, kept)
+                    if cutlass.const_expr(self.left):
+                        kept = select_f32(col < low, -Float32.inf, kept)
+                    s[r, j] = kept
             else:
                 for j in cutlass.range_constexpr(cute.size(s, mode=[1])):
                     s[r, j] = select_f32(c[r, j][1] - col0 >= limit, -Float32.inf, s[r, j])

@@ -441,7 +441,7 @@ class FlashFwdSm90(KeyTiles):
             softmax = OnlineSoftmax(scale_log2, rows)
             softmax.reset()
             row_scale = cute.make_rmem_tensor((rows,), Float32)
-            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window)
+            first_masked = self._first_masked(m_block, seqlen_q, seqlen_k, window, wg if self.cfg.local else None)
             pipe_q.consumer_wait(q_state)
             q_state.advance()
             # A warpgroup whose 64 rows all lie past seqlen_q (the last tile of a sequence
@@ -466,12 +466,15 @@ class FlashFwdSm90(KeyTiles):
                               t == self.cfg.q_tiles - 1, opts.sink_log2)
 
     def _tile_masks(self):
-        """(the mask of the first tile and the right-edge loop, local the left-edge loop's:
-        its tiles lie below first_masked, so the left edge alone; else None), as bound
-        methods."""
+        """(the whole mask, the left edge's, the right edge's) as bound methods: not local,
+        only the first; local, only the other two. Local masks each edge apart: the third
+        loop's tiles lie below first_masked (the left edge alone); the right-edge tiles take
+        the left edge only where it crosses them (_left_masked_end)."""
         cfg = self.cfg
-        left = TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, right=False).apply if cfg.local else None
-        return TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, cfg.local).apply, left
+        if not cfg.local:
+            return TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, False).apply, None, None
+        return (None, TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, right=False).apply,
+                TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, left=False).apply)
 
     @cute.jit
     def _key_loop(self, f, tSrQ, pipes, kv_state, keys, seqlens, opts, acc):
@@ -494,8 +497,10 @@ class FlashFwdSm90(KeyTiles):
         window, wg, rows = opts.window, f.wg, cute.size(row_scale)
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
-        (apply_mask, left_mask), softmax_step = self._tile_masks(), softmax.step
+        (apply_mask, left_mask, right_mask), softmax_step = self._tile_masks(), softmax.step
+        left_end = None
         if const_expr(self.cfg.local):
+            left_end = self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window)
             for _ in cutlass.range(n_blocks - n_own, unroll=1):
                 self._pass_key_tile(pipe_k, pipe_v, kv_state, wg)
                 kv_state.advance()
@@ -509,7 +514,12 @@ class FlashFwdSm90(KeyTiles):
         pipe_k.consumer_release(kv_state)
         if const_expr(self.cfg.softcap):
             cap_scores(acc_s, opts.softcap_scale)
-        apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        if const_expr(self.cfg.local):
+            right_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+            if n_own - 1 < left_end:
+                left_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        else:
+            apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
         softmax_step(acc_s, row_scale)
         self._to_operand(acc_s, f.tOrP)
         # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
@@ -521,8 +531,7 @@ class FlashFwdSm90(KeyTiles):
         if const_expr(self.cfg.local):
             total = n_own - 1 - n_low
             masked_steps = cutlass.min(masked_steps, total)
-            left_steps = cutlass.min(cutlass.max(
-                self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window) - n_low, 0), total - masked_steps)
+            left_steps = cutlass.min(cutlass.max(left_end - n_low, 0), total - masked_steps)
             phases, steps_by_phase = 3, (masked_steps, total - masked_steps - left_steps, left_steps)
         for phase in cutlass.range_constexpr(0 if self.cfg.masks_right else 1, phases):
             if const_expr(self.cfg.local):
@@ -553,7 +562,11 @@ class FlashFwdSm90(KeyTiles):
                 pipe_k.consumer_release(kv_state)
                 if const_expr(self.cfg.softcap):
                     cap_scores(acc_s, opts.softcap_scale)
-                if const_expr(phase == 0):
+                if const_expr(phase == 0 and self.cfg.local):
+                    right_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                    if n_block < left_end:
+                        left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                elif const_expr(phase == 0):
                     apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
                 elif const_expr(phase == 2):
                     left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)

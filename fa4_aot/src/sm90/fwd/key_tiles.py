@@ -66,12 +66,16 @@ class KeyTiles:
         return cute.ceil_div(cutlass.max(lowest_last_row, 0), self.cfg.tile_n)
 
     @cute.jit
-    def _first_masked(self, m_block, seqlen_q, seqlen_k, window=None):
+    def _first_masked(self, m_block, seqlen_q, seqlen_k, window=None, wg=None):
         """The first key tile of query tile m_block that needs a mask (padding, the causal
-        diagonal or the window's right edge): every one from it on."""
+        diagonal or the window's right edge): every one from it on. ``wg``: for that
+        warpgroup's 64 rows alone (the local kernels: a later warpgroup's rows see further,
+        so fewer of its tiles cross their right edge)."""
         first_masked = seqlen_k // self.cfg.tile_n
         if const_expr(self.cfg.masks_right):
             diag = m_block * self.cfg.tile_m + seqlen_k - seqlen_q
+            if const_expr(wg is not None):
+                diag = diag + wg * 64
             if const_expr(self.cfg.local):
                 diag = diag + window.right
             first_unmasked_diag = diag // self.cfg.tile_n
