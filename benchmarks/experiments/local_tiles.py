@@ -8,7 +8,8 @@ upstream's, on same_run_local.py's gpt-oss and Gemma head_dim 256 cells, plus th
 FA4_DIR "-": no FA4 column.
 
 ``:q1``, ``:q2``: that library's kernels launched with q_tiles 1 or 2. Round 0 prints each library's largest difference from the first's out.
-``LAYERS`` (environment, comma-separated names): only those layers.
+``LAYERS`` (environment, comma-separated names): only those layers; ``SEQLENS`` likewise the
+sequence lengths (default 16384,131072).
 """
 import os
 import sys
@@ -20,7 +21,7 @@ import ffi  # noqa: E402
 import same_run_local as srl  # noqa: E402
 from rounds import finish, note, summary, time_round  # noqa: E402
 
-SEQLENS = (16384, 131072)
+SEQLENS = tuple(int(x) for x in os.environ.get("SEQLENS", "16384,131072").split(","))
 NO_CAP = ("gemma-d256-w1024-nocap", 256, 16, 8, 1024, 0.0, False)
 # windows between gpt-oss's and Gemma's, for the local two-tile policy
 WINDOWS = [(f"d{d}-w{w}", d, hq, hkv, w, cap, sinks) for d, hq, hkv, cap, sinks in ((64, 64, 8, 0.0, True),

@@ -35,11 +35,12 @@ LOCAL_TILES = {**TILES, 64: (256, 64, 4), 256: (128, 64, 2)}
 # Head dims whose dense local forward launches the query heads of a KV head next to each
 # other, tile by tile, where one query head's K and V (16-bit) pass LOCAL_KV_HEAD_BYTES, so
 # that each window's K and V are read from DRAM once for the group, not once a head after
-# L2 has lost them: at 128k tokens a sequence, d64 windows 128-512 +3-6% (gpt-oss +4%), 16k
-# (4 MB a head) as before; Gemma d256 -2 to +2% and d128 -3 to +2%, not taken
-# (docs/design.md, "Local attention, sinks, softcap").
+# L2 has lost them: at 128k tokens a sequence, d64 windows 128-512 +3-6% (gpt-oss +4%);
+# Gemma d256 -2 to +2% and d128 -3 to +2%, not taken. 8 MB (32k keys at d64) against 20:
+# 64k +0.6-2.5%, 32k and 128k equal; 2 MB takes 16k too: -1% there (docs/design.md, "Local
+# attention, sinks, softcap").
 LOCAL_KV_HEAD_ORDER = (64,)
-LOCAL_KV_HEAD_BYTES = 20 * 1024 * 1024
+LOCAL_KV_HEAD_BYTES = 8 * 1024 * 1024
 # (head_dim, head_dim_v) pairs with a kernel of their own: 192/128 holds 128-key tiles (S and
 # O fragments as at head_dim 128; Q 48 KB, two stages of K 48 KB and V 32 KB each: 208 KB).
 PAIR_TILES = {(192, 128): (128, 128, 2)}
