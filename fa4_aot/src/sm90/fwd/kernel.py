@@ -477,6 +477,23 @@ class FlashFwdSm90(KeyTiles):
                 TileMask(cfg.tile_m, cfg.tile_n, cfg.causal, True, left=False).apply)
 
     @cute.jit
+    def _mask_tile(self, masks, acc_s, coords, tile, seqlens, edges, phase: cutlass.Constexpr[int]):
+        """Masks S of ``tile`` (m_block, n_block) as _key_loop's loop ``phase`` needs: 0 (the
+        first tile and the right-edge tiles) the whole mask, or local the right edge and
+        the left only below ``edges``' left_end; 2 (local: the left-edge tiles) the left
+        edge; 1 nothing. ``masks``: _tile_masks'; ``edges``: (the window, left_end)."""
+        apply_mask, left_mask, right_mask = masks
+        (m_block, n_block), (seqlen_q, seqlen_k), (window, left_end) = tile, seqlens, edges
+        if const_expr(phase == 0 and self.cfg.local):
+            right_mask(acc_s, coords, m_block, n_block, seqlen_q, seqlen_k, window)
+            if n_block < left_end:
+                left_mask(acc_s, coords, m_block, n_block, seqlen_q, seqlen_k, window)
+        elif const_expr(phase == 0):
+            apply_mask(acc_s, coords, m_block, n_block, seqlen_q, seqlen_k, window)
+        elif const_expr(phase == 2):
+            left_mask(acc_s, coords, m_block, n_block, seqlen_q, seqlen_k, window)
+
+    @cute.jit
     def _key_loop(self, f, tSrQ, pipes, kv_state, keys, seqlens, opts, acc):
         """One query tile's key tiles for a warpgroup that computes: S, mask, online
         softmax and O += P V over its key tiles (``keys``: KeyRange), the pipelines'
@@ -497,7 +514,7 @@ class FlashFwdSm90(KeyTiles):
         window, wg, rows = opts.window, f.wg, cute.size(row_scale)
         # Bound methods: the DSL would treat a method call on a local object inside a
         # run-time loop as a write of that object and try to carry it through the loop.
-        (apply_mask, left_mask, right_mask), softmax_step = self._tile_masks(), softmax.step
+        masks, softmax_step = self._tile_masks(), softmax.step
         left_end = None
         if const_expr(self.cfg.local):
             left_end = self._left_masked_end(m_block, wg, seqlen_q, seqlen_k, window)
@@ -514,12 +531,7 @@ class FlashFwdSm90(KeyTiles):
         pipe_k.consumer_release(kv_state)
         if const_expr(self.cfg.softcap):
             cap_scores(acc_s, opts.softcap_scale)
-        if const_expr(self.cfg.local):
-            right_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
-            if n_own - 1 < left_end:
-                left_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
-        else:
-            apply_mask(acc_s, f.s_coords, m_block, n_own - 1, seqlen_q, seqlen_k, window)
+        self._mask_tile(masks, acc_s, f.s_coords, (m_block, n_own - 1), seqlens, (window, left_end), 0)
         softmax_step(acc_s, row_scale)
         self._to_operand(acc_s, f.tOrP)
         # Key tiles n_own-2 .. first_masked need the mask, the rest do not: two
@@ -562,14 +574,7 @@ class FlashFwdSm90(KeyTiles):
                 pipe_k.consumer_release(kv_state)
                 if const_expr(self.cfg.softcap):
                     cap_scores(acc_s, opts.softcap_scale)
-                if const_expr(phase == 0 and self.cfg.local):
-                    right_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
-                    if n_block < left_end:
-                        left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
-                elif const_expr(phase == 0):
-                    apply_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
-                elif const_expr(phase == 2):
-                    left_mask(acc_s, f.s_coords, m_block, n_block, seqlen_q, seqlen_k, window)
+                self._mask_tile(masks, acc_s, f.s_coords, (m_block, n_block), seqlens, (window, left_end), phase)
                 softmax_step(acc_s, row_scale)
                 # P(j) V(j) must be done before P(j+1) overwrites its operand registers.
                 wait_after([softmax.row_sum[r] for r in range(rows)], order_barrier(self.cfg.num_consumers) + wg,
