@@ -120,7 +120,10 @@ def test_local_long_sequences_launched_by_kv_head_groups(variant, gen):
     their windows see: rows [a, b) with keys [a - left, b + right), where the bottom-right
     alignment puts row i's diagonal ``right`` keys further on, so the chunk's window is
     (left + right, 0) (at the sequence's end the keys stop at seqlen: the shift is less)."""
-    seqlen = _kv_head_order_keys(variant) + 300
+    # the built row's threshold (what its cubin compares with), not the source's
+    order_keys = fa4_aot.default_library().manifest.row(variant)["config"]["kv_head_order_keys"]
+    assert order_keys > 0, "the row takes no KV-head order"
+    seqlen = order_keys + 300
     cap = _cap(variant, 1)
     for case in ((128, 0, False, True), (100, 37, False, False)):
         q, k, v, sinks, out, lse = _run_dense(variant, case, cap, (1, seqlen, seqlen, 16, 2), gen)
