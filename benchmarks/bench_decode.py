@@ -5,7 +5,8 @@ Run on an sm_90 GPU:  python benchmarks/bench_decode.py [--rounds 3] [--out resu
 
 Figure: bytes of K and V read (batch x keys x heads_kv x head_dim x 2 tensors x 2 bytes)
 per second, and its ratio to the same run's device-to-device copy (torch's copy_ of 2 GiB:
-bytes read plus bytes written per second). Peer in the same process, on the same cache
+bytes read plus bytes written per second) and to a copy of the cache's bytes alone ("x
+same": the launch and ramp a call of that size pays). Peer in the same process, on the same cache
 memory: cuDNN through torch SDPA (``enable_gqa=True``, the cache as a (b, h, s, d) view).
 Our call takes DeviceArrays made once (fa4_aot.torch.as_device_array), so a repeated
 call re-launches its packed kernels (the host path costs microseconds, not the GPU's
@@ -58,6 +59,15 @@ def copy_bandwidth(bench):
     dst = torch.empty_like(src)
     ms = bench(lambda: dst.copy_(src))
     return 2 * src.numel() / (ms * 1e-3)
+
+
+def same_size_copy(nbytes):
+    """(a device-to-device copy moving ``nbytes``, half read and half written, as one call;
+    the tensors behind it): a small call's launch and ramp, the bar's context where the
+    bytes are few."""
+    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src), (src, dst)
 
 
 def setup(batch, sq, hq, hkv, d, keys, page, split_counts=(), fp8=False):
@@ -184,6 +194,9 @@ def main():
                 cell["max_diff_vs_cudnn"] = (keep[3].float() - ref.float()).abs().max().item()
             t16 = bench(ours)
             cell["ours"].append(nbytes / (t16 * 1e-3))
+            copy_fn, copy_keep = same_size_copy(nbytes)
+            cell.setdefault("same_size_copy", []).append(nbytes / (bench(copy_fn) * 1e-3))
+            del copy_keep
             for n, lib in others.items():
                 cell.setdefault(f"ours:{n}", []).append(nbytes / (bench(lambda: ours(library=lib)) * 1e-3))
             for n in ours.split_counts:
@@ -212,11 +225,12 @@ def main():
         placement_sweep(shapes, args.placement, bench, cells)
     copy = statistics.median(copies)
     print(f"device-to-device copy: {copy / 1e12:.2f} TB/s (range {min(copies) / 1e12:.2f}-{max(copies) / 1e12:.2f})")
-    print(f"{'shape':28s} {'ours TB/s':>16s} {'x copy':>7s} {'cuDNN TB/s':>16s} {'ours/cuDNN':>10s}")
+    print(f"{'shape':28s} {'ours TB/s':>16s} {'x copy':>7s} {'x same':>7s} {'cuDNN TB/s':>16s} {'ours/cuDNN':>10s}")
     for label, cell in cells.items():
         o = cell["ours"]
         line = f"{label:28s} {statistics.median(o) / 1e12:6.2f} ({min(o) / 1e12:.2f}-{max(o) / 1e12:.2f})"
-        line += f" {statistics.median(o) / copy:7.2f}"
+        same = statistics.median(cell["same_size_copy"])
+        line += f" {statistics.median(o) / copy:7.2f} {statistics.median(o) / same:7.2f}"
         if cell["cudnn"]:
             c = cell["cudnn"]
             line += f" {statistics.median(c) / 1e12:6.2f} ({min(c) / 1e12:.2f}-{max(c) / 1e12:.2f})"

@@ -36,7 +36,7 @@ import fa4_aot
 from fa4_aot.torch import as_device_array
 
 import timing  # noqa: E402 (run from benchmarks/ or with it on the path)
-from bench_decode import copy_bandwidth  # noqa: E402
+from bench_decode import copy_bandwidth, same_size_copy  # noqa: E402
 
 # (name, batch, heads_q, heads_kv, head_dim, window back, softcap, sinks)
 LAYERS = [("gpt-oss", 256, 64, 8, 64, 128, 0.0, True), ("gemma-d256-w1024", 32, 16, 8, 256, 1024, 50.0, False),
@@ -87,13 +87,6 @@ def setup(layer, keys, paged):
 
     # every tensor behind a DeviceArray kept (a DeviceArray is a pointer: bench_decode.setup)
     return ours_with, (cudnn if not paged else None), (q, k_cache, v_cache, space, table, sink, out, lse, lengths)
-
-
-def same_size_copy(nbytes):
-    """A device-to-device copy moving ``nbytes`` (half read, half written), as one call."""
-    src = torch.empty(max(nbytes // 2, 1), dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return lambda: dst.copy_(src), (src, dst)
 
 
 def window_bytes(layer, keys):
