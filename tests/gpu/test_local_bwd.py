@@ -122,8 +122,8 @@ def test_local_backward_with_more_items_than_multiprocessors(variant, case, gen)
                          ids=lambda v: v.name)
 def test_local_backward_past_4096_keys(variant, gen):
     """Past 4096 keys the local backward still stores each query tile's first dQ share
-    (policy.first_write_dq's local rule) where the plain kernels have the preprocess clear
-    the accumulator: gpt-oss's window and sinks, GQA 4, 4200 keys."""
+    (policy.first_write_dq counts the window's span) where the plain kernels have the
+    preprocess clear the accumulator: gpt-oss's window and sinks, GQA 4, 4200 keys."""
     q, k, v, dout, out, sinks, got = _run(variant, CASES[5], (1, 4200, 4200, 8, 2), gen, _cap(variant, 5))
     _assert_within(grad_errors(got, q, k, v, dout, out, _window(CASES[5]), sinks, _cap(variant, 5)))
 

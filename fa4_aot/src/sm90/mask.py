@@ -44,7 +44,7 @@ class TileMask:
         row's right edge (the forward's left-edge loop), masked at the window's left edge
         only; ``left`` False for tiles the caller masks at the left edge apart, where it
         crosses them."""
-        assert local or (right and left)
+        assert (right and left) or (local and (right or left)), "one edge alone is a local mask's"
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.causal = causal

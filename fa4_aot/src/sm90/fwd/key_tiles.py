@@ -51,18 +51,22 @@ class KeyTiles:
         """count - n_min: the count itself where n_min is always 0 (not local)."""
         return count - n_min if const_expr(self.cfg.local) else count
 
+    def _wg_row(self, m_block, wg):
+        """The first query row of warpgroup ``wg``'s 64 rows of query tile ``m_block``."""
+        return m_block * self.cfg.tile_m + wg * 64
+
     def _own_first_key_tile(self, m_block, wg, seqlen_q, seqlen_k, window):
         """Local: the first key tile warpgroup ``wg``'s rows of tile m_block see (its first
         row's window); None otherwise (every warpgroup takes the tile's)."""
         if const_expr(not self.cfg.local):
             return None
-        first_key = m_block * self.cfg.tile_m + wg * 64 + seqlen_k - seqlen_q - window.left
+        first_key = self._wg_row(m_block, wg) + seqlen_k - seqlen_q - window.left
         return cutlass.max(first_key, 0) // self.cfg.tile_n
 
     def _left_masked_end(self, m_block, wg, seqlen_q, seqlen_k, window):
         """Local: one past the last key tile that needs the window's left edge masked for
         warpgroup ``wg`` (some row of its starts its window inside or above it)."""
-        lowest_last_row = m_block * self.cfg.tile_m + wg * 64 + 63 + seqlen_k - seqlen_q - window.left
+        lowest_last_row = self._wg_row(m_block, wg) + 63 + seqlen_k - seqlen_q - window.left
         return cute.ceil_div(cutlass.max(lowest_last_row, 0), self.cfg.tile_n)
 
     @cute.jit
@@ -90,16 +94,16 @@ class KeyTiles:
         if const_expr(self.cfg.masks_right):
             n_own = self._key_tiles_of_rows(m_block, wg, n_blocks, seqlen_q, seqlen_k, window)
         if const_expr(self.cfg.local):
-            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own <= n_low
+            idle = self._wg_row(m_block, wg) >= seqlen_q or n_own <= n_low
         else:
-            idle = m_block * self.cfg.tile_m + wg * 64 >= seqlen_q or n_own == 0
+            idle = self._wg_row(m_block, wg) >= seqlen_q or n_own == 0
         return n_own, idle
 
     def _key_tiles_of_rows(self, m_block, wg, n_blocks, seqlen_q, seqlen_k, window=None):
         """Causal or local: key tiles warpgroup ``wg``'s 64 rows of query tile ``m_block``
         see, up to the tile's n_blocks (at most one fewer: the warpgroups' rows are at most
         a key tile apart at every tile shape built)."""
-        last_key = m_block * self.cfg.tile_m + wg * 64 + 64 + seqlen_k - seqlen_q  # exclusive
+        last_key = self._wg_row(m_block, wg) + 64 + seqlen_k - seqlen_q  # exclusive
         if const_expr(self.cfg.local):
             last_key = last_key + window.right
         return cutlass.min(n_blocks, cute.ceil_div(cutlass.max(last_key, 0), self.cfg.tile_n))
