@@ -318,7 +318,9 @@ def compile_combine(variant: Variant) -> dict:
     cubin, ptx, symbols = _compile(kernel, [COMBINE_INPUTS.fake_tuple(cfg, _fake)], variant)
     _symbols(variant, symbols, ["kernel"])
     grid = [["ceil_div", ["mul", "batch", "seqlen_q", "heads_q"], cfg.rows], 1, 1]
-    launch = _launch(cubin, ptx, symbols[0], COMBINE.plan(cfg), [cfg.threads, 1, 1], grid, 0)
+    # programmatic: launched as the decode kernel's CTAs start, it waits for their writes
+    # (docs/design.md, "Decode": split-KV)
+    launch = _launch(cubin, ptx, symbols[0], COMBINE.plan(cfg), [cfg.threads, 1, 1], grid, 0, programmatic=True)
     return {"cubin": cubin, "ptx": ptx, "tiling": {}, "launches": [launch], "tensormaps": {},
             "config": cfg.to_dict(), "limits": {}}
 

@@ -131,6 +131,12 @@ def test_decode_and_combine_contracts(built):
     assert [r["name"] for r in decode["workspace"]["regions"]] == ["o_partial", "lse_partial"]
     assert combine["tensormaps"] == {} and merge["block"] == [combine["config"]["threads"], 1, 1]
     assert grid_of(merge, {"batch": 3, "seqlen_q": 2, "heads_q": 5}) == (-(-30 // combine["config"]["rows"]), 1, 1)
+    # the combine starts while the decode kernel runs (its CTAs trigger it), so it waits
+    # before it reads the partials
+    assert merge["programmatic"] and not main["programmatic"]
+    ptx = {name: (ROOT / "build" / "ptx" / f"{name}.ptx").read_text() for name in (decode["name"], combine["name"])}
+    assert "griddepcontrol.launch_dependents" in ptx[decode["name"]]
+    assert "griddepcontrol.wait" in ptx[combine["name"]]
     # the runtime's pairing rule counts the kernel's packed rows without importing its sources
     assert decode["config"]["pairs"] and decode["config"]["tile_m"] == policy.DECODE_PAIR_TILE_ROWS
 

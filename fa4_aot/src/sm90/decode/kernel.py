@@ -223,6 +223,9 @@ class DecodeSm90:
                                                         barrier_storage=bar.data_ptr(), defer_sync=True)
                           for bar in (storage.mbar_kw, storage.mbar_vw)))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        # a split call's combine (launched programmatically) may start once every CTA of
+        # this grid has: its launch then overlaps this kernel (it waits for the writes)
+        cute.arch.griddepcontrol_launch_dependents()
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
