@@ -298,6 +298,8 @@ def compile_decode(variant: Variant) -> dict:
     _symbols(variant, symbols, ["kernel"])
     rows = ["mul", ["div", "heads_q", "heads_kv"], "seqlen_q"]  # packed rows of a KV head
     grid = [["mul", ["ceil_div", rows, cfg.tile_m], "splits"], "heads_kv", "batch"]
+    if cfg.persistent:  # a CTA per slot at most, each walking the items (kernel.walk)
+        grid = [["min", ["mul", *grid], ["mul", "sm_count", cfg.ctas_per_sm]], 1, 1]
     launch = _launch(cubin, ptx, symbols[0], DECODE.plan(cfg), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     _check_registers(variant, cfg, launch)
     recipes = _recipes(kernel, variant)

@@ -289,6 +289,33 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
         assert {r["name"] for r in chosen} == {variant.name}, (variant.name, {r["name"] for r in chosen})
 
 
+NARROW_LOCAL = [v for v in DECODE_LOCAL if v.span == "narrow"]
+
+
+@pytest.mark.parametrize("variant", NARROW_LOCAL, ids=lambda v: v.name)
+def test_local_decode_walks_more_items_than_ctas(variant, gen, monkeypatch):
+    """The span-narrow kernels launch a CTA a slot at most (config persistent), each
+    walking (row tile x split, KV head, sequence) items: a batch of over twice as many items
+    as the GPU's slots, ragged cache lengths (0 and 1 among them), a window from mid-page,
+    contiguous and paged, split and not, against the reference (two query tokens: eight
+    query heads a KV head give each check several rows)."""
+    cfg = fa4_aot.default_library().manifest.row(variant)["config"]
+    assert cfg["persistent"]
+    slots = torch.cuda.get_device_properties(0).multi_processor_count * cfg["ctas_per_sm"]
+    chosen, span_row = [], decode.span_row  # the rows the calls take
+    monkeypatch.setattr(decode, "span_row", lambda *a: chosen.append(span_row(*a)) or chosen[-1])
+    monkeypatch.setattr(policy, "decode_narrow", lambda *_: True)
+    monkeypatch.setattr(fa4_aot.default_library(), "launch_again", lambda *a, **kw: False)  # as above
+    batch = 2 * slots // 8 + 5  # eight KV heads a sequence, one row tile: items = 8 x batch x splits
+    # every output written; against the reference the first CTAs' first items (lengths 0, 1
+    # and the whole cache among them) and sequences their second and third items reach
+    second = slots // 8
+    sequences = [0, 1, 2, 3, second - 1, second, second + 1, 2 * second, 2 * second + 1, batch - 1]
+    for page, window in ((None, (100, 0)), (48, (37, 1))):
+        _decode_matches_reference(variant, (batch, 2, 64, 8, 400, page), window, gen, 64, sequences=sequences)
+    assert {r["name"] for r in chosen} == {variant.name}
+
+
 # the local kernels that read two adjacent KV heads of 64 columns as one (config pairs)
 PAIRED_LOCAL = [v for v in DECODE_LOCAL if v.head_dim == 128 and not v.softcap and v.span == "any"]
 PAIR_CASES = [(4, 1, 64, 8, 1000, None), (3, 4, 32, 8, 700, 64), (5, 1, 16, 2, 2048, 16), (2, 2, 8, 4, 300, None)]
@@ -314,12 +341,13 @@ def test_local_decode_reads_narrow_heads_in_pairs(variant, gen, monkeypatch):
         _decode_matches_reference(variant, case, window, gen, 64, after=paired)
 
 
-def _decode_matches_reference(variant, case, window, gen, d, cap=0.0, after=None):
+def _decode_matches_reference(variant, case, window, gen, d, cap=0.0, after=None, sequences=None):
     """A decode ``case`` (batch, seqlen_q, heads_q, heads_kv, max_cache, page size or None)
     of a cache ``d`` columns a head in ``variant``'s dtype, with ``window``, sinks and a cap
     ``cap``, split and not, against the reference over each sequence's cache (its queries at
     the end): a sequence with no key gives out 0 and its sink as LSE. ``after``: called
-    after each launch."""
+    after each launch. ``sequences``: those checked against the reference (None: all;
+    every output is checked written either way)."""
     from .test_decode import _cache, _lengths
 
     batch, sq, hq, hkv, max_cache, page = case
@@ -340,7 +368,10 @@ def _decode_matches_reference(variant, case, window, gen, d, cap=0.0, after=None
         torch.cuda.synchronize()
         if after is not None:
             after()
+        assert not out.isnan().any() and not lse.isnan().any(), (variant.name, window, splits)
         for b, n in enumerate(lengths.tolist()):
+            if sequences is not None and b not in sequences:
+                continue
             what = f"{variant.name} {window} splits {splits}, sequence {b} ({n} keys): "
             got, got_lse = out[b:b + 1], lse[b:b + 1]
             if n:

@@ -107,6 +107,11 @@ class DecodeConfig:
     # warps 0-3 the consumer warpgroup, warp 4 the producer (160 threads); no setmaxnreg
     # (producer_regs, consumer_regs 0): every thread at the launch's register cap
     producer_warp: bool = False
+    # one CTA per slot (sm_count x ctas_per_sm), each walking (row tile x split, KV head,
+    # sequence) items in launch order: the producer warp loads the next item's tiles and
+    # the consumer fetches its Q while this one runs (docs/design.md, "Local attention,
+    # sinks, softcap": windowed decode)
+    persistent: bool = False
 
     @property
     def consumers(self) -> int:
@@ -159,7 +164,7 @@ class DecodeConfig:
                    kv_dtype=variant.kv_dtype, widener_regs=WIDENER_REGS if fp8 else 0,
                    pairs=variant.head_dim in PAIRED_HEAD_DIMS and not variant.softcap
                    and not (variant.local and fp8), piece_rows=LOCAL_PIECE_ROWS if variant.local and not fp8 else 0,
-                   producer_warp=producer_warp)
+                   producer_warp=producer_warp, persistent=variant.span == "narrow")
 
     @property
     def fp8(self) -> bool:

@@ -173,7 +173,7 @@ class DecodeSm90:
     def __call__(self, x: DECODE_INPUTS.tuple_type):
         """One launch (interfaces.DECODE): a CTA per (row tile x split, KV head, batch)."""
         k, v = sdhb(x.k_cache), sdhb(x.v_cache)
-        sq = smem_layout(self.mma_type, self.cfg.tile_m, self.cfg.head_dim)
+        sq = smem_layout(self.mma_type, self.cfg.tile_m, self.cfg.head_dim, 2 if const_expr(self.cfg.persistent) else None)
         skv = smem_layout(self.kv_type, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
         skw = smem_layout(self.mma_type, self.cfg.tile_n, self.cfg.head_dim, 1) if const_expr(self.cfg.fp8) else skv
         skv_one = cute.select(skv, mode=[0, 1])
@@ -202,9 +202,7 @@ class DecodeSm90:
         strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
         (splits, b, h_q, s_q) fp32, contiguous; cache_seqlens (b,), page_table (b, max_pages)."""
         (tma_k, gK), (tma_v, gV) = p.k_cache, p.v_cache
-        seqlens_ptr = p.cache_seqlens
-        batch, seqlen_q, heads_q, splits = p.batch, p.seqlen_q, p.heads_q, p.splits
-        max_pages, paged, turn_stride = p.max_pages, p.paged, p.turn_stride
+        seqlen_q, heads_q = p.seqlen_q, p.heads_q
         cfg = self.cfg
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         tidx, _, _ = cute.arch.thread_idx()
@@ -224,8 +222,10 @@ class DecodeSm90:
                           for bar in (storage.mbar_kw, storage.mbar_vw)))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         # a split call's combine (launched programmatically) may start once every CTA of
-        # this grid has: its launch then overlaps this kernel (it waits for the writes)
-        cute.arch.griddepcontrol_launch_dependents()
+        # this grid has: its launch then overlaps this kernel (it waits for the writes).
+        # Not in the walking kernels (not measured there): their combine starts as they end.
+        if const_expr(not cfg.persistent):
+            cute.arch.griddepcontrol_launch_dependents()
         sQ = storage.sQ.get_tensor(sq_layout.outer, swizzle=sq_layout.inner)
         sK = storage.sK.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
         sV = storage.sV.get_tensor(skv_layout.outer, swizzle=skv_layout.inner)
@@ -235,16 +235,65 @@ class DecodeSm90:
         group = heads_q // heads_kv
         rows = group * seqlen_q  # packed rows of this KV head
         m_tiles = cute.ceil_div(rows, cfg.tile_m)
+        if const_expr(cfg.persistent):
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            self.walk(warp, tidx, bidx, ((tma_k, gK, sK), (tma_v, gV, sV)), sQ, (pipe_k, pipe_v), p,
+                      (group, rows, m_tiles))
+        else:
+            m_block, split, seqlen_k, window, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b,
+                                                                                      (group, rows, m_tiles))
+            pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+            if const_expr(cfg.producer_warp):
+                # ------- warps 0-3 the consumer warpgroup, warp 4 the producer: TMA loads of K and V -------
+                # (no setmaxnreg, which a partial warpgroup cannot take: every thread at the launch's cap)
+                if warp == 4:
+                    self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end,
+                              turn, keys)
+                else:
+                    place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
+                    self.consume(tidx, sQ, (sK, sV), (pipe_k, pipe_v), (p, place, split, seqlen_k, n_begin, n_end,
+                                                                         turn, window))
+            elif warp < 4:
+                # ---------------- producer warpgroup: TMA loads of K and V ----------------
+                cute.arch.setmaxregister_decrease(cfg.producer_regs)
+                if warp == 0:
+                    self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end,
+                              turn, keys)
+            else:
+                place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
+                consume = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
+                if const_expr(cfg.fp8):
+                    if warp < 8:
+                        # ---------------- widener warpgroup: e4m3 tiles -> 16-bit buffers ----------------
+                        cute.arch.setmaxregister_decrease(cfg.widener_regs)
+                        self.widen(tidx - WARPGROUP, (sK, sV), wide, (pipe_k, pipe_v), n_end - n_begin)
+                    else:
+                        self.consume(tidx - 2 * WARPGROUP, sQ, wide[0], wide[1], consume)
+                elif const_expr(cfg.head_split):
+                    elements = cfg.tile_m * cfg.tile_n // WARPGROUP
+                    sS = storage.sS.get_tensor(cute.make_layout((2, elements, WARPGROUP),
+                                                                stride=(elements * WARPGROUP, WARPGROUP, 1)))
+                    self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume, sS)
+                else:
+                    self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume)
+
+    @cute.jit
+    def _work(self, p, page_rows, bidx, b, shape):
+        """One CTA's work, (row tile x split ``bidx``, sequence ``b``): its row tile and split,
+        the sequence's keys, the window, the key tiles [n_begin, n_end), the keys its rows
+        see and where in its range it starts. ``shape``: (group, packed rows, row tiles)."""
+        cfg = self.cfg
+        group, rows, m_tiles = shape
+        seqlen_q, splits = p.seqlen_q, p.splits
         # one row tile (seqlen_q x group up to tile_m: every one-token decode): no division
         m_block, split = Int32(0), bidx
         if m_tiles > 1:
             m_block, split = bidx % m_tiles, bidx // m_tiles
         # keys of the sequence: clamped to the cache (or the page table's reach)
-        page_rows = gK.shape[0]
-        reach = cutlass.select_(paged != 0, max_pages * page_rows, page_rows)
+        reach = cutlass.select_(p.paged != 0, p.max_pages * page_rows, page_rows)
         seqlen_k = reach
         if p.full_cache == 0:
-            seqlens = cute.make_tensor(seqlens_ptr, cute.make_layout(batch))
+            seqlens = cute.make_tensor(p.cache_seqlens, cute.make_layout(p.batch))
             seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
         window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k) if const_expr(cfg.local) else None
         n_begin, n_end, keys = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
@@ -252,49 +301,134 @@ class DecodeSm90:
         # elsewhere, the KV heads of one together. CTAs that walk ranges a power of two
         # apart in step read addresses that the memory's channel hash maps alike and queue
         # on the same channels (measured: 1.6-1.9 TB/s unturned, docs/design.md, "Decode").
-        turn = ((b * splits + split) * turn_stride) % cutlass.max(n_end - n_begin, Int32(1))
-
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
-        if const_expr(cfg.producer_warp):
-            # ------- warps 0-3 the consumer warpgroup, warp 4 the producer: TMA loads of K and V -------
-            # (no setmaxnreg, which a partial warpgroup cannot take: every thread at the launch's cap)
-            if warp == 4:
-                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end, turn,
-                          keys)
-            else:
-                place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
-                self.consume(tidx, sQ, (sK, sV), (pipe_k, pipe_v), (p, place, split, seqlen_k, n_begin, n_end, turn,
-                                                                     window))
-        elif warp < 4:
-            # ---------------- producer warpgroup: TMA loads of K and V ----------------
-            cute.arch.setmaxregister_decrease(cfg.producer_regs)
-            if warp == 0:
-                self.load((tma_k, gK, sK), (tma_v, gV, sV), (pipe_k, pipe_v), p, head_kv, b, n_begin, n_end, turn,
-                          keys)
-        else:
-            place = (b, head_kv, group, seqlen_q, heads_q, m_block * cfg.tile_m, rows)
-            consume = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
-            if const_expr(cfg.fp8):
-                if warp < 8:
-                    # ---------------- widener warpgroup: e4m3 tiles -> 16-bit buffers ----------------
-                    cute.arch.setmaxregister_decrease(cfg.widener_regs)
-                    self.widen(tidx - WARPGROUP, (sK, sV), wide, (pipe_k, pipe_v), n_end - n_begin)
-                else:
-                    self.consume(tidx - 2 * WARPGROUP, sQ, wide[0], wide[1], consume)
-            elif const_expr(cfg.head_split):
-                elements = cfg.tile_m * cfg.tile_n // WARPGROUP
-                sS = storage.sS.get_tensor(cute.make_layout((2, elements, WARPGROUP),
-                                                            stride=(elements * WARPGROUP, WARPGROUP, 1)))
-                self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume, sS)
-            else:
-                self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume)
+        turn = ((b * splits + split) * p.turn_stride) % cutlass.max(n_end - n_begin, Int32(1))
+        return m_block, split, seqlen_k, window, n_begin, n_end, keys, turn
 
     @cute.jit
-    def consume(self, ctidx, sQ, kv, pipes, consume, sS=None):
+    def walk(self, warp, tidx, first, kv, sQ, pipes, p, shape):
+        """cfg.persistent: this CTA's items, ``first`` and every grid's width after it, of
+        the (row tile x split, KV head, sequence) items in launch order. Warp 4 loads each
+        item's tiles through the pipelines as their stages free up (so the next item's
+        tiles arrive while the consumer finishes the last); warps 0-3 consume them
+        (``walk_consume``). Both roles work out each item's range themselves."""
+        cfg = self.cfg
+        gK = kv[0][1]
+        per_head = shape[2] * p.splits
+        per_seq = per_head * gK.shape[2]
+        items = per_seq * p.batch
+        ctas = cute.arch.grid_dim()[0]
+        if warp == 4:
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
+            for item in cutlass.range(first, items, ctas, unroll=1):
+                b, head_kv, bidx = self._item(item, per_seq, per_head)
+                _, _, _, _, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
+                state = self.load_in_turn(kv, pipes, p, head_kv, b, (n_begin, n_end, turn, keys), state)
+        else:
+            self.walk_consume(tidx, (first, items, ctas, per_seq, per_head), kv, sQ, pipes, p, shape)
+
+    @cute.jit
+    def walk_consume(self, tidx, walk, kv, sQ, pipes, p, shape):
+        """The consumer's walk (``walk``: its first item, the items, the grid's width and
+        the items a sequence and a KV head hold). Q is in two buffers (``sQ``'s last mode):
+        once an item's Q has arrived, the next item's is fetched into the other buffer
+        (``fetch_q``, cp.async), so its latency passes behind this item's tiles."""
+        cfg = self.cfg
+        first, items, ctas, per_seq, per_head = walk
+        (_, gK, sK), (_, _, sV) = kv
+        group, rows, m_tiles = shape
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
+        (q_ptr, q_strides), columns = p.q, p.columns
+        parity = Int32(0)
+        b, head_kv, bidx = self._item(first, per_seq, per_head)
+        self.fetch_q(tidx, sQ[None, None, 0], q_ptr, q_strides, (b, head_kv, group, p.seqlen_q, p.heads_q,
+                     self._m_block(bidx, m_tiles) * cfg.tile_m, rows), columns)
+        for item in cutlass.range(first, items, ctas, unroll=1):
+            b, head_kv, bidx = self._item(item, per_seq, per_head)
+            m_block, split, seqlen_k, window, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
+            place = (b, head_kv, group, p.seqlen_q, p.heads_q, m_block * cfg.tile_m, rows)
+            work = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
+            # this item's Q arrived (and the zeros beside it), visible to the wgmma
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
+            after = item + ctas
+            if after < items:  # the other buffer's last reader, the item before, is done
+                b_n, head_n, bidx_n = self._item(after, per_seq, per_head)
+                self.fetch_q(tidx, sQ[None, None, 1 - parity], q_ptr, q_strides,
+                             (b_n, head_n, group, p.seqlen_q, p.heads_q,
+                              self._m_block(bidx_n, m_tiles) * cfg.tile_m, rows), columns)
+            state = self.consume(tidx, sQ[None, None, parity], (sK, sV), pipes, work, state=state)
+            parity = 1 - parity
+
+    @staticmethod
+    def _item(item, per_seq, per_head):
+        """(sequence, KV head, row tile x split) of walk item ``item``."""
+        b = item // per_seq
+        head_kv = (item - b * per_seq) // per_head
+        return b, head_kv, item - b * per_seq - head_kv * per_head
+
+    @cute.jit
+    def _m_block(self, bidx, m_tiles):
+        m_block = Int32(0)
+        if m_tiles > 1:
+            m_block = bidx % m_tiles
+        return m_block
+
+    @cute.jit
+    def fetch_q(self, tidx, sQ, q_ptr, q_strides, place, columns):
+        """cfg.persistent: an item's packed Q rows into buffer ``sQ`` by cp.async, 16 bytes a
+        copy, committed as one group; zeros (plain stores) where the rows or columns are
+        not in use (as ``load_q``). The caller waits for the group, fences and meets the
+        other consumer threads before a wgmma reads it."""
+        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
+        q_sb, q_ss, q_sh = q_strides
+        vec = 16 // (self.dtype.width // 8)
+        per_row = self.cfg.head_dim // vec
+        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
+        for i in cutlass.range_constexpr(self.cfg.tile_m * per_row // WARPGROUP):
+            chunk = i * WARPGROUP + tidx
+            r, part = chunk // per_row, chunk % per_row
+            p = first_row + r
+            dst = cute.local_tile(sQ[r, None], (vec,), (part,))
+            if (p < rows) & (part * vec < columns):
+                token, head = _token_head(p, group, seqlen_q, head_kv)
+                at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
+                src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
+                cute.copy(atom, cute.make_tensor(src, cute.make_layout(vec)), dst)
+            else:
+                zeros = cute.make_rmem_tensor((vec,), self.dtype)
+                zeros.fill(0.0)
+                cute.autovec_copy(zeros, dst)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_in_turn(self, kv, pipes, p, head_kv, b, tiles, state):
+        """cfg.persistent: one item's K and V tiles (``tiles``: n_begin, n_end, the turn and
+        the keys its rows see) in ``_key_tile`` order, each tile's K then its V, from
+        pipeline ``state`` on; returns the state after them."""
+        (tma_k, gK, sK), (tma_v, gV, sV) = kv
+        n_begin, n_end, turn, keys = tiles
+        table = cute.make_tensor(p.page_table, cute.make_layout(p.batch * p.max_pages))
+        pages = (table, b * p.max_pages, p.max_pages, gK.shape[0], gK.shape[3], p.paged, p.piece_rows)
+        pipe_k, pipe_v = pipes
+        steps = n_end - n_begin
+        for i in cutlass.range(steps, unroll=1):
+            place = self._piece_place(_key_tile(i, n_end, steps, turn), pages, b, keys)
+            pipe_k.producer_acquire(state)
+            self._load_tile(tma_k, gK, sK, pipe_k, state, place, pages, head_kv)
+            pipe_v.producer_acquire(state)
+            self._load_tile(tma_v, gV, sV, pipe_v, state, place, pages, head_kv)
+            state.advance()
+        return state
+
+    @cute.jit
+    def consume(self, ctidx, sQ, kv, pipes, consume, sS=None, state=None):
         """The consumer warpgroup (its thread ``ctidx``): Q, then per key tile MMA and
         softmax from ``kv`` (sK, sV) as ``pipes`` fill them, then the epilogue.
         head_split: two warpgroups (ctidx 0..255), warpgroup w with head dims [w d/2,
-        (w + 1) d/2) of Q, of S's sum (the halves through ``sS``) and of O."""
+        (w + 1) d/2) of Q, of S's sum (the halves through ``sS``) and of O. ``state``: the
+        pipelines' (cfg.persistent: carried from item to item, returned after this one's
+        tiles), else a new one."""
         cfg = self.cfg
         p, place, split, seqlen_k, n_begin, n_end, turn, window = consume
         (q_ptr, (q_sb, q_ss, q_sh)), (o_ptr, (o_sb, o_ss, o_sh)) = p.q, p.out
@@ -308,8 +442,9 @@ class DecodeSm90:
             ctidx = ctidx % WARPGROUP
             self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns, wg)
         else:
-            self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns,
-                        pair=p.pair_heads if const_expr(cfg.pairs) else None)
+            if const_expr(not cfg.persistent):  # persistent: the walk fetched it
+                self.load_q(ctidx, sQ, q_ptr, (q_sb, q_ss, q_sh), place, p.columns,
+                            pair=p.pair_heads if const_expr(cfg.pairs) else None)
         scale_log2 = p.scale_log2
         softcap_scale = p.softcap_scale if const_expr(cfg.softcap) else None
         v_scale = None
@@ -330,11 +465,12 @@ class DecodeSm90:
                 scale_log2 = scale_log2 * k_scale
         # the sinks' logits read before the key tiles, their latency hidden behind them
         sink_log2 = self.sink_logits(ctidx, place, (p.sink, p.use_sink), split) if const_expr(cfg.local) else None
-        acc_o, softmax = self.attend(ctidx, (sQ, *kv), pipes, place, (seqlen_k, n_begin, n_end, turn), scale_log2,
-                                     (window, softcap_scale), halves)
+        acc_o, softmax, state = self.attend(ctidx, (sQ, *kv), pipes, place, (seqlen_k, n_begin, n_end, turn),
+                                            scale_log2, (window, softcap_scale), halves, state)
         out = (o_ptr, o_sb, o_ss, o_sh, p.columns_v, p.lse, p.o_partial, p.lse_partial, split, p.splits, p.batch)
         self.epilogue(ctidx, acc_o, softmax, place, out, sink_log2, v_scale, None if halves is None else halves[0],
                       pair=p.pair_heads if const_expr(cfg.pairs) else None)
+        return state
 
     @cute.jit
     def row_descales(self, tidx, place, descale, pair):
@@ -528,7 +664,7 @@ class DecodeSm90:
                           number_of_threads=WARPGROUP)
 
     @cute.jit
-    def attend(self, tidx, smem, pipes, place, keys, scale_log2, mods=(None, None), halves=None):
+    def attend(self, tidx, smem, pipes, place, keys, scale_log2, mods=(None, None), halves=None, state=None):
         """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1
         (``keys``: the sequence's seqlen_k, n_begin, n_end and the turn),
         in ``_key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
@@ -590,9 +726,9 @@ class DecodeSm90:
         softmax_step = softmax.step
         score = (coords, limits, lows, lowest, softcap_scale)
         steps = n_end - n_begin
-        # fp8: the widened buffers' one stage
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
-                                             1 if const_expr(cfg.fp8) else cfg.stages)
+        if const_expr(state is None):  # fp8: the widened buffers' one stage
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
+                                                 1 if const_expr(cfg.fp8) else cfg.stages)
         for i in cutlass.range(steps, unroll=1):
             n_block = None if const_expr(cfg.head_split) else _key_tile(i, n_end, steps, turn)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
@@ -612,7 +748,7 @@ class DecodeSm90:
             wgmma(mma_pv, acc_o, tOrP, tOrVt[None, None, None, state.index], True, wait=True)
             pipe_v.consumer_release(state)
             state.advance()
-        return acc_o, softmax
+        return acc_o, softmax, state
 
     @cute.jit
     def _score_tile(self, acc_s, n_block, score):
