@@ -21,7 +21,10 @@ tiles from the last (the one that may need masking) to the first; warpgroup 1 lo
 (plain loads: packed rows are not a TMA box), then per key tile S = Q K^T (SS-wgmma),
 masking, online softmax (conditional rescaling, exp2), O += P V (RS-wgmma), and writes.
 With ``cfg.producer_warp`` (the span-narrow kernels, several CTAs an SM) the consumer
-warpgroup is warps 0-3 and the loads are warp 4's, the CTA's last.
+warpgroup is warps 0-3 and the loads are warp 4's, the CTA's last. With ``cfg.persistent``
+(the span-narrow kernels) the grid is at most a CTA a slot, each walking its items (row
+tile x split, KV head, sequence) with the pipelines running on from one into the next
+and the next item's Q fetched into a second buffer (``walk``).
 
 Local (a sliding window and sinks, run-time values) and softcap: as the forward's
 (docs/design.md, "Local attention, sinks, softcap"): a row tile's key tiles start at its
@@ -171,9 +174,11 @@ class DecodeSm90:
 
     @cute.jit
     def __call__(self, x: DECODE_INPUTS.tuple_type):
-        """One launch (interfaces.DECODE): a CTA per (row tile x split, KV head, batch)."""
+        """One launch (interfaces.DECODE): a CTA per (row tile x split, KV head, batch), or
+        (cfg.persistent) a CTA a slot at most, each walking several (the grid rule: compile.py)."""
         k, v = sdhb(x.k_cache), sdhb(x.v_cache)
-        sq = smem_layout(self.mma_type, self.cfg.tile_m, self.cfg.head_dim, 2 if const_expr(self.cfg.persistent) else None)
+        q_buffers = 2 if const_expr(self.cfg.persistent) else None  # the walk's: this item's Q and the next's
+        sq = smem_layout(self.mma_type, self.cfg.tile_m, self.cfg.head_dim, q_buffers)
         skv = smem_layout(self.kv_type, self.cfg.tile_n, self.cfg.head_dim, self.cfg.stages)
         skw = smem_layout(self.mma_type, self.cfg.tile_n, self.cfg.head_dim, 1) if const_expr(self.cfg.fp8) else skv
         skv_one = cute.select(skv, mode=[0, 1])
@@ -197,7 +202,8 @@ class DecodeSm90:
     @cute.kernel
     def kernel(self, p: DECODE.tuple_type, sq_layout: cute.ComposedLayout, skv_layout: cute.ComposedLayout,
                skw_layout: cute.ComposedLayout):
-        """One (row tile x split, KV head, sequence). ``p``: interfaces.DECODE; the cache's
+        """One (row tile x split, KV head, sequence), or (cfg.persistent) those of
+        ``walk``. ``p``: interfaces.DECODE; the cache's
         TMA coordinates (page rows, d, h_kv, pages); Q, O (b, s_q, h_q, d) by address and
         strides; LSE (b, h_q, s_q), the split workspace (splits, b, s_q, h_q, d) and
         (splits, b, h_q, s_q) fp32, contiguous; cache_seqlens (b,), page_table (b, max_pages)."""
