@@ -62,15 +62,15 @@ from ..fragments import acc_as_operand_a, acc_as_rows_cols, transpose_smem
 from ..primitives import (
     DTYPES, WARPGROUP, sdhb, select_f32, smem_buffer, smem_layout, sum_halves, tiled_mma, tma_pipeline, wgmma,
 )
-from ..mask import Window
 from ..softmax import OnlineSoftmax, cap_scores, rescale_rows, row_value, scale_rows
-from ..widen import widen_tile
 from ...common import symbols
 from ...common.params import Tma
 from ...interfaces import DECODE, DECODE_INPUTS
 from .config import DecodeConfig
+from .loads import DecodeLoads
+from .rows import key_tile, pair_offset, token_of
+from .walk import DecodeWalk
 
-Q_BARRIER = 1  # the consumer warpgroup's Q tile written to shared memory (head_split: 1, 2 by warpgroup)
 HALVES_WRITTEN = 3  # head_split: both warpgroups' S halves in shared memory
 HALVES_READ = 4  # head_split: both have read the other's half
 LOG2E = math.log2(math.e)
@@ -84,40 +84,9 @@ def _writes_lse(tidx, wg):
     return (tidx % 4 == 0) & (wg == 0)
 
 
-def _key_tile(i, n_end, steps, turn):
-    """The ``i``-th key tile a CTA takes of its ``steps`` ending at ``n_end``: from the
-    last, downwards, starting ``turn`` tiles in and wrapping around. i and turn are both
-    below steps, so the wrap is one compare, not a division (each tile, in the producer's
-    and the consumer's loops)."""
-    j = i + turn
-    return n_end - 1 - cutlass.select_(j >= steps, j - steps, j)
-
-
-def _token_head(p, group, seqlen_q, head_kv):
-    """(token, query head) of packed row ``p`` of KV head ``head_kv``."""
-    token = _token(p, group, seqlen_q)
-    return token, head_kv * group + p - token * group
-
-
-@cute.jit
-def _token(p, group, seqlen_q):
-    """The token of packed row ``p`` (p // group). With one token every packed row in use
-    is below group: 0, with no division (rows past them are neither read nor written)."""
-    token = Int32(0)
-    if seqlen_q > 1:
-        token = p // group
-    return token
-
-
-def _pair_offset(p, group, pair, columns):
-    """cfg.pairs: the first column of packed row ``p``'s KV head within its pair (``pair``
-    KV heads side by side, each ``columns`` wide; ``group``: query heads per pair), 0 where
-    ``pair`` is 1."""
-    return (p % group) // (group // pair) * columns
-
-
-class DecodeSm90:
-    """One decode variant (its ``config.DecodeConfig``): host side and kernel."""
+class DecodeSm90(DecodeLoads, DecodeWalk):
+    """One decode variant (its ``config.DecodeConfig``): host side, kernel and the
+    consumer's math; the loads (loads.py) and the work items (walk.py) as mixins."""
 
     def __str__(self):
         return symbols.DECODE_SM90  # the cubin's kernel name (common/symbols.py)
@@ -284,150 +253,6 @@ class DecodeSm90:
                     self.consume(tidx - WARPGROUP, sQ, (sK, sV), (pipe_k, pipe_v), consume)
 
     @cute.jit
-    def _work(self, p, page_rows, bidx, b, shape):
-        """One CTA's work, (row tile x split ``bidx``, sequence ``b``): its row tile and split,
-        the sequence's keys, the window, the key tiles [n_begin, n_end), the keys its rows
-        see and where in its range it starts. ``shape``: (group, packed rows, row tiles)."""
-        cfg = self.cfg
-        group, rows, m_tiles = shape
-        seqlen_q, splits = p.seqlen_q, p.splits
-        # one row tile (seqlen_q x group up to tile_m: every one-token decode): no division
-        m_block, split = Int32(0), bidx
-        if m_tiles > 1:
-            m_block, split = bidx % m_tiles, bidx // m_tiles
-        # keys of the sequence: clamped to the cache (or the page table's reach)
-        reach = cutlass.select_(p.paged != 0, p.max_pages * page_rows, page_rows)
-        seqlen_k = reach
-        if p.full_cache == 0:
-            seqlens = cute.make_tensor(p.cache_seqlens, cute.make_layout(p.batch))
-            seqlen_k = cutlass.min(cutlass.max(seqlens[b], Int32(0)), reach)
-        window = Window.of(p.window_left, p.window_right, seqlen_q, seqlen_k) if const_expr(cfg.local) else None
-        n_begin, n_end, keys = self._key_range(m_block, split, splits, rows, group, seqlen_q, seqlen_k, window)
-        # Where in its key range a CTA starts (it wraps around): every (sequence, split)
-        # elsewhere, the KV heads of one together. CTAs that walk ranges a power of two
-        # apart in step read addresses that the memory's channel hash maps alike and queue
-        # on the same channels (measured: 1.6-1.9 TB/s unturned, docs/design.md, "Decode").
-        turn = ((b * splits + split) * p.turn_stride) % cutlass.max(n_end - n_begin, Int32(1))
-        return m_block, split, seqlen_k, window, n_begin, n_end, keys, turn
-
-    @cute.jit
-    def walk(self, warp, tidx, first, kv, sQ, pipes, p, shape):
-        """cfg.persistent: this CTA's items, ``first`` and every grid's width after it, of
-        the (row tile x split, KV head, sequence) items in launch order. Warp 4 loads each
-        item's tiles through the pipelines as their stages free up (so the next item's
-        tiles arrive while the consumer finishes the last); warps 0-3 consume them
-        (``walk_consume``). Both roles work out each item's range themselves."""
-        cfg = self.cfg
-        gK = kv[0][1]
-        per_head = shape[2] * p.splits
-        per_seq = per_head * gK.shape[2]
-        items = per_seq * p.batch
-        ctas = cute.arch.grid_dim()[0]
-        if warp == 4:
-            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, cfg.stages)
-            for item in cutlass.range(first, items, ctas, unroll=1):
-                b, head_kv, bidx = self._item(item, per_seq, per_head)
-                _, _, _, _, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
-                state = self.load_in_turn(kv, pipes, p, head_kv, b, (n_begin, n_end, turn, keys), state)
-        else:
-            self.walk_consume(tidx, (first, items, ctas, per_seq, per_head), kv, sQ, pipes, p, shape)
-
-    @cute.jit
-    def walk_consume(self, tidx, walk, kv, sQ, pipes, p, shape):
-        """The consumer's walk (``walk``: its first item, the items, the grid's width and
-        the items a sequence and a KV head hold). Q is in two buffers (``sQ``'s last mode):
-        once an item's Q has arrived, the next item's is fetched into the other buffer
-        (``fetch_q``, cp.async), so its latency passes behind this item's tiles."""
-        cfg = self.cfg
-        first, items, ctas, per_seq, per_head = walk
-        (_, gK, sK), (_, _, sV) = kv
-        group, rows, m_tiles = shape
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
-        (q_ptr, q_strides), columns = p.q, p.columns
-        parity = Int32(0)
-        b, head_kv, bidx = self._item(first, per_seq, per_head)
-        self.fetch_q(tidx, sQ[None, None, 0], q_ptr, q_strides, (b, head_kv, group, p.seqlen_q, p.heads_q,
-                     self._m_block(bidx, m_tiles) * cfg.tile_m, rows), columns)
-        for item in cutlass.range(first, items, ctas, unroll=1):
-            b, head_kv, bidx = self._item(item, per_seq, per_head)
-            m_block, split, seqlen_k, window, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
-            place = (b, head_kv, group, p.seqlen_q, p.heads_q, m_block * cfg.tile_m, rows)
-            work = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
-            # this item's Q arrived (and the zeros beside it), visible to the wgmma
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
-            after = item + ctas
-            if after < items:  # the other buffer's last reader, the item before, is done
-                b_n, head_n, bidx_n = self._item(after, per_seq, per_head)
-                self.fetch_q(tidx, sQ[None, None, 1 - parity], q_ptr, q_strides,
-                             (b_n, head_n, group, p.seqlen_q, p.heads_q,
-                              self._m_block(bidx_n, m_tiles) * cfg.tile_m, rows), columns)
-            state = self.consume(tidx, sQ[None, None, parity], (sK, sV), pipes, work, state=state)
-            parity = 1 - parity
-
-    @staticmethod
-    def _item(item, per_seq, per_head):
-        """(sequence, KV head, row tile x split) of walk item ``item``."""
-        b = item // per_seq
-        head_kv = (item - b * per_seq) // per_head
-        return b, head_kv, item - b * per_seq - head_kv * per_head
-
-    @cute.jit
-    def _m_block(self, bidx, m_tiles):
-        m_block = Int32(0)
-        if m_tiles > 1:
-            m_block = bidx % m_tiles
-        return m_block
-
-    @cute.jit
-    def fetch_q(self, tidx, sQ, q_ptr, q_strides, place, columns):
-        """cfg.persistent: an item's packed Q rows into buffer ``sQ`` by cp.async, 16 bytes a
-        copy, committed as one group; zeros (plain stores) where the rows or columns are
-        not in use (as ``load_q``). The caller waits for the group, fences and meets the
-        other consumer threads before a wgmma reads it."""
-        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
-        q_sb, q_ss, q_sh = q_strides
-        vec = 16 // (self.dtype.width // 8)
-        per_row = self.cfg.head_dim // vec
-        atom = cute.make_copy_atom(cpasync.CopyG2SOp(), self.dtype, num_bits_per_copy=128)
-        for i in cutlass.range_constexpr(self.cfg.tile_m * per_row // WARPGROUP):
-            chunk = i * WARPGROUP + tidx
-            r, part = chunk // per_row, chunk % per_row
-            p = first_row + r
-            dst = cute.local_tile(sQ[r, None], (vec,), (part,))
-            if (p < rows) & (part * vec < columns):
-                token, head = _token_head(p, group, seqlen_q, head_kv)
-                at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
-                src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
-                cute.copy(atom, cute.make_tensor(src, cute.make_layout(vec)), dst)
-            else:
-                zeros = cute.make_rmem_tensor((vec,), self.dtype)
-                zeros.fill(0.0)
-                cute.autovec_copy(zeros, dst)
-        cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def load_in_turn(self, kv, pipes, p, head_kv, b, tiles, state):
-        """cfg.persistent: one item's K and V tiles (``tiles``: n_begin, n_end, the turn and
-        the keys its rows see) in ``_key_tile`` order, each tile's K then its V, from
-        pipeline ``state`` on; returns the state after them."""
-        (tma_k, gK, sK), (tma_v, gV, sV) = kv
-        n_begin, n_end, turn, keys = tiles
-        table = cute.make_tensor(p.page_table, cute.make_layout(p.batch * p.max_pages))
-        pages = (table, b * p.max_pages, p.max_pages, gK.shape[0], gK.shape[3], p.paged, p.piece_rows)
-        pipe_k, pipe_v = pipes
-        steps = n_end - n_begin
-        for i in cutlass.range(steps, unroll=1):
-            place = self._piece_place(_key_tile(i, n_end, steps, turn), pages, b, keys)
-            pipe_k.producer_acquire(state)
-            self._load_tile(tma_k, gK, sK, pipe_k, state, place, pages, head_kv)
-            pipe_v.producer_acquire(state)
-            self._load_tile(tma_v, gV, sV, pipe_v, state, place, pages, head_kv)
-            state.advance()
-        return state
-
-    @cute.jit
     def consume(self, ctidx, sQ, kv, pipes, consume, sS=None, state=None):
         """The consumer warpgroup (its thread ``ctidx``): Q, then per key tile MMA and
         softmax from ``kv`` (sK, sV) as ``pipes`` fill them, then the epilogue.
@@ -483,7 +308,7 @@ class DecodeSm90:
         """cfg.fp8 with cfg.pairs: a dequantization scale (``descale``: its address,
         strides over (batch, heads_kv) and use) for each row this thread holds, that of the
         row's own KV head: of pair ``head_kv``, head head_kv * pair + the row's place in
-        it (``_pair_offset``'s)."""
+        it (``rows.pair_offset``'s)."""
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
         ptr, sb, sh, use = descale
         coords = self._o_coords(tidx)
@@ -504,176 +329,10 @@ class DecodeSm90:
         return value
 
     @cute.jit
-    def widen(self, tidx, narrow, wide, pipes, steps):
-        """The widener warpgroup (its thread ``tidx``): each key tile's e4m3 K, then V, as
-        TMA fills their stages, into the 16-bit buffer the consumer reads once it has
-        released the tile before (one buffer each: K of a tile is widened while the
-        consumer reads the V before it)."""
-        (sK, sV), ((sKw, sVw), (pipe_kw, pipe_vw)) = narrow, wide
-        pipe_k, pipe_v = pipes
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.cfg.stages)
-        wstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        for _ in cutlass.range(steps, unroll=1):
-            self._widen_stage(tidx, pipe_k, sK, pipe_kw, sKw, state, wstate)
-            self._widen_stage(tidx, pipe_v, sV, pipe_vw, sVw, state, wstate)
-            state.advance()
-            wstate.advance()
-
-    @cute.jit
-    def _widen_stage(self, tidx, pipe, src, pipe_w, dst, state, wstate):
-        pipe.consumer_wait(state)
-        pipe_w.producer_acquire(wstate)
-        widen_tile(tidx, src[None, None, state.index], dst[None, None, 0], WARPGROUP)
-        cute.arch.fence_proxy("async.shared", space="cta")  # the writes, visible to the wgmma
-        pipe_w.producer_commit(wstate)
-        pipe.consumer_release(state)
-
-    @cute.jit
-    def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k, window=None):
-        """[n_begin, n_end): the key tiles of split ``split`` of row tile ``m_block``, and
-        the keys [first, last) its rows see. Causal, the tile sees keys up to its last
-        token's diagonal; local, from its first token's window start to its last token's
-        window end (the splits share those)."""
-        limit = seqlen_k
-        if const_expr(self.cfg.causal or self.cfg.local):
-            # one token: its rows' token is 0 (no division by group)
-            last_token = Int32(0)
-            if seqlen_q > 1:
-                last_token = cutlass.min(seqlen_q - 1, (m_block * self.cfg.tile_m + self.cfg.tile_m - 1) // group)
-            last_key = seqlen_k - seqlen_q + last_token + 1  # exclusive
-            if const_expr(self.cfg.local):
-                last_key = cutlass.min(last_key + window.right, seqlen_k)
-            limit = cutlass.max(last_key, Int32(0))
-        n_tiles = cute.ceil_div(limit, self.cfg.tile_n)
-        first_key = Int32(0)
-        if const_expr(self.cfg.local):
-            first_token = Int32(0)
-            if m_block > 0:
-                first_token = (m_block * self.cfg.tile_m) // group
-            first_key = cutlass.max(seqlen_k - seqlen_q + first_token - window.left, Int32(0))
-            n_low = cutlass.min(first_key // self.cfg.tile_n, n_tiles)
-            per = n_tiles - n_low  # one split: no division
-            if splits > 1:
-                per = cute.ceil_div(n_tiles - n_low, splits)
-            n_begin = cutlass.min(n_low + split * per, n_tiles)
-        else:
-            per = n_tiles
-            if splits > 1:
-                per = cute.ceil_div(n_tiles, splits)
-            n_begin = cutlass.min(split * per, n_tiles)
-        n_end = cutlass.min(n_begin + per, n_tiles)
-        return n_begin, n_end, (first_key, limit)
-
-    @cute.jit
-    def load(self, k, v, pipes, p, head_kv, b, n_begin, n_end, turn, keys):
-        """K and V of the CTA's key tiles in ``_key_tile`` order, K one tile ahead of V;
-        each tile in pieces of ``piece_rows`` keys, each from its page. A tile's pieces
-        are looked up in the page table by one lane each, once for its K and its V.
-        ``keys``: [first, last) the CTA's rows see (cfg.piece_rows: the pieces wholly
-        outside are not read, ``_piece_place``)."""
-        (tma_k, gK, sK), (tma_v, gV, sV) = k, v
-        table = cute.make_tensor(p.page_table, cute.make_layout(p.batch * p.max_pages))
-        pages = (table, b * p.max_pages, p.max_pages, gK.shape[0], gK.shape[3], p.paged, p.piece_rows)
-        pipe_k, pipe_v = pipes
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.cfg.stages)
-        steps = n_end - n_begin
-        if steps > 0:
-            place_next = self._piece_place(_key_tile(0, n_end, steps, turn), pages, b, keys)
-            pipe_k.producer_acquire(state)
-            self._load_tile(tma_k, gK, sK, pipe_k, state, place_next, pages, head_kv)
-            for i in cutlass.range(steps - 1, unroll=1):
-                place = place_next
-                place_next = self._piece_place(_key_tile(i + 1, n_end, steps, turn), pages, b, keys)
-                v_state = state.clone()
-                state.advance()
-                pipe_k.producer_acquire(state)
-                self._load_tile(tma_k, gK, sK, pipe_k, state, place_next, pages, head_kv)
-                pipe_v.producer_acquire(v_state)
-                self._load_tile(tma_v, gV, sV, pipe_v, v_state, place, pages, head_kv)
-            pipe_v.producer_acquire(state)
-            self._load_tile(tma_v, gV, sV, pipe_v, state, place_next, pages, head_kv)
-
-    @cute.jit
-    def _piece_place(self, n_block, pages, b, keys):
-        """(page, row in the page) of lane j's piece of key tile ``n_block`` (lanes past
-        the tile's pieces: of its first), as an Int32 pair per lane. cfg.piece_rows (a
-        window's edges mid-tile): a piece wholly outside ``keys`` [first, last) is placed
-        past its page's rows, so TMA fills it with zeros and reads nothing (the consumer
-        masks those keys; a zero V row adds nothing to O)."""
-        table, first_entry, max_pages, page_rows, num_pages, paged, piece_rows = pages
-        lane = cute.arch.lane_idx()
-        j = cutlass.select_(lane * piece_rows < self.cfg.tile_n, lane, Int32(0))
-        key = n_block * self.cfg.tile_n + j * piece_rows
-        page, row = b, key
-        if paged != 0:
-            entry = cutlass.min(key // page_rows, max_pages - 1)
-            page = cutlass.min(cutlass.max(table[first_entry + entry], Int32(0)), num_pages - 1)
-            row = key % page_rows
-        if const_expr(self.cfg.piece_rows != 0):
-            first, last = keys
-            row = cutlass.select_((key + piece_rows <= first) | (key >= last), page_rows, row)
-        return page, row
-
-    @cute.jit
-    def _load_tile(self, atom, g, s, pipe, state, place, pages, head_kv):
-        piece_rows = pages[6]
-        page_of, row_of = place
-        whole = cute.make_layout(1)
-        for j in cutlass.range(self.cfg.tile_n // piece_rows, unroll=1):
-            page = cute.arch.shuffle_sync(page_of, j)
-            row = cute.arch.shuffle_sync(row_of, j)
-            tile = cute.local_tile(cute.domain_offset((row, 0), g[None, None, head_kv, page]),
-                                   (self.cfg.tile_n, self.cfg.head_dim), (0, 0))
-            dst = cute.domain_offset((j * piece_rows, 0), s[None, None, state.index])
-            t_s, t_g = cpasync.tma_partition(atom, 0, whole, cute.group_modes(dst, 0, 2), cute.group_modes(tile, 0, 2))
-            cute.copy(atom, t_g, t_s, tma_bar_ptr=pipe.producer_get_barrier(state))
-
-    @cute.jit
-    def load_q(self, tidx, sQ, q_ptr, q_strides, place, columns, wg=None, pair=None):
-        """The tile's packed Q rows into shared memory, 16 bytes per access (rows past the
-        KV head's rows and columns past Q's head dim ``columns`` are zeros), made visible
-        to the wgmma; head_split, warpgroup ``wg``'s half of the columns (its own S half
-        reads no other); ``pair`` (cfg.pairs: the run-time pair_heads), each row's Q at its
-        own KV head's offset in the pair (``_pair_offset``), zeros elsewhere."""
-        b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
-        q_sb, q_ss, q_sh = q_strides
-        vec = 16 // (self.dtype.width // 8)
-        per_row = self.cfg.head_dim // vec // self.cfg.consumers
-        for i in cutlass.range_constexpr(self.cfg.tile_m * per_row // WARPGROUP):
-            chunk = i * WARPGROUP + tidx
-            r, part = chunk // per_row, chunk % per_row
-            if const_expr(wg is not None):
-                part = part + wg * per_row
-            p = first_row + r
-            values = cute.make_rmem_tensor((vec,), self.dtype)
-            values.fill(0.0)
-            if const_expr(pair is None):
-                if (p < rows) & (part * vec < columns):
-                    token, head = _token_head(p, group, seqlen_q, head_kv)
-                    at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + part * vec) * (self.dtype.width // 8)
-                    src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
-                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
-            else:
-                col = part * vec - _pair_offset(p, group, pair, columns)  # q's column of this chunk
-                if (p < rows) & (col >= 0) & (col < columns):
-                    token, head = _token_head(p, group, seqlen_q, head_kv)
-                    at = (Int64(b) * q_sb + Int64(token) * q_ss + Int64(head) * q_sh + col) * (self.dtype.width // 8)
-                    src = cute.make_ptr(self.dtype, q_ptr.toint() + at, cute.AddressSpace.gmem, assumed_align=16)
-                    cute.autovec_copy(cute.make_tensor(src, cute.make_layout(vec)), values)
-            if const_expr(self.mma_type is not self.dtype):  # bf16 q for fp16 wgmmas (an FP8 cache)
-                wide = cute.make_rmem_tensor((vec,), self.mma_type)
-                wide.store(values.load().to(self.mma_type))
-                values = wide
-            cute.autovec_copy(values, cute.local_tile(sQ[r, None], (vec,), (part,)))
-        cute.arch.fence_proxy("async.shared", space="cta")
-        cute.arch.barrier(barrier_id=Q_BARRIER if const_expr(wg is None) else Q_BARRIER + wg,
-                          number_of_threads=WARPGROUP)
-
-    @cute.jit
     def attend(self, tidx, smem, pipes, place, keys, scale_log2, mods=(None, None), halves=None, state=None):
         """O and the softmax state of the tile's rows over key tiles n_begin .. n_end-1
         (``keys``: the sequence's seqlen_k, n_begin, n_end and the turn),
-        in ``_key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
+        in ``rows.key_tile`` order; smem: sQ, sK, sV; ``mods``: (the window where local,
         softcap's scale where softcap); ``halves`` (head_split): this warpgroup and the S
         halves' buffer (its thread ``tidx`` 0..127)."""
         sQ, sK, sV = smem
@@ -712,10 +371,10 @@ class DecodeSm90:
         for r in cutlass.range_constexpr(nrows):
             limits[r] = seqlen_k
             if const_expr(cfg.causal):
-                token = _token(first_row + coords[r, 0][0], group, seqlen_q)
+                token = token_of(first_row + coords[r, 0][0], group, seqlen_q)
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1)
             if const_expr(cfg.local):
-                token = _token(first_row + coords[r, 0][0], group, seqlen_q)
+                token = token_of(first_row + coords[r, 0][0], group, seqlen_q)
                 limits[r] = cutlass.min(seqlen_k, seqlen_k - seqlen_q + token + 1 + window.right)
                 lows[r] = seqlen_k - seqlen_q + token - window.left
         # rows in use: a warp none of whose rows is one of the KV head's packed rows (their Q
@@ -736,7 +395,7 @@ class DecodeSm90:
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer,
                                                  1 if const_expr(cfg.fp8) else cfg.stages)
         for i in cutlass.range(steps, unroll=1):
-            n_block = None if const_expr(cfg.head_split) else _key_tile(i, n_end, steps, turn)
+            n_block = None if const_expr(cfg.head_split) else key_tile(i, n_end, steps, turn)
             acc_s = cute.make_rmem_tensor(s_shape, Float32)
             pipe_k.consumer_wait(state)
             wgmma(mma_qk, acc_s, tSrQ, tSrK[None, None, None, state.index], False, wait=True)
@@ -744,7 +403,7 @@ class DecodeSm90:
             if const_expr(cfg.head_split):  # the two warpgroups meet at S's sum every tile
                 sum_halves(acc_s, halves[1], halves[0], tidx, (HALVES_READ, HALVES_WRITTEN))
                 # the tile's index taken after the sum: the order the H200 tests ran
-                n_block = _key_tile(i, n_end, steps, turn)
+                n_block = key_tile(i, n_end, steps, turn)
             if in_use != 0:
                 self._score_tile(acc_s, n_block, score)
                 softmax_step(acc_s, row_scale)
@@ -816,7 +475,7 @@ class DecodeSm90:
         register tensor of one a row (``row_descales``). ``wg`` (head_split):
         this warpgroup, whose half of O's columns it writes (LSE: warpgroup 0's). ``pair``
         (cfg.pairs: the run-time pair_heads): each row's O is its own KV head's columns of
-        the pair (``_pair_offset``), written from column 0 of the row (out, or the split's
+        the pair (``rows.pair_offset``), written from column 0 of the row (out, or the split's
         share, whose rows the combine reads ``columns`` wide)."""
         cfg = self.cfg
         b, head_kv, group, seqlen_q, heads_q, first_row, rows = place
@@ -843,7 +502,7 @@ class DecodeSm90:
                 lse_at = (b * heads_q + head) * seqlen_q + token
                 offset = 0
                 if const_expr(pair is not None):  # this row's KV head's columns of the pair, from 0
-                    offset = _pair_offset(p, group, pair, columns)
+                    offset = pair_offset(p, group, pair, columns)
                 if splits == 1:
                     base = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh
                     for c in cutlass.range_constexpr(0, ncols, 2):
