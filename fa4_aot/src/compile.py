@@ -298,7 +298,7 @@ def compile_decode(variant: Variant) -> dict:
     _symbols(variant, symbols, ["kernel"])
     rows = ["mul", ["div", "heads_q", "heads_kv"], "seqlen_q"]  # packed rows of a KV head
     grid = [["mul", ["ceil_div", rows, cfg.tile_m], "splits"], "heads_kv", "batch"]
-    if cfg.persistent:  # a CTA per slot at most, each walking the items (kernel.walk)
+    if cfg.persistent:  # a CTA per slot at most, each walking the items (decode/walk.py)
         grid = [["min", ["mul", *grid], ["mul", "sm_count", cfg.ctas_per_sm]], 1, 1]
     launch = _launch(cubin, ptx, symbols[0], DECODE.plan(cfg), [cfg.threads, 1, 1], grid, kernel.smem_bytes)
     _check_registers(variant, cfg, launch)
@@ -320,8 +320,8 @@ def compile_combine(variant: Variant) -> dict:
     cubin, ptx, symbols = _compile(kernel, [COMBINE_INPUTS.fake_tuple(cfg, _fake)], variant)
     _symbols(variant, symbols, ["kernel"])
     grid = [["ceil_div", ["mul", "batch", "seqlen_q", "heads_q"], cfg.rows], 1, 1]
-    # programmatic: launched as the decode kernel's CTAs start, it waits for their writes
-    # (docs/design.md, "Decode": split-KV)
+    # programmatic: launched once the decode kernel's CTAs have started (or, the walking
+    # kernels', ended), it waits for their writes (docs/design.md, "Decode": split-KV)
     launch = _launch(cubin, ptx, symbols[0], COMBINE.plan(cfg), [cfg.threads, 1, 1], grid, 0, programmatic=True)
     return {"cubin": cubin, "ptx": ptx, "tiling": {}, "launches": [launch], "tensormaps": {},
             "config": cfg.to_dict(), "limits": {}}

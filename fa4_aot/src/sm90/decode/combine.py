@@ -51,7 +51,7 @@ class CombineSm90:
         batch, seqlen_q, heads_q, splits, columns = p.batch, p.seqlen_q, p.heads_q, p.splits, p.columns_v
         d = self.cfg.head_dim
         per_lane = d // 32
-        # launched programmatically (the decode kernel's CTAs trigger it as they start):
+        # launched programmatically (most decode kernels' CTAs trigger it as they start):
         # nothing is read before the decode grid is done and its writes are visible
         cute.arch.griddepcontrol_wait()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
