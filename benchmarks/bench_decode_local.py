@@ -104,11 +104,17 @@ def main():
     ap.add_argument("--windows", default="",
                     help="comma-separated windows (keys back) each windowed layer is also run at (a policy sweep)")
     ap.add_argument("--batch", type=int, default=0, help="every layer's batch (0: each layer's own)")
+    ap.add_argument("--policy", action="append", default=[], metavar="NAME=VALUE",
+                    help="set a fa4_aot.policy constant for the run (an int), e.g. DECODE_STACK_MIN_CTAS_PER_SM=0")
     ap.add_argument("--caches", default=",".join(str(k) for k in CACHES),
                     help="comma-separated cache lengths in keys (gpt-oss's batch at 128k needs 68 GB)")
     timing.add_argument(ap)
     args = ap.parse_args()
     timing.configure(args)
+    for setting in args.policy:
+        name, value = setting.split("=")
+        assert hasattr(fa4_aot.policy, name), name
+        setattr(fa4_aot.policy, name, int(value))
     layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
     layers += [(f"{x[0]}-w{w}", *x[1:5], w, *x[6:]) for x in list(layers) if x[5] is not None
                for w in (int(y) for y in args.windows.split(",") if y) if w != x[5]]

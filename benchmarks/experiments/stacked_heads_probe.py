@@ -91,7 +91,7 @@ def main():
             items = list(runs.items()) if r % 2 == 0 else list(runs.items())[::-1]
             for name, fn in items:
                 cells.setdefault((L, name), []).append(nbytes / (timing.bench(fn) * 1e-3))
-        cells.setdefault((129, "window (narrow kernel)"), []).append(B * 129 * HKV * D * 4 / (timing.bench(window) * 1e-3))
+        cells.setdefault((129, "window (the package route)"), []).append(B * 129 * HKV * D * 4 / (timing.bench(window) * 1e-3))
     copy = statistics.median(copies)
     print(f"{torch.cuda.get_device_name()}: copy {copy / 1e9:.0f} GB/s; batch {B}, 8 KV heads d64, GQA 64:8")
     print("| keys | call | GB/s (median, range) | / copy |\n|---|---|---|---|")

@@ -1,0 +1,40 @@
+#!/usr/bin/env python3
+"""Put a built library folder's rows into the package, on a device machine, so that the
+tests run on them (the package's cubins and manifest are build outputs: nothing tracked
+changes).
+
+    python benchmarks/experiments/swap_in.py DIR [--package fa4_aot]
+
+Copies each cubin of DIR/manifest.json's rows into the package's cubins folder and puts
+the row in the package's manifest in place of the row of the same name (or beside the
+others where it has none); the manifest is written without its index (the reader parses
+such a file whole).
+"""
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("--package", type=Path, default=Path("fa4_aot"))
+    args = ap.parse_args()
+    rows = json.loads((args.folder / "manifest.json").read_text())["kernels"]
+    manifest = json.loads((args.package / "manifest.json").read_text())
+    manifest.pop("index", None)
+    by_name = {r["name"]: i for i, r in enumerate(manifest["kernels"])}
+    for row in rows:
+        shutil.copyfile(args.folder / row["file"], args.package / row["file"])
+        if row["name"] in by_name:
+            manifest["kernels"][by_name[row["name"]]] = row
+        else:
+            manifest["kernels"].append(row)
+    (args.package / "manifest.json").write_text(json.dumps(manifest))
+    print(f"{args.package}: {len(rows)} rows from {args.folder}: " + ", ".join(r["name"] for r in rows))
+
+
+if __name__ == "__main__":
+    main()
