@@ -7,10 +7,11 @@ sequence, caches of 32k and 128k keys, contiguous and paged (pages of 64 keys, r
 placed: the window starts mid-page).
 
     python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results] [--caches 32768]
-        [--layers gpt-oss,...] [--windows 256,1024] [--batch 64] [--kernels NAME=DIR]
+        [--layers gpt-oss,...] [--windows 256,1024] [--batch 64] [--kernels NAME=DIR] [--policy NAME=VALUE]
 
 (--windows: each windowed layer also at these windows; --batch: every layer at this batch;
-the span policy's sweeps, docs/design.md "Local attention, sinks, softcap".)
+--policy: a policy constant set for the run; the span policy's sweeps, docs/design.md
+"Local attention, sinks, softcap".)
 
 Figure: bytes of the window's K and V (batch x (window + 1) keys x heads_kv x head_dim x
 2 tensors x 2 bytes) per second, and its ratio to the same run's device-to-device copy
@@ -113,7 +114,8 @@ def main():
     timing.configure(args)
     for setting in args.policy:
         name, value = setting.split("=")
-        assert hasattr(fa4_aot.policy, name), name
+        if not hasattr(fa4_aot.policy, name):
+            ap.error(f"--policy: fa4_aot.policy has no {name}")
         setattr(fa4_aot.policy, name, int(value))
     layers = [x for x in LAYERS if not args.layers or x[0] in args.layers.split(",")]
     layers += [(f"{x[0]}-w{w}", *x[1:5], w, *x[6:]) for x in list(layers) if x[5] is not None
