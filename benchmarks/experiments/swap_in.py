@@ -7,14 +7,16 @@ changes).
 
 Copies each cubin of DIR/manifest.json's rows into the package's cubins folder and puts
 the row in the package's manifest in place of the row of the same name (or beside the
-others where it has none); the manifest is written without its index (the reader parses
-such a file whole).
+others where it has none); the manifest is written with its index
+(``fa4_aot.launch.manifest.dumps``, as the build writes it).
 """
 
 import argparse
 import json
 import shutil
 from pathlib import Path
+
+from fa4_aot.launch.manifest import dumps
 
 
 def main():
@@ -24,15 +26,16 @@ def main():
     args = ap.parse_args()
     rows = json.loads((args.folder / "manifest.json").read_text())["kernels"]
     manifest = json.loads((args.package / "manifest.json").read_text())
+    kernels = manifest.pop("kernels")
     manifest.pop("index", None)
-    by_name = {r["name"]: i for i, r in enumerate(manifest["kernels"])}
+    by_name = {r["name"]: i for i, r in enumerate(kernels)}
     for row in rows:
         shutil.copyfile(args.folder / row["file"], args.package / row["file"])
         if row["name"] in by_name:
-            manifest["kernels"][by_name[row["name"]]] = row
+            kernels[by_name[row["name"]]] = row
         else:
-            manifest["kernels"].append(row)
-    (args.package / "manifest.json").write_text(json.dumps(manifest))
+            kernels.append(row)
+    (args.package / "manifest.json").write_text(dumps(manifest, kernels))
     print(f"{args.package}: {len(rows)} rows from {args.folder}: " + ", ".join(r["name"] for r in rows))
 
 

@@ -6,8 +6,8 @@ needs, so that several fit one device call's carry beside the package.
 
 Deletes from DIR/cubins every cubin no ``--keep`` glob names or, with no ``--keep``,
 every one byte-identical to the one of the same name in ``--base`` (the package's); then
-rewrites DIR/manifest.json with only the rows whose cubins are left, and no index (the
-manifest reader parses such a file whole). A library of that folder
+rewrites DIR/manifest.json with only the rows whose cubins are left, with its index
+(``fa4_aot.launch.manifest.dumps``, as the build writes it). A library of that folder
 (``fa4_aot.KernelLibrary(DIR)``) serves the calls those rows serve and refuses the others.
 """
 
@@ -16,6 +16,8 @@ import filecmp
 import fnmatch
 import json
 from pathlib import Path
+
+from fa4_aot.launch.manifest import dumps
 
 
 def main():
@@ -35,10 +37,10 @@ def main():
         if gone:
             path.unlink()
     manifest = json.loads((args.folder / "manifest.json").read_text())
+    rows = [r for r in manifest.pop("kernels") if (args.folder / r["file"]).exists()]
     manifest.pop("index", None)
-    manifest["kernels"] = [r for r in manifest["kernels"] if (args.folder / r["file"]).exists()]
-    (args.folder / "manifest.json").write_text(json.dumps(manifest))
-    print(f"{args.folder}: {len(manifest['kernels'])} rows: " + ", ".join(r["name"] for r in manifest["kernels"]))
+    (args.folder / "manifest.json").write_text(dumps(manifest, rows))
+    print(f"{args.folder}: {len(rows)} rows: " + ", ".join(r["name"] for r in rows))
 
 
 if __name__ == "__main__":
