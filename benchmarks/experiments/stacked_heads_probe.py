@@ -56,7 +56,7 @@ def main():
     sink = torch.randn(HQ, device="cuda")
     out_w, lse_w = torch.empty_like(q), torch.empty(B, HQ, 1, device="cuda")
     full = torch.full((B,), S, dtype=torch.int32, device="cuda")
-    space = torch.empty(1 << 28, dtype=torch.uint8, device="cuda")
+    space = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     A = as_device_array
 
