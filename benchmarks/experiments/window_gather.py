@@ -11,11 +11,14 @@ gpt-oss's sliding layers (head_dim 64, 8 KV heads, window 128 back: 129 keys, ba
 - ``seq``: (sequence): the whole 1 KB of every token, contiguous;
 - ``dense``: the same bytes as ``seq`` packed together (the window's bytes copied out).
 
-Each program reads the window's keys in chunks of 32 keys. The L2 is cleared (a 256 MB
-write) before each timed launch. Figures: GB/s of the window's bytes (K and V), each
-order's median and range over the rounds, interleaved, and the ratio to a 2 GiB copy.
+Each program reads the window's keys in chunks of ``--chunk`` keys. Timed by the
+benchmarks' timer (``timing.bench``: the L2 cleared by a read before each call; a clear
+by a write leaves dirty lines that a 35 us call pays to write back). Beside them, the
+same-size copy: a contiguous copy whose read and write together are the window's bytes.
+Figures: GB/s of the window's bytes (K and V), each case's median and range over the
+rounds, interleaved, and the ratio to a 2 GiB copy.
 
-    python benchmarks/experiments/window_gather.py [--rounds 5] [--out DIR]
+    PYTHONPATH=benchmarks python benchmarks/experiments/window_gather.py [--rounds 5] [--chunk 32] [--out DIR]
 """
 
 import argparse
@@ -26,6 +29,8 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+
+import timing  # noqa: E402 (run with benchmarks/ on the path)
 
 
 @triton.jit
@@ -52,10 +57,10 @@ def window_sum(k_ptr, v_ptr, out_ptr, lengths_ptr, stride_b, stride_t, window,
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--keys", type=int, default=32768)
     ap.add_argument("--window", type=int, default=129)
+    ap.add_argument("--chunk", type=int, default=32, help="keys a program loads at once (a power of two)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     heads, d = 8, 64
@@ -65,7 +70,6 @@ def main():
     ragged = torch.randint(W, S + 1, (B,), dtype=torch.int32, device="cuda")
     kd, vd = (t[:, S - W:].contiguous() for t in (k, v))
     dense_len = torch.full((B,), W, dtype=torch.int32, device="cuda")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     window_bytes = B * W * heads * d * 2 * 2
 
     def launcher(kt, vt, lengths, group):
@@ -73,24 +77,18 @@ def main():
 
         def run():
             window_sum[(B * heads // group,)](kt, vt, out, lengths, kt.stride(0), kt.stride(1), W,
-                                              HEADS=heads, GROUP=group, D=d, CHUNK=32, num_warps=4)
+                                              HEADS=heads, GROUP=group, D=d, CHUNK=args.chunk, num_warps=4)
         return run
 
     cases = {"head": launcher(k, v, full, 1), "pair": launcher(k, v, full, 2), "seq": launcher(k, v, full, 8),
              "head ragged": launcher(k, v, ragged, 1), "seq ragged": launcher(k, v, ragged, 8),
              "dense": launcher(kd, vd, dense_len, 8), "dense head": launcher(kd, vd, dense_len, 1)}
+    half = torch.empty(window_bytes // 4, dtype=torch.uint16, device="cuda")  # read + write: the window's bytes
+    half_out = torch.empty_like(half)
+    cases["same-size copy"] = lambda: half_out.copy_(half)
 
     def timed(fn):
-        times = []
-        for _ in range(args.reps):
-            flush.fill_(1)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b) * 1e-3)
-        return statistics.median(times)
+        return timing.bench(fn) * 1e-3
 
     src = torch.empty(1 << 30, dtype=torch.uint16, device="cuda")
     dst = torch.empty_like(src)
