@@ -16,9 +16,10 @@ benchmarks' timer (``timing.bench``: the L2 cleared by a read before each call; 
 by a write leaves dirty lines that a 35 us call pays to write back). Beside them, the
 same-size copy: a contiguous copy whose read and write together are the window's bytes.
 Figures: GB/s of the window's bytes (K and V), each case's median and range over the
-rounds, interleaved, and the ratio to a 2 GiB copy.
+rounds, interleaved, and the ratio to a 2 GiB copy (``bench_decode.copy_bandwidth`` and
+``same_size_copy``, as the decode benchmarks).
 
-    PYTHONPATH=benchmarks python benchmarks/experiments/window_gather.py [--rounds 5] [--chunk 32] [--out DIR]
+    PYTHONPATH=$PWD:$PWD/benchmarks python benchmarks/experiments/window_gather.py [--rounds 5] [--chunk 32] [--out DIR]
 """
 
 import argparse
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 import timing  # noqa: E402 (run with benchmarks/ on the path)
+from bench_decode import copy_bandwidth, same_size_copy  # noqa: E402
 
 
 @triton.jit
@@ -83,24 +85,16 @@ def main():
     cases = {"head": launcher(k, v, full, 1), "pair": launcher(k, v, full, 2), "seq": launcher(k, v, full, 8),
              "head ragged": launcher(k, v, ragged, 1), "seq ragged": launcher(k, v, ragged, 8),
              "dense": launcher(kd, vd, dense_len, 8), "dense head": launcher(kd, vd, dense_len, 1)}
-    half = torch.empty(window_bytes // 4, dtype=torch.uint16, device="cuda")  # read + write: the window's bytes
-    half_out = torch.empty_like(half)
-    cases["same-size copy"] = lambda: half_out.copy_(half)
-
-    def timed(fn):
-        return timing.bench(fn) * 1e-3
-
-    src = torch.empty(1 << 30, dtype=torch.uint16, device="cuda")
-    dst = torch.empty_like(src)
+    cases["same-size copy"], _buffers = same_size_copy(window_bytes)  # read + write: the window's bytes
     for fn in cases.values():
         fn()
     torch.cuda.synchronize()
     gbs = {name: [] for name in cases}
     copies = []
     for _ in range(args.rounds):
-        copies.append(2 * src.numel() * 2 / timed(lambda: dst.copy_(src)) / 1e9)
+        copies.append(copy_bandwidth(timing.bench) / 1e9)
         for name, fn in cases.items():
-            gbs[name].append(window_bytes / timed(fn) / 1e9)
+            gbs[name].append(window_bytes / (timing.bench(fn) * 1e-3) / 1e9)
     copy = statistics.median(copies)
     print(f"{torch.cuda.get_device_name()}  copy {copy:.0f} GB/s  batch {B}  window {W} keys  "
           f"{window_bytes / 1e6:.1f} MB")
