@@ -8,7 +8,7 @@ changes).
 Copies each cubin of DIR/manifest.json's rows into the package's cubins folder and puts
 the row in the package's manifest in place of the row of the same name (or beside the
 others where it has none); the manifest is written with its index
-(``fa4_aot.launch.manifest.dumps``, as the build writes it).
+(``fa4_aot.launch.manifest.rewrite``, as the build writes it).
 """
 
 import argparse
@@ -16,7 +16,7 @@ import json
 import shutil
 from pathlib import Path
 
-from fa4_aot.launch.manifest import dumps
+from fa4_aot.launch.manifest import rewrite
 
 
 def main():
@@ -25,17 +25,19 @@ def main():
     ap.add_argument("--package", type=Path, default=Path("fa4_aot"))
     args = ap.parse_args()
     rows = json.loads((args.folder / "manifest.json").read_text())["kernels"]
-    manifest = json.loads((args.package / "manifest.json").read_text())
-    kernels = manifest.pop("kernels")
-    manifest.pop("index", None)
-    by_name = {r["name"]: i for i, r in enumerate(kernels)}
     for row in rows:
         shutil.copyfile(args.folder / row["file"], args.package / row["file"])
-        if row["name"] in by_name:
-            kernels[by_name[row["name"]]] = row
-        else:
-            kernels.append(row)
-    (args.package / "manifest.json").write_text(dumps(manifest, kernels))
+
+    def put(kernels):
+        by_name = {r["name"]: i for i, r in enumerate(kernels)}
+        for row in rows:
+            if row["name"] in by_name:
+                kernels[by_name[row["name"]]] = row
+            else:
+                kernels.append(row)
+        return kernels
+
+    rewrite(args.package / "manifest.json", put)
     print(f"{args.package}: {len(rows)} rows from {args.folder}: " + ", ".join(r["name"] for r in rows))
 
 

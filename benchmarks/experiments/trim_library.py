@@ -7,17 +7,16 @@ needs, so that several fit one device call's carry beside the package.
 Deletes from DIR/cubins every cubin no ``--keep`` glob names or, with no ``--keep``,
 every one byte-identical to the one of the same name in ``--base`` (the package's); then
 rewrites DIR/manifest.json with only the rows whose cubins are left, with its index
-(``fa4_aot.launch.manifest.dumps``, as the build writes it). A library of that folder
+(``fa4_aot.launch.manifest.rewrite``, as the build writes it). A library of that folder
 (``fa4_aot.KernelLibrary(DIR)``) serves the calls those rows serve and refuses the others.
 """
 
 import argparse
 import filecmp
 import fnmatch
-import json
 from pathlib import Path
 
-from fa4_aot.launch.manifest import dumps
+from fa4_aot.launch.manifest import rewrite
 
 
 def main():
@@ -36,10 +35,7 @@ def main():
             gone = base.exists() and filecmp.cmp(path, base, shallow=False)
         if gone:
             path.unlink()
-    manifest = json.loads((args.folder / "manifest.json").read_text())
-    rows = [r for r in manifest.pop("kernels") if (args.folder / r["file"]).exists()]
-    manifest.pop("index", None)
-    (args.folder / "manifest.json").write_text(dumps(manifest, rows))
+    rows = rewrite(args.folder / "manifest.json", lambda rows: [r for r in rows if (args.folder / r["file"]).exists()])
     print(f"{args.folder}: {len(rows)} rows: " + ", ".join(r["name"] for r in rows))
 
 

@@ -58,6 +58,16 @@ def dumps(head: dict, rows: list[dict]) -> str:
     return head_text[:-2] + ',\n "kernels": ' + kernels + "\n}\n"
 
 
+def rewrite(path: Path, edit) -> list[dict]:
+    """Rewrite the manifest at ``path`` with ``edit(rows)``'s rows in place of its rows, its
+    head kept (an A/B library's trim, a swap into the package); returns the new rows."""
+    head = json.loads(path.read_text())
+    head.pop("index", None)
+    rows = edit(head.pop("kernels"))
+    path.write_text(dumps(head, rows))
+    return rows
+
+
 class Manifest:
     """The manifest.json in ``folder`` and the cubins under ``folder/cubins``."""
 
