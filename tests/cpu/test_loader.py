@@ -82,6 +82,18 @@ def test_the_manifest_decodes_the_rows_asked_for_each_as_the_whole_file_has_it(c
         edited.rows[b["name"]]
 
 
+def test_rewrite_keeps_the_head_and_indexes_the_edited_rows(copy):
+    path = copy / "manifest.json"
+    whole = json.loads(path.read_text())
+    kept = fa4_manifest.rewrite(path, lambda rows: rows[:0:-1])  # the first dropped, the rest reversed
+    assert [r["name"] for r in kept] == [r["name"] for r in whole["kernels"][:0:-1]]
+    m = Manifest(copy)
+    assert list(m.rows) == [r["name"] for r in kept] and m.rows[kept[0]["name"]] == kept[0]
+    assert {k: v for k, v in m.data.items() if k not in ("kernels", "index")} == \
+        {k: v for k, v in whole.items() if k not in ("kernels", "index")}
+    assert whole["kernels"][0]["name"] not in m.rows
+
+
 def test_corrupt_cubin_fails_its_checksum(copy):
     m = Manifest(copy)
     row = next(iter(m.rows.values()))
