@@ -28,16 +28,8 @@ def main():
     for row in rows:
         shutil.copyfile(args.folder / row["file"], args.package / row["file"])
 
-    def put(kernels):
-        by_name = {r["name"]: i for i, r in enumerate(kernels)}
-        for row in rows:
-            if row["name"] in by_name:
-                kernels[by_name[row["name"]]] = row
-            else:
-                kernels.append(row)
-        return kernels
-
-    rewrite(args.package / "manifest.json", put)
+    # each row in place of its namesake's, or after the others
+    rewrite(args.package / "manifest.json", lambda kernels: list({r["name"]: r for r in kernels + rows}.values()))
     print(f"{args.package}: {len(rows)} rows from {args.folder}: " + ", ".join(r["name"] for r in rows))
 
 
