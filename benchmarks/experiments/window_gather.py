@@ -37,7 +37,8 @@ from bench_decode import copy_bandwidth, same_size_copy  # noqa: E402
 
 @triton.jit
 def window_sum(k_ptr, v_ptr, out_ptr, lengths_ptr, stride_b, stride_t, window,
-               HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr):
+               HEADS: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
+               STAGES: tl.constexpr):
     pid = tl.program_id(0)
     per_seq = HEADS // GROUP
     b = pid // per_seq
@@ -47,7 +48,7 @@ def window_sum(k_ptr, v_ptr, out_ptr, lengths_ptr, stride_b, stride_t, window,
     cols = tl.arange(0, GROUP * D)
     acc = tl.zeros((CHUNK, GROUP * D), dtype=tl.float32)
     base = b.to(tl.int64) * stride_b + g * GROUP * D
-    for c in tl.range(start, end, CHUNK, num_stages=4):
+    for c in tl.range(start, end, CHUNK, num_stages=STAGES):
         keys = c + tl.arange(0, CHUNK)
         offs = base + keys.to(tl.int64)[:, None] * stride_t + cols[None, :]
         mask = (keys < end)[:, None]
@@ -76,10 +77,15 @@ def main():
 
     def launcher(kt, vt, lengths, group):
         out = torch.empty(B * heads // group, device="cuda")
+        # the loop's loads of K and V wait in (stages - 1) shared-memory buffers: at most
+        # 4 stages, and as many as 192 KB holds (a sequence's 1 KB rows at 128 keys: 1)
+        chunk_bytes = args.chunk * group * d * 2 * 2
+        stages = max(1, min(4, 1 + (192 << 10) // chunk_bytes))
 
         def run():
             window_sum[(B * heads // group,)](kt, vt, out, lengths, kt.stride(0), kt.stride(1), W,
-                                              HEADS=heads, GROUP=group, D=d, CHUNK=args.chunk, num_warps=4)
+                                              HEADS=heads, GROUP=group, D=d, CHUNK=args.chunk, STAGES=stages,
+                                              num_warps=4)
         return run
 
     cases = {"head": launcher(k, v, full, 1), "pair": launcher(k, v, full, 2), "seq": launcher(k, v, full, 8),
