@@ -8,10 +8,14 @@ placed: the window starts mid-page).
 
     python benchmarks/bench_decode_local.py [--rounds 3] [--out benchmarks/results] [--caches 32768]
         [--layers gpt-oss,...] [--windows 256,1024] [--batch 64] [--kernels NAME=DIR] [--policy NAME=VALUE]
+        [--ragged]
 
 (--windows: each windowed layer also at these windows; --batch: every layer at this batch;
 --policy: a policy constant set for the run; the span policy's sweeps, docs/design.md
-"Local attention, sinks, softcap".)
+"Local attention, sinks, softcap"; --ragged: each sequence's cache length drawn from the
+cache's last 64 keys, so the window's first key falls at every offset in a page and a key
+tile, as in serving, where full caches fix it by the cache length. gpt-oss's own window is
+128 keys, window_size (127, 0) as vLLM passes it: --windows 127.)
 
 Figure: bytes of the window's K and V (batch x (window + 1) keys x heads_kv x head_dim x
 2 tensors x 2 bytes) per second, and its ratio to the same run's device-to-device copy
@@ -49,11 +53,20 @@ CACHES = (32768, 131072)
 PAGE = 64
 
 
-def setup(layer, keys, paged):
+def cache_lengths(layer, keys, ragged):
+    """Each sequence's cache length: the whole cache, or (``ragged``) one of its last 64 keys."""
+    batch = layer[1]
+    if not ragged:
+        return torch.full((batch,), keys, dtype=torch.int32)
+    return keys - torch.randint(0, PAGE, (batch,), generator=torch.Generator().manual_seed(keys), dtype=torch.int32)
+
+
+def setup(layer, keys, paged, lengths=None):
+    """``lengths``: ``cache_lengths``'s (None: every cache full)."""
     _, batch, hq, hkv, d, window, cap, sinks = layer
     q = torch.randn(batch, 1, hq, d, device="cuda", dtype=torch.bfloat16)
     out, lse = torch.empty_like(q), torch.empty(batch, hq, 1, device="cuda")
-    lengths = torch.full((batch,), keys, dtype=torch.int32, device="cuda")
+    lengths = (cache_lengths(layer, keys, False) if lengths is None else lengths).cuda()
     sink = torch.randn(hq, device="cuda") if sinks else None
     table = None
     if paged:  # pages of random keys at random places (no contiguous twin: the memory)
@@ -90,9 +103,11 @@ def setup(layer, keys, paged):
     return ours_with, (cudnn if not paged else None), (q, k_cache, v_cache, space, table, sink, out, lse, lengths)
 
 
-def window_bytes(layer, keys):
-    _, batch, _, hkv, d, window, _, _ = layer
-    return batch * (keys if window is None else window + 1) * hkv * d * 2 * 2
+def window_bytes(layer, lengths):
+    """The bytes of K and V each sequence's window holds (its whole cache without one)."""
+    _, _, _, hkv, d, window, _, _ = layer
+    seen = lengths if window is None else lengths.clamp(max=window + 1)
+    return int(seen.sum()) * hkv * d * 2 * 2
 
 
 def main():
@@ -109,6 +124,8 @@ def main():
                     help="set a fa4_aot.policy constant for the run (an int), e.g. DECODE_STACK_MIN_CTAS_PER_SM=0")
     ap.add_argument("--caches", default=",".join(str(k) for k in CACHES),
                     help="comma-separated cache lengths in keys (gpt-oss's batch at 128k needs 68 GB)")
+    ap.add_argument("--ragged", action="store_true",
+                    help="cache lengths drawn from each cache's last 64 keys (default: every cache full)")
     timing.add_argument(ap)
     args = ap.parse_args()
     timing.configure(args)
@@ -132,19 +149,21 @@ def main():
             for keys in caches:
                 for paged in (False, True):
                     label = f"{layer[0]} {keys // 1024}k{' paged' if paged else ''}"
-                    ours_with, cudnn, keep = setup(layer, keys, paged)
+                    lengths = cache_lengths(layer, keys, args.ragged)
+                    ours_with, cudnn, keep = setup(layer, keys, paged, lengths)
                     cell = cells.setdefault(label, {"ours": [], "cudnn": [], "copy": []})
                     timed = [("ours", ours_with(None))] + ([("cudnn", cudnn)] if cudnn else [])
                     timed += [(f"ours:{n}", ours_with(lib)) for n, lib in libraries.items() if n]
-                    copy_fn, copy_keep = same_size_copy(window_bytes(layer, keys))
+                    copy_fn, copy_keep = same_size_copy(window_bytes(layer, lengths))
                     timed += [("copy", copy_fn)]
                     for name, fn in (timed if r % 2 == 0 else timed[::-1]):
-                        cell.setdefault(name, []).append(window_bytes(layer, keys) / (bench(fn) * 1e-3))
+                        cell.setdefault(name, []).append(window_bytes(layer, lengths) / (bench(fn) * 1e-3))
                     del keep, copy_keep
                     torch.cuda.empty_cache()
     copy = statistics.median(copies)
     lines = [f"Windowed decode: GB/s of the window's K and V (median over {args.rounds} rounds, range), and of the "
-             f"copy ({copy / 1e9:.0f} GB/s: {min(copies) / 1e9:.0f}-{max(copies) / 1e9:.0f})", "",
+             f"copy ({copy / 1e9:.0f} GB/s: {min(copies) / 1e9:.0f}-{max(copies) / 1e9:.0f}); "
+             f"{'ragged' if args.ragged else 'full'} caches", "",
              "| layer, cache | fa4_aot GB/s | / copy | / same-size copy | cuDNN on the slice GB/s | ours / cuDNN |",
              "|---|---|---|---|---|---|"]
     for label, cell in cells.items():
@@ -159,7 +178,8 @@ def main():
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"decode-local-{datetime.date.today()}.json"
     path.write_text(json.dumps({"copy_bytes_per_s": copies, "cells": cells, "table": table,
-                                "gpu": torch.cuda.get_device_name(), "clear_l2": timing.MODE["clear"]}, indent=1))
+                                "gpu": torch.cuda.get_device_name(), "clear_l2": timing.MODE["clear"],
+                                "ragged": args.ragged}, indent=1))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import timing  # noqa: E402
 from bench_decode import kv_bytes, setup  # noqa: E402
-from bench_decode_local import LAYERS, window_bytes  # noqa: E402
+from bench_decode_local import LAYERS, cache_lengths, window_bytes  # noqa: E402
 from bench_decode_local import setup as setup_local  # noqa: E402
 
 SHAPES = [  # (label, batch, seqlen_q, heads_q, heads_kv, head_dim, keys, page, fp8)
@@ -52,7 +52,7 @@ def make(shape):
     if len(shape) == 2:
         layer = next(x for x in LAYERS if x[0] == shape[1])
         ours_with, cudnn, keep = setup_local(layer, 8192, False)  # the window's bytes as at 32k or 128k
-        return ours_with(None), cudnn, keep, window_bytes(layer, 8192)
+        return ours_with(None), cudnn, keep, window_bytes(layer, cache_lengths(layer, 8192, False))
     label, batch, sq, hq, hkv, d, keys, page, fp8 = shape
     ours, cudnn, keep = setup(batch, sq, hq, hkv, d, keys, page, fp8=fp8)
     return ours, cudnn, keep, kv_bytes(batch, hkv, d, keys, 1 if fp8 else 2)
