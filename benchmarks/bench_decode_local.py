@@ -154,10 +154,11 @@ def main():
                     cell = cells.setdefault(label, {"ours": [], "cudnn": [], "copy": []})
                     timed = [("ours", ours_with(None))] + ([("cudnn", cudnn)] if cudnn else [])
                     timed += [(f"ours:{n}", ours_with(lib)) for n, lib in libraries.items() if n]
-                    copy_fn, copy_keep = same_size_copy(window_bytes(layer, lengths))
+                    nbytes = window_bytes(layer, lengths)
+                    copy_fn, copy_keep = same_size_copy(nbytes)
                     timed += [("copy", copy_fn)]
                     for name, fn in (timed if r % 2 == 0 else timed[::-1]):
-                        cell.setdefault(name, []).append(window_bytes(layer, lengths) / (bench(fn) * 1e-3))
+                        cell.setdefault(name, []).append(nbytes / (bench(fn) * 1e-3))
                     del keep, copy_keep
                     torch.cuda.empty_cache()
     copy = statistics.median(copies)

@@ -131,16 +131,18 @@ def main():
     dense_len = torch.full((B,), W, dtype=torch.int32, device="cuda")
     window_bytes = B * W * heads * d * 2 * 2
 
+    def stages(columns):
+        """The loop's stages for chunks of ``columns`` wide rows of K and V: their loads wait in
+        (stages - 1) shared-memory buffers, at most 4 stages and as many as 192 KB holds (a
+        sequence's 1 KB rows at 128 keys: 1)."""
+        return max(1, min(4, 1 + (192 << 10) // (args.chunk * columns * 2 * 2)))
+
     def launcher(kt, vt, lengths, group):
         out = torch.empty(B * heads // group, device="cuda")
-        # the loop's loads of K and V wait in (stages - 1) shared-memory buffers: at most
-        # 4 stages, and as many as 192 KB holds (a sequence's 1 KB rows at 128 keys: 1)
-        chunk_bytes = args.chunk * group * d * 2 * 2
-        stages = max(1, min(4, 1 + (192 << 10) // chunk_bytes))
 
         def run():
             window_sum[(B * heads // group,)](kt, vt, out, lengths, kt.stride(0), kt.stride(1), W,
-                                              HEADS=heads, GROUP=group, D=d, CHUNK=args.chunk, STAGES=stages,
+                                              HEADS=heads, GROUP=group, D=d, CHUNK=args.chunk, STAGES=stages(group * d),
                                               num_warps=4)
         return run
 
@@ -154,7 +156,7 @@ def main():
     def attend():
         window_attend[(B * heads,)](q, k, v, attended, ragged, k.stride(0), k.stride(1), W,
                                     math.log2(math.e) / math.sqrt(d), HEADS=heads, GROUP_Q=group_q,
-                                    ROWS=16, D=d, CHUNK=args.chunk, STAGES=4, num_warps=4)
+                                    ROWS=16, D=d, CHUNK=args.chunk, STAGES=stages(d), num_warps=4)
     attend()
     some = slice(0, min(B, 8))
     ref = attend_reference(q[some], k[some], v[some], ragged[some], W, group_q)
