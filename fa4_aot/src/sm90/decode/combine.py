@@ -8,8 +8,10 @@ softmax sum. Splits that saw no key have LSE_s = -inf and weight 0; a row none o
 splits saw a key gets out 0 and lse -inf, as the one-split kernel writes it. The splits
 are summed in order, so a given num_splits gives the same bits every run.
 
-One warp per row: lanes take the splits 32 at a time for the maximum and the sum, then
-head_dim / 32 columns each for O (written within O's own head dim, ``columns_v``).
+One warp per row: each lane holds the LSEs of splits lane, lane + 32, ... (all read at
+once) for the maximum, the sum and the weights; then head_dim / 32 columns each for O,
+the shares of several splits loaded before they are summed (in split order), each split's
+weight from the lane that holds it; O is written within its own head dim (``columns_v``).
 """
 
 import math
@@ -22,9 +24,11 @@ from ...common import symbols
 from ...interfaces import COMBINE, COMBINE_INPUTS
 from ..primitives import DTYPES
 from ..softmax import exp2_mufu
-from .config import CombineConfig
+from .config import MAX_SPLITS, CombineConfig
 
 LOG2E = math.log2(math.e)
+LANE_SPLITS = MAX_SPLITS // 32  # the LSEs a lane holds
+SHARE_FLOATS = 32  # fp32 of the splits' O shares a lane has in flight at once
 
 
 class CombineSm90:
@@ -66,30 +70,51 @@ class CombineSm90:
             plane = batch * heads_q * seqlen_q  # one split's LSEs
             lse_at = (b * heads_q + head) * seqlen_q + token
             lse_part = cute.make_tensor(lse_part_ptr, cute.make_layout(splits * plane))
+            # every split's LSE read at once, lane l holding splits l, l + 32, ...: the
+            # row's loads are then two round trips (the LSEs, then the shares a batch at a
+            # time), not one per split (docs/design.md, "Decode": split-KV)
+            held = cute.make_rmem_tensor((LANE_SPLITS,), Float32)
+            for j in cutlass.range_constexpr(LANE_SPLITS):
+                held[j] = -Float32.inf
+                if lane + 32 * j < splits:
+                    held[j] = lse_part[Int64(lane + 32 * j) * plane + lse_at]
             top = -Float32.inf
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                top = cute.arch.fmax(top, lse_part[Int64(s) * plane + lse_at])
+            for j in cutlass.range_constexpr(LANE_SPLITS):
+                top = cute.arch.fmax(top, held[j])
             for offset in cutlass.range_constexpr(5):
                 top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << offset))
             base = Float32(cutlass.select_(top == -Float32.inf, Float32(0.0), top)) * LOG2E
             total = Float32(0.0)
-            for s in cutlass.range(lane, splits, 32, unroll=1):
-                total = total + exp2_mufu(lse_part[Int64(s) * plane + lse_at] * LOG2E - base)
+            for j in cutlass.range_constexpr(LANE_SPLITS):
+                if lane + 32 * j < splits:
+                    total = total + exp2_mufu(held[j] * LOG2E - base)
             for offset in cutlass.range_constexpr(5):
                 total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << offset)
             # the row's LSE in the exp2 domain; a row of no key keeps -inf (weights 0)
             lse2 = base + cute.math.log2(total, fastmath=True)
+            weights = cute.make_rmem_tensor((LANE_SPLITS,), Float32)
+            for j in cutlass.range_constexpr(LANE_SPLITS):
+                weights[j] = exp2_mufu(held[j] * LOG2E - lse2)
             acc = cute.make_rmem_tensor((per_lane,), Float32)
             acc.fill(0.0)
             row_in_split = (Int64(b) * seqlen_q + token) * heads_q + head  # (b, s_q, h_q) order
             if top != -Float32.inf:
-                for s in cutlass.range(splits, unroll=1):
-                    weight = exp2_mufu(lse_part[Int64(s) * plane + lse_at] * LOG2E - lse2)
-                    share = cute.make_rmem_tensor((per_lane,), Float32)
-                    first = (Int64(s) * plane + row_in_split) * d + lane * per_lane
-                    cute.autovec_copy(gmem(o_part_ptr, Float32, first, per_lane), share)
-                    for e in cutlass.range_constexpr(per_lane):
-                        acc[e] = acc[e] + weight * share[e]
+                batch_splits = max(1, SHARE_FLOATS // per_lane)  # shares in flight a lane
+                for s0 in cutlass.range(0, splits, batch_splits, unroll=1):
+                    shares = [cute.make_rmem_tensor((per_lane,), Float32) for _ in range(batch_splits)]
+                    for u in cutlass.range_constexpr(batch_splits):
+                        if s0 + u < splits:
+                            first = (Int64(s0 + u) * plane + row_in_split) * d + lane * per_lane
+                            cute.autovec_copy(gmem(o_part_ptr, Float32, first, per_lane), shares[u])
+                    for u in cutlass.range_constexpr(batch_splits):
+                        s = s0 + u
+                        if s < splits:  # summed in split order; split s's weight from lane s % 32
+                            mine = weights[0]
+                            for j in cutlass.range_constexpr(1, LANE_SPLITS):
+                                mine = cutlass.select_(s // 32 == j, weights[j], mine)
+                            weight = cute.arch.shuffle_sync(mine, s % 32)
+                            for e in cutlass.range_constexpr(per_lane):
+                                acc[e] = acc[e] + weight * shares[u][e]
             out = cute.make_rmem_tensor((per_lane,), self.dtype)
             out.store(acc.load().to(self.dtype))
             at = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh + lane * per_lane
