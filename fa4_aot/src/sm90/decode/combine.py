@@ -8,17 +8,18 @@ softmax sum. Splits that saw no key have LSE_s = -inf and weight 0; a row none o
 splits saw a key gets out 0 and lse -inf, as the one-split kernel writes it. The splits
 are summed in order, so a given num_splits gives the same bits every run.
 
-One warp per row: each lane holds the LSEs of splits lane, lane + 32, ... (all read at
-once) for the maximum, the sum and the weights; then head_dim / 32 columns each for O,
-the shares of several splits loaded before they are summed (in split order), each split's
-weight from the lane that holds it; O is written within its own head dim (``columns_v``).
+One warp per row: each lane holds the LSEs of splits lane, lane + 32, ... for the
+maximum, the sum and the weights, and head_dim / 32 columns of O: the shares of a batch of
+splits are loaded before they are summed (in split order; the first batch with the LSEs),
+each split's weight from the lane that holds it; O is written within its own head dim
+(``columns_v``).
 """
 
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Float32, Int32, Int64
 
 from ...common import symbols
 from ...interfaces import COMBINE, COMBINE_INPUTS
@@ -27,8 +28,8 @@ from ..softmax import exp2_mufu
 from .config import MAX_SPLITS, CombineConfig
 
 LOG2E = math.log2(math.e)
-LANE_SPLITS = MAX_SPLITS // 32  # the LSEs a lane holds
-SHARE_FLOATS = 32  # fp32 of the splits' O shares a lane has in flight at once
+LANE_SPLITS = -(-MAX_SPLITS // 32)  # the LSEs a lane holds: every split a launch may take
+SHARE_FLOATS = 64  # fp32 of the splits' O shares a lane has in flight at once
 
 
 class CombineSm90:
@@ -39,6 +40,11 @@ class CombineSm90:
         assert cfg.head_dim % 32 == 0
         self.cfg = cfg
         self.dtype = DTYPES[cfg.dtype]
+        self.batch_splits = max(1, SHARE_FLOATS // (cfg.head_dim // 32))  # splits' shares in flight a lane
+        # a lane's share starts at a multiple of its head_dim / 32 floats of the workspace
+        # (256-byte aligned, head dims multiples of 32): 16-byte loads where that allows
+        lane_bytes = cfg.head_dim // 32 * 4
+        self.share_align = min(16, lane_bytes & -lane_bytes)
 
     @cute.jit
     def __call__(self, x: COMBINE_INPUTS.tuple_type):
@@ -53,8 +59,8 @@ class CombineSm90:
         (b, s_q, h_q, d) by address and strides and LSE (b, h_q, s_q) out."""
         o_part_ptr, lse_part_ptr, (o_ptr, (o_sb, o_ss, o_sh)), lse_ptr = p.o_partial, p.lse_partial, p.out, p.lse
         batch, seqlen_q, heads_q, splits, columns = p.batch, p.seqlen_q, p.heads_q, p.splits, p.columns_v
-        d = self.cfg.head_dim
-        per_lane = d // 32
+        per_lane = self.cfg.head_dim // 32
+        batch_splits = self.batch_splits
         # launched programmatically (most decode kernels' CTAs trigger it as they start):
         # nothing is read before the decode grid is done and its writes are visible
         cute.arch.griddepcontrol_wait()
@@ -70,14 +76,18 @@ class CombineSm90:
             plane = batch * heads_q * seqlen_q  # one split's LSEs
             lse_at = (b * heads_q + head) * seqlen_q + token
             lse_part = cute.make_tensor(lse_part_ptr, cute.make_layout(splits * plane))
-            # every split's LSE read at once, lane l holding splits l, l + 32, ...: the
-            # row's loads are then two round trips (the LSEs, then the shares a batch at a
-            # time), not one per split (docs/design.md, "Decode": split-KV)
+            # every split's LSE read at once, lane l holding splits l, l + 32, ..., and the
+            # first splits' shares with them (they do not wait for the weights): a row's
+            # loads are one round trip up to a batch of splits, not one per split
+            # (docs/design.md, "Decode": split-KV)
             held = cute.make_rmem_tensor((LANE_SPLITS,), Float32)
             for j in cutlass.range_constexpr(LANE_SPLITS):
                 held[j] = -Float32.inf
                 if lane + 32 * j < splits:
                     held[j] = lse_part[Int64(lane + 32 * j) * plane + lse_at]
+            row_in_split = (Int64(b) * seqlen_q + token) * heads_q + head  # (b, s_q, h_q) order
+            shares = [cute.make_rmem_tensor((per_lane,), Float32) for _ in range(batch_splits)]
+            self.load_shares(shares, Int32(0), (splits, plane, row_in_split, lane), o_part_ptr)
             top = -Float32.inf
             for j in cutlass.range_constexpr(LANE_SPLITS):
                 top = cute.arch.fmax(top, held[j])
@@ -97,24 +107,11 @@ class CombineSm90:
                 weights[j] = exp2_mufu(held[j] * LOG2E - lse2)
             acc = cute.make_rmem_tensor((per_lane,), Float32)
             acc.fill(0.0)
-            row_in_split = (Int64(b) * seqlen_q + token) * heads_q + head  # (b, s_q, h_q) order
             if top != -Float32.inf:
-                batch_splits = max(1, SHARE_FLOATS // per_lane)  # shares in flight a lane
-                for s0 in cutlass.range(0, splits, batch_splits, unroll=1):
-                    shares = [cute.make_rmem_tensor((per_lane,), Float32) for _ in range(batch_splits)]
-                    for u in cutlass.range_constexpr(batch_splits):
-                        if s0 + u < splits:
-                            first = (Int64(s0 + u) * plane + row_in_split) * d + lane * per_lane
-                            cute.autovec_copy(gmem(o_part_ptr, Float32, first, per_lane), shares[u])
-                    for u in cutlass.range_constexpr(batch_splits):
-                        s = s0 + u
-                        if s < splits:  # summed in split order; split s's weight from lane s % 32
-                            mine = weights[0]
-                            for j in cutlass.range_constexpr(1, LANE_SPLITS):
-                                mine = cutlass.select_(s // 32 == j, weights[j], mine)
-                            weight = cute.arch.shuffle_sync(mine, s % 32)
-                            for e in cutlass.range_constexpr(per_lane):
-                                acc[e] = acc[e] + weight * shares[u][e]
+                self.add_shares(acc, shares, Int32(0), splits, weights)
+                for s0 in cutlass.range(batch_splits, splits, batch_splits, unroll=1):
+                    self.load_shares(shares, s0, (splits, plane, row_in_split, lane), o_part_ptr)
+                    self.add_shares(acc, shares, s0, splits, weights)
             out = cute.make_rmem_tensor((per_lane,), self.dtype)
             out.store(acc.load().to(self.dtype))
             at = Int64(b) * o_sb + Int64(token) * o_ss + Int64(head) * o_sh + lane * per_lane
@@ -128,9 +125,36 @@ class CombineSm90:
                 lse = cute.make_tensor(lse_ptr, cute.make_layout(plane))
                 lse[lse_at] = Float32(cutlass.select_(top == -Float32.inf, -Float32.inf, lse2 / LOG2E))
 
+    @cute.jit
+    def load_shares(self, shares, s0, row, o_part_ptr):
+        """This lane's columns of the O shares of splits s0, s0 + 1, ... (``len(shares)`` of
+        them, those below ``splits``) into ``shares``. ``row``: (splits, one split's rows,
+        the row's place in a split, the lane)."""
+        splits, plane, row_in_split, lane = row
+        per_lane = self.cfg.head_dim // 32
+        for u in cutlass.range_constexpr(len(shares)):
+            if s0 + u < splits:
+                first = (Int64(s0 + u) * plane + row_in_split) * self.cfg.head_dim + lane * per_lane
+                cute.autovec_copy(gmem(o_part_ptr, Float32, first, per_lane, self.share_align), shares[u])
 
-def gmem(ptr: cute.Pointer, dtype, offset, n: int) -> cute.Tensor:
-    """``n`` contiguous elements of global memory at element ``offset`` (64-bit) from ``ptr``."""
+    @cute.jit
+    def add_shares(self, acc, shares, s0, splits, weights):
+        """acc += w_s O_s over the splits s0, s0 + 1, ... that ``shares`` holds, in split
+        order; split s's weight from the lane that holds it (lane s % 32, ``weights[s // 32]``)."""
+        for u in cutlass.range_constexpr(len(shares)):
+            s = s0 + u
+            if s < splits:
+                mine = weights[0]
+                for j in cutlass.range_constexpr(1, LANE_SPLITS):
+                    mine = cutlass.select_(s // 32 == j, weights[j], mine)
+                weight = cute.arch.shuffle_sync(mine, s % 32)
+                for e in cutlass.range_constexpr(cute.size(acc)):
+                    acc[e] = acc[e] + weight * shares[u][e]
+
+
+def gmem(ptr: cute.Pointer, dtype, offset, n: int, align: int = 0) -> cute.Tensor:
+    """``n`` contiguous elements of global memory at element ``offset`` (64-bit) from ``ptr``,
+    aligned to ``align`` bytes (default: one element's)."""
     at = ptr.toint() + offset * (dtype.width // 8)
-    return cute.make_tensor(cute.make_ptr(dtype, at, cute.AddressSpace.gmem, assumed_align=dtype.width // 8),
+    return cute.make_tensor(cute.make_ptr(dtype, at, cute.AddressSpace.gmem, assumed_align=align or dtype.width // 8),
                             cute.make_layout(n))
