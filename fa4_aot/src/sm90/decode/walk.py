@@ -25,10 +25,7 @@ class DecodeWalk:
         cfg = self.cfg
         group, rows, m_tiles = shape
         seqlen_q, splits = p.seqlen_q, p.splits
-        # one row tile (seqlen_q x group up to tile_m: every one-token decode): no division
-        m_block, split = Int32(0), bidx
-        if m_tiles > 1:
-            m_block, split = bidx % m_tiles, bidx // m_tiles
+        m_block, split = self._tile_split(bidx, m_tiles)
         # keys of the sequence: clamped to the cache (or the page table's reach)
         reach = cutlass.select_(p.paged != 0, p.max_pages * page_rows, page_rows)
         seqlen_k = reach
@@ -81,7 +78,7 @@ class DecodeWalk:
         parity = Int32(0)
         b, head_kv, bidx = self._item(first, per_seq, per_head)
         self.fetch_q(tidx, sQ[None, None, 0], q_ptr, q_strides, (b, head_kv, group, p.seqlen_q, p.heads_q,
-                     self._m_block(bidx, m_tiles) * cfg.tile_m, rows), columns)
+                     self._tile_split(bidx, m_tiles)[0] * cfg.tile_m, rows), columns)
         for item in cutlass.range(first, items, ctas, unroll=1):
             b, head_kv, bidx = self._item(item, per_seq, per_head)
             m_block, split, seqlen_k, window, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
@@ -96,7 +93,7 @@ class DecodeWalk:
                 b_n, head_n, bidx_n = self._item(after, per_seq, per_head)
                 self.fetch_q(tidx, sQ[None, None, 1 - parity], q_ptr, q_strides,
                              (b_n, head_n, group, p.seqlen_q, p.heads_q,
-                              self._m_block(bidx_n, m_tiles) * cfg.tile_m, rows), columns)
+                              self._tile_split(bidx_n, m_tiles)[0] * cfg.tile_m, rows), columns)
             state = self.consume(tidx, sQ[None, None, parity], (sK, sV), pipes, work, state=state)
             parity = 1 - parity
 
@@ -108,11 +105,13 @@ class DecodeWalk:
         return b, head_kv, item - b * per_seq - head_kv * per_head
 
     @cute.jit
-    def _m_block(self, bidx, m_tiles):
-        m_block = Int32(0)
+    def _tile_split(self, bidx, m_tiles):
+        """(row tile, split) of ``bidx``; one row tile (seqlen_q x group up to tile_m: every
+        one-token decode) takes no division."""
+        m_block, split = Int32(0), bidx
         if m_tiles > 1:
-            m_block = bidx % m_tiles
-        return m_block
+            m_block, split = bidx % m_tiles, bidx // m_tiles
+        return m_block, split
 
     @cute.jit
     def _key_range(self, m_block, split, splits, rows, group, seqlen_q, seqlen_k, window=None):
