@@ -255,7 +255,9 @@ def test_local_func_traces_under_torch_compile(gen):
 
 DECODE_LOCAL = [v for v in MATRIX if v.kind == "decode" and v.local and v.kv_dtype == "same"]  # FP8: test_fp8_cache
 # (batch, seqlen_q, heads_q, heads_kv, max_cache, page_size or None), as test_decode's
-DECODE_CASES = [(4, 1, 32, 8, 1000, None), (3, 4, 8, 8, 640, 128), (4, 16, 16, 1, 300, 48), (5, 64, 4, 2, 2048, 16)]
+DECODE_CASES = [(4, 1, 32, 8, 1000, None), (3, 4, 8, 8, 640, 128), (4, 16, 16, 1, 300, 48), (5, 64, 4, 2, 2048, 16),
+                (6, 1, 24, 2, 900, None),  # 12 packed rows: a warp's rows 8-15 in use in some threads only
+                (3, 16, 10, 2, 500, 32)]  # 80 packed rows: a second row tile of 16
 
 
 def test_local_decode_matches_reference_where_built(gen, monkeypatch):
@@ -284,7 +286,7 @@ def test_local_decode_matches_reference_where_built(gen, monkeypatch):
         monkeypatch.setattr(policy, "decode_narrow", lambda *_, narrow=variant.span == "narrow": narrow)
         chosen.clear()
         cap = 30.0 if variant.softcap else 0.0
-        for case, window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0)]):
+        for case, window in zip(DECODE_CASES, [(100, 0), (37, 5), (0, 0), (200, 0), (50, 0), (20, 3)], strict=True):
             _decode_matches_reference(variant, case, window, gen, variant.head_dim, cap)
         assert {r["name"] for r in chosen} == {variant.name}, (variant.name, {r["name"] for r in chosen})
 
