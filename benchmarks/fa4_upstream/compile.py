@@ -5,6 +5,7 @@ export each to C, so the H200 can run them next to ours with no CuTe DSL there
     FA4_PATH=<dirs with flash_attn/, quack/, torch/, einops/> CUTE_DSL_ARCH=sm_90a \
         python benchmarks/fa4_upstream/compile.py OUT [fwd] [bwd] [varlen] [gqa] [decode] [local] [local_bwd] [dv]
     benchmarks/fa4_upstream/link.sh OUT      # -> OUT/libfa4.so, carried to the device
+    benchmarks/fa4_upstream/setup.sh GIT_DIR # both, every kind, from a flash-attention git dir
 
 FA4_PATH is a colon-separated list put first on sys.path (FA4's source tree and the
 packages it imports: quack-kernels, a CPU torch, einops). As set up for the varlen and

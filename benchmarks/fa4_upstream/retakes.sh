@@ -1,7 +1,7 @@
 #!/bin/bash
 # The H200 retakes the open issues owe (38, 39, 40, 42), as device calls of at most ten
 # minutes each, from the repository root on the device with the package's cubins and
-# manifest and FA4's library (build/fa4: libfa4.so and spec.json, compile.py + link.sh)
+# manifest and FA4's library (build/fa4: libfa4.so and spec.json, setup.sh)
 # carried. Each command has its own limit so that one slow cell does not cost the call.
 #   benchmarks/fa4_upstream/retakes.sh PART OUT      (PART 1: issue 42; 2: issues 38, 39, 40)
 set -u
