@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """PROBE: the timeline of one gpt-oss windowed decode call on the span-narrow kernel built
-with docs/history/2026-12-07-decode-narrow-timeline-probe.patch (the no-math probe whose
-LSE rows hold, per item, eight 32-bit words: the consumer's start, its first K tile's
+with docs/history/2026-12-07-decode-narrow-timeline-probe.patch (the no-math probe) or
+2026-12-07-decode-narrow-timeline.patch (the kernel's own math), whose LSE rows hold, per
+item, eight 32-bit words: the consumer's start, its first K tile's
 arrival, its tiles' end, its epilogue's end (%globaltimer_lo, ns), the CTA, the
 producer's first TMA of the item, the CTA's walk entry (its first item only) and the SM).
 Where a call's fixed cost goes (docs/design.md, "Local attention, sinks, softcap":
@@ -10,7 +11,7 @@ windowed decode): the CTAs' start, the first tiles' latency, the steady items, t
     python benchmarks/experiments/decode_timeline.py DIR [--batch 256] [--window 127] [--keys 32768]
         [--rounds 5] [--clear read|none] [--out FILE]
 
-DIR: a library folder holding the probe's decode.sm90a.bf16.d64.local.narrow row (trimmed
+DIR: a library folder holding such a decode.sm90a.bf16.d64.local.narrow row (trimmed
 as bench_decode_local's --kernels take them). Event times of the same call beside it.
 """
 
