@@ -8,11 +8,10 @@ export each to C, so the H200 can run them next to ours with no CuTe DSL there
     benchmarks/fa4_upstream/setup.sh GIT_DIR # both, every kind, from a flash-attention git dir
 
 FA4_PATH is a colon-separated list put first on sys.path (FA4's source tree and the
-packages it imports: quack-kernels, a CPU torch, einops). As set up for the varlen and
-decode exports (FA4_SOURCES, recorded in spec.json's "sources"): flash_attn/cute by
-``git archive`` of flash-attention 0251105a2fb1 into one folder, and ``pip install --target
-DEPS --no-deps`` of the CPU torch wheel, einops, quack-kernels==0.6.5, apache-tvm-ffi and
-triton (quack 0.6.5 imports both at import time; nothing here runs them) into another. Writes OUT/<name>.h, .o and
+packages it imports: quack-kernels, a CPU torch, einops), as setup.sh sets it up (its
+pinned flash-attention commit by ``git archive`` into one folder, ``pip install --target
+DEPS --no-deps`` of quack-kernels and what it imports at import time into another;
+FA4_SOURCES, recorded in spec.json's "sources"). Writes OUT/<name>.h, .o and
 spec.json (per export: its entry symbol, argument kinds and tensor field counts), which
 ffi.py reads on the device. Each export wraps FA4's own __call__ in a jit function of
 tensors and scalars only (its AuxData argument cannot be exported), with the tile
