@@ -1,6 +1,9 @@
 #!/bin/bash
-# The 192/128 backward from another build (build/dev/bal: docs/history/2026-12-07-bwd-192v128-dkv-by-keys.patch) against the package's,
-# FA4 in the same process, then the pair's GPU tests with bal's rows swapped in.
+# The 192/128 backward from another build (build/dev/bal, e.g. built with
+# docs/history/2026-12-07-bwd-192v128-dkv-by-keys.patch) against the package's, FA4
+# upstream in the same process, then the pair's GPU tests with bal's rows swapped in.
+# On a device machine with fa4_aot/cubins, fa4_aot/manifest.json, build/fa4 and
+# build/dev/bal carried.
 export PYTHONPATH=$PWD:$PWD/benchmarks
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 55 python3 benchmarks/fa4_upstream/same_run_dv.py build/fa4 1 $OUT/dv-bal.json bal=build/dev/bal 2>&1 | grep -v -i warn | grep -E "^r0|check" | tail -12
