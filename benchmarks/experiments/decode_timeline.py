@@ -48,17 +48,15 @@ def one_call(fn, lse, clear):
 def analyse(words, batch, hkv, group):
     """Per-item slots (batch x KV heads x 8) into the call's phases, in microseconds."""
     items = words[:, :, 0].reshape(batch, hkv, group)[:, :, :8].reshape(batch * hkv, 8).astype(np.int64) & 0xFFFFFFFF
-    entry = items[:, 6][items[:, 6] != 0]
-    ref = int(entry.min())
+    first = items[:, 6] != 0  # each CTA's first item: the one holding its walk entry
+    ref = int(items[first, 6].min())
     t = {name: since(items[:, i], ref) / 1e3 for i, name in enumerate(SLOTS) if name not in ("cta", "smid")}
-    first = items[:, 6] != 0
     q = lambda x: [round(float(np.percentile(x, p)), 2) for p in (0, 50, 90, 100)]  # noqa: E731
-    ctas = items[:, 4]
-    last_end = {}
-    for c, end in zip(ctas, t["end"]):
-        last_end[c] = max(last_end.get(c, 0.0), end)
+    ctas, cta_of = np.unique(items[:, 4], return_inverse=True)
+    last_end = np.full(len(ctas), -np.inf)
+    np.maximum.at(last_end, cta_of, t["end"])
     return {
-        "ctas": len(set(ctas.tolist())), "items": len(items),
+        "ctas": len(ctas), "items": len(items),
         "walk_entry (us from the first CTA's, min/median/p90/max)": q(t["walk_entry"][first]),
         "first item: entry to first TMA": q(t["issue"][first] - t["walk_entry"][first]),
         "first item: first TMA to K arrived": q(t["first_k"][first] - t["issue"][first]),
@@ -66,7 +64,7 @@ def analyse(words, batch, hkv, group):
         "other items: consumer waits for K": q(t["first_k"][~first] - t["start"][~first]),
         "items: tiles (start to tiles end)": q(t["tiles_end"] - t["start"]),
         "items: epilogue": q(t["end"] - t["tiles_end"]),
-        "CTAs' last item end": q(np.array(list(last_end.values()))),
+        "CTAs' last item end": q(last_end),
         "span (first entry to last end, us)": round(float(t["end"].max()), 2),
     }
 
@@ -90,7 +88,7 @@ def main():
     for _ in range(5):
         fn()
     rounds = [analyse(one_call(fn, lse, args.clear), args.batch, hkv, hq // hkv) for _ in range(args.rounds)]
-    ms = timing.bench(fn, clear="read" if args.clear == "read" else "none")
+    ms = timing.bench(fn, clear=args.clear)
     nbytes = window_bytes(layer, lengths)
     result = {"gpu": torch.cuda.get_device_name(), "args": {k: str(v) for k, v in vars(args).items()},
               "event_us": round(ms * 1e3, 2), "event_GBps": round(nbytes / (ms * 1e-3) / 1e9),
