@@ -9,7 +9,8 @@ and cuDNN only (FA4's sm90 backward asserts for GQA where head_dim != head_dim_v
     python benchmarks/fa4_upstream/same_run_dv.py DIR ROUNDS OUT_JSON [NAME=KERNELS ...]
 
 Each NAME=KERNELS adds fa4_aot from that build folder as peers "ours@NAME" (an A/B of
-builds in the same rounds); "ours" is the package's cubins.
+builds in the same rounds; a folder trimmed to backward rows takes the package's others:
+``swap_in.whole_library``); "ours" is the package's cubins.
 """
 import json
 import math
@@ -24,6 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, ".")
 sys.path.insert(0, str(Path(__file__).parent))
 import ffi  # noqa: E402
+from benchmarks.experiments.swap_in import whole_library  # noqa: E402
 import fa4_aot  # noqa: E402
 from fa4_aot.torch import flash_attn_bwd, flash_attn_fwd  # noqa: E402
 
@@ -126,7 +128,7 @@ def main():
     LIBRARIES["ours"] = fa4_aot.KernelLibrary()
     for arg in sys.argv[4:]:
         name, kernels = arg.split("=", 1)
-        LIBRARIES[f"ours@{name}"] = fa4_aot.KernelLibrary(Path(kernels))
+        LIBRARIES[f"ours@{name}"] = fa4_aot.KernelLibrary(whole_library(Path(kernels)))
     fa4_aot.set_default_library(LIBRARIES["ours"])
     spec = ffi.open_dir(folder)
     torch.empty(1, device="cuda")
