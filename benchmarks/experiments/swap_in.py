@@ -9,10 +9,12 @@ Copies each cubin of DIR/manifest.json's rows into the package's cubins folder a
 the row in the package's manifest in place of the row of the same name (or beside the
 others where it has none); the manifest is written with its index
 (``fa4_aot.launch.manifest.rewrite``, as the build writes it). ``whole_library``: the same
-into a temporary copy of the package, for A/B scripts given a trimmed folder.
+into a temporary copy of the package (removed at exit), for A/B scripts given a trimmed
+folder.
 """
 
 import argparse
+import atexit
 import json
 import shutil
 import tempfile
@@ -38,6 +40,7 @@ def whole_library(folder: Path, package: Path = Path("fa4_aot")) -> Path:
     if {r["name"] for r in _rows(package)} <= {r["name"] for r in _rows(folder)}:
         return folder
     whole = Path(tempfile.mkdtemp(prefix=f"{folder.name}-whole-"))
+    atexit.register(shutil.rmtree, whole, ignore_errors=True)  # the library loads lazily: gone at exit, not before
     shutil.copytree(package / "cubins", whole / "cubins")
     shutil.copyfile(package / "manifest.json", whole / "manifest.json")
     swap_in(folder, whole)
