@@ -5,16 +5,13 @@
 # $OUT: per cell the source page as CSV and the kernel's duration.
 # Usage: ncu_sass_cells.sh "ours 64 16384 0 1" "fa4 64 16384 0 1" ...
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+. "$(dirname "$0")/ncu_common.sh"
 dir=$(mktemp -d)
 for cell in "$@"; do
   set -- $cell
   tag=$1_d$2_s$3_c$4_det$5
-  timeout 150 ncu --clock-control none -k regex:"FlashBwdSm90|FlashAttentionBackwardSm90" \
-    --launch-skip 2 --launch-count 1 --section WarpStateStats --section SourceCounters \
-    --section SpeedOfLight -o "$dir/$tag" \
-    python3 benchmarks/fa4_upstream/one.py build/s17/fa4lib "$1" bwd "$2" "$3" "$4" "$5" > "$dir/$tag.log" 2>&1
-  ncu --import "$dir/$tag.ncu-rep" --page source --print-source sass --csv > "$dir/sass_$tag.csv" 2>&1
-  echo "$tag $(ncu --import "$dir/$tag.ncu-rep" --page details | grep -E "Duration|Elapsed Cycles" | tr -s ' ' | tr '\n' ' ')"
-  rm -f "$dir/$tag.ncu-rep"
+  NCU_TIMEOUT=150 ncu_profile "$dir/$tag" "FlashBwdSm90|FlashAttentionBackwardSm90" "WarpStateStats SourceCounters SpeedOfLight" \
+    -- python3 benchmarks/fa4_upstream/one.py build/s17/fa4lib "$1" bwd "$2" "$3" "$4" "$5" > /dev/null
+  echo "$tag $(ncu_export "$dir/$tag" "Duration|Elapsed Cycles" . | tr '\n' ' ')"
 done
 tar czf "$OUT/ncu-cells.tar.gz" -C "$dir" .
