@@ -79,7 +79,9 @@ class CombineSm90:
             # every split's LSE read at once, lane l holding splits l, l + 32, ..., and the
             # first splits' shares with them (they do not wait for the weights): a row's
             # loads are one round trip up to a batch of splits, not one per split
-            # (docs/design.md, "Decode": split-KV)
+            # (docs/design.md, "Decode": split-KV); a row that sees no key (top -inf
+            # below: an empty sequence or window) has read its first batch for nothing,
+            # in bounds of the workspace, and adds none of it
             held = cute.make_rmem_tensor((LANE_SPLITS,), Float32)
             for j in cutlass.range_constexpr(LANE_SPLITS):
                 held[j] = -Float32.inf

@@ -90,6 +90,8 @@ class DecodeWalk:
             cute.arch.barrier(barrier_id=Q_BARRIER, number_of_threads=WARPGROUP)
             after = item + ctas
             if after < items:  # the other buffer's last reader, the item before, is done
+                # (the next item's row tile is worked out again at its turn: a division
+                # only where m_tiles > 1, never for one-token decode)
                 b_n, head_n, bidx_n = self._item(after, per_seq, per_head)
                 self.fetch_q(tidx, sQ[None, None, 1 - parity], q_ptr, q_strides,
                              (b_n, head_n, group, p.seqlen_q, p.heads_q,
