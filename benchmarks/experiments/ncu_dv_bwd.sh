@@ -16,4 +16,4 @@ NCU_TIMEOUT=300 NCU_LAUNCH="--launch-count 2" ncu_profile "$OUT/dv" "kernel_cutl
 tail -5 "$OUT/dv.log"
 ncu_export "$OUT/dv" "kernel_cutlass|Duration|Throughput|Compute \(SM\)|Registers Per|Achieved Occupancy|Issue Slots Busy|Issued Warp|No Eligible|Active Warps Per|Eligible Warps|Executed Ipc|Warp Cycles Per Issued|Shared Memory|Executed Instructions  " \
   "${SOURCE:+flash_attn fa4_aot}"
-[ -n "${SOURCE:-}" ] && gzip "$OUT"/dv-sass-*.csv
+if [ -n "${SOURCE:-}" ]; then gzip "$OUT"/dv-sass-*.csv; fi
