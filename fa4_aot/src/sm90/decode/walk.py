@@ -72,17 +72,17 @@ class DecodeWalk:
         cfg = self.cfg
         first, items, ctas, per_seq, per_head = walk
         (_, gK, sK), (_, _, sV) = kv
-        group, rows, m_tiles = shape
+        m_tiles = shape[2]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, cfg.stages)
         (q_ptr, q_strides), columns = p.q, p.columns
         parity = Int32(0)
         b, head_kv, bidx = self._item(first, per_seq, per_head)
-        self.fetch_q(tidx, sQ[None, None, 0], q_ptr, q_strides, (b, head_kv, group, p.seqlen_q, p.heads_q,
-                     self._tile_split(bidx, m_tiles)[0] * cfg.tile_m, rows), columns)
+        self.fetch_q(tidx, sQ[None, None, 0], q_ptr, q_strides,
+                     self._q_place(p, b, head_kv, self._tile_split(bidx, m_tiles)[0], shape), columns)
         for item in cutlass.range(first, items, ctas, unroll=1):
             b, head_kv, bidx = self._item(item, per_seq, per_head)
             m_block, split, seqlen_k, window, n_begin, n_end, keys, turn = self._work(p, gK.shape[0], bidx, b, shape)
-            place = (b, head_kv, group, p.seqlen_q, p.heads_q, m_block * cfg.tile_m, rows)
+            place = self._q_place(p, b, head_kv, m_block, shape)
             work = (p, place, split, seqlen_k, n_begin, n_end, turn, window)
             # this item's Q arrived (and the zeros beside it), visible to the wgmma
             cute.arch.cp_async_wait_group(0)
@@ -94,8 +94,7 @@ class DecodeWalk:
                 # only where m_tiles > 1, never for one-token decode)
                 b_n, head_n, bidx_n = self._item(after, per_seq, per_head)
                 self.fetch_q(tidx, sQ[None, None, 1 - parity], q_ptr, q_strides,
-                             (b_n, head_n, group, p.seqlen_q, p.heads_q,
-                              self._tile_split(bidx_n, m_tiles)[0] * cfg.tile_m, rows), columns)
+                             self._q_place(p, b_n, head_n, self._tile_split(bidx_n, m_tiles)[0], shape), columns)
             state = self.consume(tidx, sQ[None, None, parity], (sK, sV), pipes, work, state=state)
             parity = 1 - parity
 
@@ -105,6 +104,13 @@ class DecodeWalk:
         b = item // per_seq
         head_kv = (item - b * per_seq) // per_head
         return b, head_kv, item - b * per_seq - head_kv * per_head
+
+    def _q_place(self, p, b, head_kv, m_block, shape):
+        """Where row tile ``m_block`` of (sequence ``b``, KV head ``head_kv``) takes its Q,
+        as ``fetch_q`` and ``consume`` take it: (b, KV head, group, seqlen_q, heads_q, the
+        tile's first packed row, packed rows)."""
+        group, rows, _ = shape
+        return (b, head_kv, group, p.seqlen_q, p.heads_q, m_block * self.cfg.tile_m, rows)
 
     @cute.jit
     def _tile_split(self, bidx, m_tiles):
